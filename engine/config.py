@@ -1,0 +1,101 @@
+"""EngineConfig: one flat, validated dataclass holding every switch of the engine."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+_SCHEDULING = ("continuous", "static")
+_KERNELS = ("auto", "torch", "triton")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_SPEC = (None, "ngram", "draft", "self")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # HF folder, preset name ("dummy:llama-3.2-1b"), or None = bundled SmolLM2
+    device: str = "auto"                # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                 # auto: bfloat16 on cuda, float32 on cpu
+    seed: int = 0                       # random weights of presets and unseeded sampling
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None    # None: derived from the memory budget below
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_gib: float = 1.0
+    enable_kv_cache: bool = True        # False: recompute the whole prefix every step (baseline)
+    enable_prefix_caching: bool = True
+    # scheduler
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None    # None: the model's max_position_embeddings (capped at 8192)
+    enable_chunked_prefill: bool = True
+    scheduling: str = "continuous"      # "continuous" | "static" (a batch runs until all finish)
+    max_waiting_requests: int | None = None  # None: unbounded waiting queue
+    # execution
+    kernels: str = "auto"               # auto: triton on cuda, torch on cpu
+    enable_cuda_graphs: bool = True     # decode-only steps on cuda
+    cuda_graph_max_batch: int = 256
+    enable_step_timings: bool = True    # per-region forward timings in step events
+    # speculative decoding
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    draft_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_layers: int = 8
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, msg: str):
+            if not cond:
+                raise ValueError(f"EngineConfig.{name}: {msg} (got {getattr(self, name)!r})")
+
+        need(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
+             and self.block_size & (self.block_size - 1) == 0,
+             "block_size", "must be a power of two in [1, 256]")
+        need(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),
+             "num_kv_blocks", "must be None or an int >= 2")
+        need(0.05 <= self.gpu_memory_utilization <= 0.98, "gpu_memory_utilization", "must be in [0.05, 0.98]")
+        need(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", "must be > 0")
+        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens", "must be an int >= 1")
+        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "must be an int >= 1")
+        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
+             "max_model_len", "must be None or an int >= 2")
+        need(self.scheduling in _SCHEDULING, "scheduling", f"must be one of {_SCHEDULING}")
+        need(self.kernels in _KERNELS, "kernels", f"must be one of {_KERNELS}")
+        need(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}")
+        need(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
+             "device", "must be 'auto', 'cpu' or 'cuda[:N]'")
+        need(self.speculative_method in _SPEC, "speculative_method", f"must be one of {_SPEC}")
+        need(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+             "num_speculative_tokens", "must be an int in [1, 16]")
+        need(1 <= self.ngram_min <= self.ngram_max, "ngram_min", "must satisfy 1 <= ngram_min <= ngram_max")
+        need(self.draft_layers >= 1, "draft_layers", "must be >= 1")
+        need(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+             "max_waiting_requests", "must be None or >= 1")
+        need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
+        need(self.speculative_method != "draft" or self.draft_model is not None,
+             "draft_model", "is required when speculative_method='draft'")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                 f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
+                 "or a long prompt could never be scheduled")
+        if not self.enable_kv_cache:
+            need(self.speculative_method is None, "speculative_method",
+                 "needs the KV cache (enable_kv_cache=True)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def replace(self, **changes) -> "EngineConfig":
+        d = self.to_dict()
+        unknown = set(changes) - set(d)
+        if unknown:
+            raise ValueError(f"EngineConfig: unknown field(s) {sorted(unknown)}")
+        d.update(changes)
+        return EngineConfig(**d)

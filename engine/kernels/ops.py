@@ -1,0 +1,22 @@
+"""One dispatch layer between the model and its kernels: `get_ops("torch" | "triton")`.
+
+Both backends expose the same functions with the same signatures (see torch_ops.py for the contract):
+rms_norm, silu_and_mul, apply_rope, store_kvcache, paged_attention.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from . import torch_ops
+
+_NAMES = ("rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "paged_attention")
+
+
+def get_ops(backend: str) -> SimpleNamespace:
+    if backend == "torch":
+        mod = torch_ops
+    elif backend == "triton":
+        from . import triton_ops as mod  # imported lazily: triton is optional on CPU
+    else:
+        raise ValueError(f"kernels: unknown backend {backend!r} (expected 'torch' or 'triton')")
+    return SimpleNamespace(name=backend, **{n: getattr(mod, n) for n in _NAMES})

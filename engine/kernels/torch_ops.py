@@ -1,0 +1,109 @@
+"""Plain-torch implementations of every kernel the model calls: the CPU path and the tests' reference."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out = RMSNorm(x + residual) * weight; returns (out, x + residual) (the new residual)."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * out.to(x.dtype), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin: torch.Tensor) -> None:
+    """In place, neox/HF style (rotate halves). q [T, H, D], k [T, Hk, D], cos_sin [max_pos, D] (cos | sin)."""
+    cs = cos_sin.index_select(0, positions)               # [T, D]
+    cos, sin = cs.chunk(2, dim=-1)                         # [T, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)          # [T, 1, D/2]
+    for t in (q, k):
+        x1, x2 = t.float().chunk(2, dim=-1)
+        t.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots (negative = skip)."""
+    kc = k_cache.view(-1, *k_cache.shape[2:])              # [num_blocks*block_size, Hk, D]
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    kc.index_copy_(0, slot_mapping, k)
+    vc.index_copy_(0, slot_mapping, v)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [N, bs, Hk, D], block_table [nb] -> [length, Hk, D]."""
+    bs = cache.shape[1]
+    nb = (length + bs - 1) // bs
+    return cache[block_table[:nb].long()].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of packed varlen queries over each sequence's paged KV.
+
+    q [T, H, D]; caches [num_blocks, block_size, Hk, D] already hold this step's K/V. Returns [T, H, D].
+    A sequence's queries are its last q_len positions of its seq_len context.
+    """
+    T, H, D = q.shape
+    Hk = k_cache.shape[2]
+    g = H // Hk
+    out = torch.empty_like(q)
+    dec_seqs: list[int] = []
+    cu = 0
+    for i, (ql, sl) in enumerate(zip(md.q_lens, md.seq_lens_cpu)):
+        if ql == 1:
+            dec_seqs.append(i)
+        else:
+            k = _gather_kv(k_cache, md.block_tables[i], sl)  # [S, Hk, D]
+            v = _gather_kv(v_cache, md.block_tables[i], sl)
+            qi = q[cu:cu + ql]                                 # [ql, H, D]
+            # causal with offset: query j (absolute pos sl-ql+j) sees keys 0..sl-ql+j
+            mask = torch.ones(ql, sl, dtype=torch.bool, device=q.device).tril(sl - ql)
+            o = F.scaled_dot_product_attention(
+                qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=mask, scale=scale, enable_gqa=g > 1)   # [H, ql, D]
+            out[cu:cu + ql] = o.transpose(0, 1)
+        cu += ql
+    if dec_seqs:
+        if len(dec_seqs) == md.num_seqs:
+            tok_idx = None
+            bt, lens = md.block_tables, md.seq_lens
+        else:
+            sel = torch.tensor(dec_seqs, device=q.device)
+            tok_idx = md.cu_seqlens_q[:-1].long()[sel]
+            bt, lens = md.block_tables[sel], md.seq_lens[sel]
+        max_len = max(md.seq_lens_cpu[i] for i in dec_seqs)
+        bs = k_cache.shape[1]
+        nb = (max_len + bs - 1) // bs
+        bt = bt[:, :nb].long()                                     # [Bd, nb]
+        k = k_cache[bt].flatten(1, 2)[:, :max_len]                 # [Bd, S, Hk, D]
+        v = v_cache[bt].flatten(1, 2)[:, :max_len]
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None].long()  # [Bd, S]
+        qd = q if tok_idx is None else q[tok_idx]                  # [Bd, H, D]
+        o = F.scaled_dot_product_attention(
+            qd.unsqueeze(2),                                       # [Bd, H, 1, D]
+            k.transpose(1, 2), v.transpose(1, 2),                  # [Bd, Hk, S, D]
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=g > 1)  # [Bd, H, 1, D]
+        o = o.squeeze(2)
+        if tok_idx is None:
+            out.copy_(o)
+        else:
+            out[tok_idx] = o
+    return out

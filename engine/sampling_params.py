@@ -1,0 +1,66 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops (validated on construction)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0            # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None         # top-n logprobs per generated token (0 = only the chosen token's)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, msg: str):
+            if not cond:
+                raise ValueError(f"SamplingParams.{name}: {msg} (got {getattr(self, name)!r})")
+
+        need(self.temperature >= 0, "temperature", "must be >= 0")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive int")
+        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1")
+        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             "min_tokens", "must be an int in [0, max_tokens]")
+        need(self.seed is None or isinstance(self.seed, int), "seed", "must be None or an int")
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             "logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative ints")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
