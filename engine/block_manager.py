@@ -1,0 +1,177 @@
+"""Paged KV-cache bookkeeping: a BlockPool of ref-counted blocks with an O(1) LRU free list, and a
+BlockManager that gives sequences block tables and shares full blocks through a chained-hash prefix cache.
+
+Block 0 is the null block: never handed out, so padded block-table entries and padded CUDA-graph rows
+can point at it harmlessly.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # ref-count-zero blocks, least recently used first; uncached blocks are kept at the front
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # per-step journal for the event stream
+        self.allocated: list[int] = []
+        self.freed: list[int] = []
+        self.evicted: list[int] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def take(self) -> int:
+        """A block for new content: the least recently used free block; its cached hash is evicted."""
+        b, _ = self.free.popitem(last=False)
+        h = self.block_hash[b]
+        if h is not None:
+            self.block_hash[b] = None
+            if self.hash_to_block.get(h) == b:
+                del self.hash_to_block[h]
+            self.evicted.append(b)
+        self.ref_counts[b] = 1
+        self.allocated.append(b)
+        return b
+
+    def share(self, b: int) -> None:
+        """Reuse a cached block (ref count + 1), reviving it from the free list if needed."""
+        if self.ref_counts[b] == 0:
+            del self.free[b]
+        self.ref_counts[b] += 1
+
+    def release(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        assert self.ref_counts[b] >= 0, f"block {b} released twice"
+        if self.ref_counts[b] == 0:
+            self.free[b] = None
+            if self.block_hash[b] is None:
+                self.free.move_to_end(b, last=False)
+            self.freed.append(b)
+
+    def register(self, b: int, h: int) -> None:
+        if self.block_hash[b] is None and h not in self.hash_to_block:
+            self.block_hash[b] = h
+            self.hash_to_block[h] = b
+
+    def pop_journal(self) -> tuple[list[int], list[int], list[int]]:
+        out = (self.allocated, self.freed, self.evicted)
+        self.allocated, self.freed, self.evicted = [], [], []
+        return out
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.step_queries = 0
+        self.step_hits = 0
+        self.step_shared = 0
+        self.total_queries = 0
+        self.total_hits = 0
+
+    # ---- hashing -------------------------------------------------------------------------------
+    def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
+        """Extend seq.block_hashes over the full blocks of token_ids[:upto_tokens]."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while (len(hashes) + 1) * bs <= upto_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))))
+
+    # ---- admission and growth ------------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens) <= self.pool.num_free
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """On admission from waiting: adopt the longest chain of cached full blocks (not the last token)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return
+        limit = (seq.num_tokens - 1) // self.block_size   # keep >= 1 token to compute, for logits
+        self._update_hashes(seq, limit * self.block_size)
+        matched = []
+        for h in seq.block_hashes[:limit]:
+            b = self.pool.hash_to_block.get(h)
+            if b is None:
+                break
+            matched.append(b)
+        for b in matched:
+            self.pool.share(b)
+        seq.block_table = matched
+        seq.num_committed_blocks = len(matched)
+        seq.num_computed_tokens = len(matched) * self.block_size
+
+    def record_admission(self, seq: Sequence) -> None:
+        """Count a scheduled admission in the prefix-cache stats (queries only on first admission)."""
+        self.step_shared += len(seq.block_table)
+        if seq.admitted or not self.enable_prefix_caching:
+            return
+        hits = seq.num_computed_tokens
+        seq.num_cached_tokens = seq.metrics.num_cached_tokens = hits
+        self.step_queries += seq.num_tokens
+        self.step_hits += hits
+        self.total_queries += seq.num_tokens
+        self.total_hits += hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow seq's block table to hold num_computed + num_new tokens (caller checked can_allocate)."""
+        for _ in range(self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)):
+            seq.block_table.append(self.pool.take())
+
+    def free(self, seq: Sequence) -> None:
+        for b in reversed(seq.block_table):      # tail blocks become least recently used last
+            self.pool.release(b)
+        seq.block_table = []
+        seq.num_committed_blocks = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Return blocks beyond what num_tokens needs (rejected speculative tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self.pool.release(seq.block_table.pop())
+        seq.num_committed_blocks = min(seq.num_committed_blocks, len(seq.block_table))
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """After a step: publish the hashes of seq's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if n_full <= seq.num_committed_blocks:
+            return
+        self._update_hashes(seq, n_full * self.block_size)
+        for i in range(seq.num_committed_blocks, n_full):
+            self.pool.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_committed_blocks = n_full
+
+    # ---- stats ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_usable
+
+    def pop_step_stats(self) -> dict:
+        alloc, freed, evicted = self.pool.pop_journal()
+        out = dict(blocks_allocated=alloc, blocks_freed=freed, blocks_evicted=evicted,
+                   blocks_shared=self.step_shared, prefix_cache_queries=self.step_queries,
+                   prefix_cache_hits=self.step_hits)
+        self.step_queries = self.step_hits = self.step_shared = 0
+        return out

@@ -1,0 +1,332 @@
+"""Paged attention over a block-table KV cache [num_blocks, block_size, Hk, D].
+
+Two kernels share one inner loop (online softmax in fp32, exp2 with the scale folded in):
+- prefill/mixed: packed varlen queries, causal with offset; a program owns BQ consecutive queries of one
+  sequence times one whole GQA group (rows = query x head, group padded to a power of two), so every
+  K/V tile is loaded once per group. Programs find their sequence by binary search over cu_seqlens_q:
+  the grid (T // BQ + B, Hk) depends only on host sizes.
+- decode (q_len == 1 for every sequence): a program owns (sequence, kv head, split); splits partition
+  each sequence's run-time length (flash-decoding), then a small kernel merges them by log-sum-exp.
+  The grid depends only on (B, Hk, num_splits): CUDA-graph capturable with a fixed split count.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attn_range(acc, m_i, l_i, q, k_base, v_base, bt_ptr, lo, hi, seq_len, row_pos, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+    # acc [M, BD], m_i/l_i [M] (log2 domain), q [M, BD]; keys [lo, hi) of one sequence and kv head
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BD)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + offs_n                                                  # [BN] key positions
+        if MASKED:
+            blk = tl.load(bt_ptr + n // BLOCK_SIZE, mask=n < seq_len, other=0)
+        else:
+            blk = tl.load(bt_ptr + n // BLOCK_SIZE)
+        blk = blk.to(tl.int64)
+        k_ptrs = k_base + (blk * stride_kb + (n % BLOCK_SIZE) * stride_kt)[:, None] + offs_d[None, :]
+        v_ptrs = v_base + (blk * stride_vb + (n % BLOCK_SIZE) * stride_vt)[:, None] + offs_d[None, :]
+        if MASKED or BD != D:
+            kv_mask = (n[:, None] < seq_len) & (offs_d[None, :] < D)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)                    # [BN, BD]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # [M, BN]
+        if MASKED:
+            ok = (n < seq_len)[None, :]
+            if CAUSAL:
+                ok = ok & (n[None, :] <= row_pos[:, None])
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, num_seqs, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # sequence i owns programs [cu_q[i] // BQ + i, cu_q[i+1] // BQ + i + 1): at least cdiv(q_len, BQ)
+    lo = pid * 0
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(cu_q_ptr + mid) // BQ + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    seq = lo
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    tile = (pid - q_start // BQ - seq) * BQ                  # first query of this tile in its sequence
+    if tile >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = seq_len - q_len + tile                           # absolute position of the tile's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok, hh = offs_m // GP, offs_m % GP                      # row = query token x head of the group
+    row_ok = (tok < BQ) & (hh < G) & (tile + tok < q_len)
+    row_pos = first + tok
+    head = kvh * G + hh
+    offs_d = tl.arange(0, BD)
+    rows = (q_start + tile + tok).to(tl.int64)
+    io_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)                     # [M, BD]
+
+    bt = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BD], tl.float32)
+    full = (first + 1) // BLOCK_N * BLOCK_N                  # keys every row of the tile sees
+    end = tl.minimum(first + BQ, seq_len)
+    acc, m_i, l_i = _attn_range(acc, m_i, l_i, q, k_base, v_base, bt, 0, full, seq_len, row_pos, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                BLOCK_N, BLOCK_SIZE, D, BD, False, True, DOT_PREC)
+    acc, m_i, l_i = _attn_range(acc, m_i, l_i, q, k_base, v_base, bt, full, end, seq_len, row_pos, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                BLOCK_N, BLOCK_SIZE, D, BD, True, True, DOT_PREC)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, qk_scale,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+
+    hh = tl.arange(0, BLOCK_M)                               # rows = heads of the group (padded)
+    row_ok = hh < G
+    head = kvh * G + hh
+    offs_d = tl.arange(0, BD)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)                      # [M, BD]
+
+    bt = bt_ptr + b * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BD], tl.float32)
+    acc, m_i, l_i = _attn_range(acc, m_i, l_i, q, k_base, v_base, bt, lo, full, seq_len, hh, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                BLOCK_N, BLOCK_SIZE, D, BD, False, False, DOT_PREC)
+    acc, m_i, l_i = _attn_range(acc, m_i, l_i, q, k_base, v_base, bt, full, hi, seq_len, hh, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                BLOCK_N, BLOCK_SIZE, D, BD, True, False, DOT_PREC)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]      # empty split or padded sequence: zeros
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    else:                                                    # partials [B, H, S, D] fp32, lse [B, H, S]
+        part = (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -1e30)
+        tl.store(lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,
+                   NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + s)            # [S]
+    w = tl.exp2(lse - tl.max(lse, 0))
+    d = tl.arange(0, BD)
+    o = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=d[None, :] < D)  # [S, BD]
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+# ---------------------------------------------------------------- launch configuration
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4                                                 # interpreter: small, still exercises splits
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Split count (a power of two) for a decode batch; depends only on host sizes, never on tensors.
+    Under CUDA graphs pass the same fixed max_seqlen_k (e.g. max_model_len) at capture and replay."""
+    progs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(DECODE_TARGET_PROGRAMS_PER_SM * _num_sms(torch.device(device)), progs)
+    cap = min(DECODE_MAX_SPLITS, max(1, max_seqlen_k // DECODE_MIN_SPLIT_TOKENS))
+    s = max(1, min(want, cap))
+    return 1 << (s.bit_length() - 1)                         # round down to a power of two
+
+
+DECODE_TARGET_PROGRAMS_PER_SM = 4
+DECODE_MAX_SPLITS = 32
+DECODE_MIN_SPLIT_TOKENS = 256
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _prefill_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32 or d > 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+
+
+def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32 or d > 128:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+# ---------------------------------------------------------------- launchers
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seqlen_k_hint: int, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """One query per sequence. q [B, H, D] (any strides, D contiguous); block_tables [B, W] int32;
+    seq_lens [B] int32 (0 allowed: padded rows give zeros). Returns [B, H, D].
+    No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits."""
+    B, H, D = q.shape
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    G = H // Hk
+    assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    cfg = dict(_decode_config(G, D, q.dtype, q.device), **(config or {}))
+    S = num_splits or decode_num_splits(B, Hk, max_seqlen_k_hint, q.device)
+    BD = triton.next_power_of_2(D)
+    BM = max(16, triton.next_power_of_2(G))
+    if S > 1:
+        part = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+        dst, sob, soh = part, 0, 0
+    else:
+        lse, dst, sob, soh = out, out, out.stride(0), out.stride(1)
+    _decode_kernel[(B, Hk, S)](
+        q, k_cache, v_cache, dst, lse, block_tables, seq_lens, scale * LOG2E,
+        q.stride(0), q.stride(1), sob, soh, block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=G, BLOCK_M=BM, BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD, NUM_SPLITS=S,
+        DOT_PREC=_dot_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if S > 1:
+        _reduce_kernel[(B, H)](part, lse, out, out.stride(0), out.stride(1),
+                               NUM_SPLITS=S, D=D, BD=BD, num_warps=1 if BD * S <= 1024 else 4)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    md: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                    config: dict | None = None) -> torch.Tensor:
+    """Causal attention of packed varlen queries over paged KV; same contract as torch_ops.paged_attention.
+    q [T, H, D] (any strides, D contiguous) -> [T, H, D]. Decode-only batches take the split-K kernel."""
+    T, H, D = q.shape
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    G = H // Hk
+    B = md.num_seqs
+    if md.max_seqlen_q == 1 and T == B and config is None:
+        return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
+                                      md.max_seqlen_k, out=out)
+    assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    GP = triton.next_power_of_2(G)
+    cfg = dict(_prefill_config(GP, D, q.dtype, q.device), **(config or {}))
+    BQ = max(1, cfg["BLOCK_M"] // GP)
+    BM = max(16, BQ * GP)
+    _prefill_kernel[(T // BQ + B, Hk)](
+        q, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.cu_seqlens_q, B, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=G, GP=GP, BQ=BQ, BLOCK_M=BM, BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
+        BD=triton.next_power_of_2(D), DOT_PREC=_dot_prec(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# ---------------------------------------------------------------- reference
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Plain torch, one sequence at a time, reading exactly each sequence's seq_len keys (so garbage
+    elsewhere in the cache cannot leak in). Computes in q's dtype: pass float64 inputs for a tight reference."""
+    T, H, D = q.shape
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros_like(q)
+    cu = md.cu_seqlens_q.tolist()
+    for i, (ql, sl) in enumerate(zip(md.q_lens, md.seq_lens_cpu)):
+        pos = torch.arange(sl, device=q.device)
+        blk = md.block_tables[i].long()[pos // bs]
+        k = k_cache[blk, pos % bs].repeat_interleave(H // Hk, dim=1)      # [sl, H, D]
+        v = v_cache[blk, pos % bs].repeat_interleave(H // Hk, dim=1)
+        qi = q[cu[i]:cu[i] + ql]                                           # [ql, H, D]
+        s = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        causal = pos[None, :] <= (sl - ql + torch.arange(ql, device=q.device))[:, None]
+        p = s.masked_fill(~causal, float("-inf")).softmax(-1)
+        out[cu[i]:cu[i] + ql] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    B = q.shape[0]
+    lens = seq_lens.tolist()
+    md = AttentionMetadata(
+        positions=seq_lens.long() - 1, slot_mapping=seq_lens.long(),
+        cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=q.device), seq_lens=seq_lens,
+        block_tables=block_tables, logits_indices=torch.arange(B, device=q.device), q_lens=[1] * B,
+        seq_lens_cpu=lens, max_seqlen_q=1, max_seqlen_k=max(lens, default=0), block_size=k_cache.shape[1])
+    return paged_attention_ref(q, k_cache, v_cache, md, scale)

@@ -1,0 +1,55 @@
+"""Rotary embedding (neox / HF rotate-halves), in place on q and k, one program per token for all heads."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import torch_ops
+
+
+@triton.jit
+def _rotate(ptr, stride_h, stride_d, nheads, cos, sin, offs_x, HALF: tl.constexpr, BH: tl.constexpr):
+    # ptr: this token's row; cos/sin [1, BHALF]; rotates [nheads, D] in place
+    offs_h = tl.arange(0, BH)
+    mask = (offs_h[:, None] < nheads) & (offs_x[None, :] < HALF)
+    p1 = ptr + offs_h[:, None] * stride_h + offs_x[None, :] * stride_d     # [BH, BHALF]
+    p2 = p1 + HALF * stride_d
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(p2, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_qd,
+                 stride_kt, stride_kh, stride_kd, stride_cs, H, Hk,
+                 HALF: tl.constexpr, BHALF: tl.constexpr, BH_Q: tl.constexpr, BH_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_x = tl.arange(0, BHALF)
+    xm = offs_x < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
+    _rotate(q_ptr + t * stride_qt, stride_qh, stride_qd, H, cos, sin, offs_x, HALF, BH_Q)
+    _rotate(k_ptr + t * stride_kt, stride_kh, stride_kd, Hk, cos, sin, offs_x, HALF, BH_K)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """In place. q [T, H, D], k [T, Hk, D] (any strides, e.g. views of a fused qkv), positions [T],
+    cos_sin [max_pos, D] = cat(cos, sin) (last dim contiguous)."""
+    T, H, D = q.shape
+    Hk = k.shape[1]
+    assert cos_sin.stride(-1) == 1 and D % 2 == 0
+    if T == 0:
+        return
+    half = D // 2
+    bh_q, bh_k = triton.next_power_of_2(H), triton.next_power_of_2(Hk)
+    bhalf = triton.next_power_of_2(half)
+    warps = min(8, max(1, bh_q * bhalf // 256))
+    _rope_kernel[(T,)](q, k, positions, cos_sin, *q.stride(), *k.stride(), cos_sin.stride(0), H, Hk,
+                       HALF=half, BHALF=bhalf, BH_Q=bh_q, BH_K=bh_k, num_warps=warps)
+
+
+def apply_rope_ref(q, k, positions, cos_sin):
+    torch_ops.apply_rope(q, k, positions, cos_sin)

@@ -1,0 +1,457 @@
+"""LLMEngine: add_request / step / abort_request over the scheduler, runner, sampler and detokenizer."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import Detokenizer, check_stop_strings, streamable_len
+from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
+from .kernels.ops import get_ops
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .models.config import ModelConfig
+from .models.loader import build_model, load_tokenizer, resolve
+from .outputs import Logprob, RequestOutput
+from .sampler import SampleRow, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence, SequenceStatus
+from .timing import NullTimer, make_timer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (EngineConfig.max_waiting_requests): retry later."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device: {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
+            if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.kernels = config.kernels if config.kernels != "auto" else \
+            ("triton" if self.device.type == "cuda" else "torch")
+        self.ops = get_ops(self.kernels)
+        torch.manual_seed(config.seed)
+
+        hf_cfg, weights, tok_folder = resolve(config.model)
+        self.model_config = mcfg = ModelConfig.from_hf(hf_cfg)
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.max_model_len = self._derive_max_model_len(mcfg)
+        spec_margin = config.num_speculative_tokens + 1 if config.speculative_method else 1
+        self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
+                                 max_pos=self.max_model_len + spec_margin, seed=config.seed)
+        self.tokenizer = load_tokenizer(tok_folder)
+        self.num_blocks = self._derive_num_blocks(mcfg)
+        self.block_size = config.block_size
+        cap = (self.num_blocks - 1) * config.block_size
+        if cap < self.max_model_len:
+            if config.max_model_len is not None:
+                raise ValueError(f"EngineConfig.num_kv_blocks: {self.num_blocks - 1} usable blocks of "
+                                 f"{config.block_size} tokens hold {cap} tokens, less than max_model_len "
+                                 f"({self.max_model_len}); one sequence could never fit")
+            self.max_model_len = cap
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.num_kv_blocks: the KV pool holds {cap} tokens; need at least 2")
+        self.eos_token_ids = set(mcfg.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        prefix = config.enable_prefix_caching and config.enable_kv_cache
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, prefix)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks)
+        self.detok = Detokenizer(self.tokenizer)
+        self.events = EventBus()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.seqs: dict[str, Sequence] = {}
+        self.step_index = 0
+        self._ids = itertools.count()
+        self._timer = make_timer(True, self.device) if config.enable_step_timings else NullTimer()
+        self._profile_next = False
+        self.last_profile: list[dict] | None = None
+        self.stats_total = dict(prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
+        self.drafter = None
+        if config.speculative_method:
+            from .spec import make_drafter
+            self.drafter = make_drafter(self)
+        if self.device.type == "cuda" and config.enable_cuda_graphs:
+            from .cuda_graphs import CudaGraphRunner
+            self.runner.graphs = CudaGraphRunner(self.runner, config)
+
+    # ---- construction helpers ------------------------------------------------------------------
+    def _derive_max_model_len(self, mcfg: ModelConfig) -> int:
+        cfg = self.config
+        if cfg.max_model_len is not None:
+            if cfg.max_model_len > mcfg.max_position_embeddings:
+                raise ValueError(f"EngineConfig.max_model_len: {cfg.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings ({mcfg.max_position_embeddings})")
+            n = cfg.max_model_len
+        else:
+            n = min(mcfg.max_position_embeddings, 8192)
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < n:
+            if cfg.max_model_len is not None:
+                raise ValueError(f"EngineConfig.max_num_batched_tokens: {cfg.max_num_batched_tokens} < "
+                                 f"max_model_len ({n}) with chunked prefill off: a long prompt could never run")
+            n = cfg.max_num_batched_tokens
+        return n
+
+    def _derive_num_blocks(self, mcfg: ModelConfig) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(mcfg, cfg.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            reserve = cfg.max_num_batched_tokens * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 \
+                + cfg.max_num_seqs * mcfg.vocab_size * 4 * 3 + (1 << 30)
+            budget = int(free * cfg.gpu_memory_utilization) - reserve
+        else:
+            budget = int(cfg.cpu_kv_cache_gib * (1 << 30))
+        n = budget // per_block
+        if n < 2:
+            raise ValueError(f"EngineConfig: the KV memory budget ({budget / 2**20:.0f} MiB) holds fewer than "
+                             f"2 blocks of {per_block / 2**20:.2f} MiB")
+        return int(n)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...}")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+        """Validate a request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            text, ids = prompt, self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+            V = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < V for t in ids):
+                raise ValueError(f"prompt: token ids must be ints in [0, {V})")
+        else:
+            raise ValueError("prompt: must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
+                             "and at least one output token must fit")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = -(-total // self.block_size)
+        if need > self.num_blocks - 1:
+            raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens needs {need} KV blocks, but the "
+                             f"pool has {self.num_blocks - 1}; lower max_tokens or the prompt")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Sequence(rid, text, ids, params, arrival_time if arrival_time is not None else time.perf_counter())
+
+    def add_sequence(self, seq: Sequence) -> str:
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            self._emit_req("rejected", seq, message="waiting queue full")
+            raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests)")
+        self.detok.start(seq)
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.stats_total["prompt_tokens"] += seq.num_prompt_tokens
+        self._emit_req("arrived", seq)
+        return seq.request_id
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, request_id, arrival_time))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        seq.metrics.finished_time = time.perf_counter()
+        self.stats_total["aborted"] += 1
+        self._emit_req("aborted", seq, finish_reason="abort")
+        return self._make_output(seq, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self._profile_next:
+            self._profile_next = False
+            return self._profiled_step()
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        observe = self.events.active
+        timer = self._timer if observe else NullTimer()
+        self.runner.set_timer(timer)
+        timer.start_step()
+        t0 = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
+        sched = self.scheduler.schedule()
+        t_sched = time.perf_counter()
+        now = t_sched
+        for seq in sched.preempted:
+            self._emit_req("preempted", seq)
+        for seq in sched.admitted:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            self._emit_req("scheduled", seq)
+        if sched.is_empty:
+            if observe and sched.preempted:
+                self._emit_step(sched, t0, time.perf_counter(), [], {"schedule": t_sched - t0})
+            return []
+
+        if observe:
+            sched.phases = [self._phase(seq, n - k, start) for seq, n, start, k in
+                            zip(sched.seqs, sched.num_new_tokens, sched.computed_before, sched.num_spec_tokens)]
+            sched.total_lens = [seq.num_tokens for seq in sched.seqs]
+        sample_mask = [start + n == seq.num_tokens + len(seq.spec_token_ids)
+                       for seq, n, start in zip(sched.seqs, sched.num_new_tokens, sched.computed_before)]
+        extra = [k for k in sched.num_spec_tokens] if self.drafter is not None else None
+        input_ids, md = self.runner.prepare(sched, sample_mask, extra)
+        t_prep = time.perf_counter()
+        logits = self.runner.execute(input_ids, md)
+        t_fwd = time.perf_counter()
+        if self.drafter is not None:
+            outputs_tokens, lp_rows = self.drafter.verify(sched, sample_mask, logits)
+        else:
+            outputs_tokens, lp_rows = self._sample(sched, sample_mask, logits)
+        t_sample = time.perf_counter()
+        outputs, finished = self._postprocess(sched, sample_mask, outputs_tokens, lp_rows)
+        t_end = time.perf_counter()
+        self.step_index += 1
+        if observe:
+            timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
+                       "sampling": t_sample - t_fwd, "postprocess": t_end - t_sample}
+            timings.update({k: v for k, v in timer.collect().items()})
+            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False))
+        else:
+            self.block_manager.pop_step_stats()
+        return outputs
+
+    def _sample(self, sched: SchedulerOutput, sample_mask: list[bool], logits: torch.Tensor):
+        rows, seqs = [], []
+        for seq, m in zip(sched.seqs, sample_mask):
+            if m:
+                seqs.append(seq)
+                rows.append(self._sample_row(seq))
+        if not rows:
+            return [[] for _ in sched.seqs], [None] * len(sched.seqs)
+        tokens, logprobs = sample(logits, rows, self.generator)
+        out_tokens, out_lp = [], []
+        j = 0
+        for m in sample_mask:
+            if m:
+                out_tokens.append([tokens[j]])
+                out_lp.append(None if logprobs is None else [logprobs[j]])
+                j += 1
+            else:
+                out_tokens.append([])
+                out_lp.append(None)
+        return out_tokens, out_lp
+
+    def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:
+        p = seq.params
+        toks = seq.token_ids + extra_tokens if extra_tokens else seq.token_ids
+        n_out = len(toks) - seq.num_prompt_tokens
+        banned = None
+        if n_out < p.min_tokens:
+            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        return SampleRow(p, toks if p.needs_penalties else [], seq.num_prompt_tokens, n_out, banned)
+
+    def _postprocess(self, sched: SchedulerOutput, sample_mask, new_tokens: list[list[int]], lp_rows):
+        now = time.perf_counter()
+        outputs, finished = [], []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            seq.num_computed_tokens += n - sched.num_spec_tokens[i]
+            toks = new_tokens[i]
+            if not toks:
+                self.block_manager.commit_computed(seq)
+                continue
+            if self.drafter is not None:
+                self.drafter.accept(seq, sched.num_spec_tokens[i], toks)
+            m = seq.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self._emit_req("first_token", seq)
+            m.last_token_time = now
+            m.token_times.append(now)
+            added = []
+            for t_i, tok in enumerate(toks):
+                seq.append_token(tok)
+                added.append(tok)
+                self.stats_total["generation_tokens"] += 1
+                if seq.logprobs is not None and lp_rows[i] is not None:
+                    seq.logprobs.append(self._logprob_entry(lp_rows[i][t_i], tok, seq.params.logprobs))
+                reason = self._check_stop_token(seq, tok)
+                if reason:
+                    break
+            new_text = self.detok.update(seq)
+            stop_str = check_stop_strings(seq, new_text)
+            if stop_str is not None:
+                seq.stop_reason = stop_str
+                reason = "stop"
+            if reason:
+                self.scheduler.finish(seq, reason)
+                m.finished_time = now
+                self.seqs.pop(seq.request_id, None)
+                self.stats_total["finished"] += 1
+                finished.append(seq.request_id)
+                self._emit_req("finished", seq, finish_reason=reason)
+            else:
+                if not self.config.enable_kv_cache:
+                    seq.num_computed_tokens = 0      # the baseline forgets its cache every step
+                else:
+                    self.block_manager.commit_computed(seq)
+            outputs.append(self._make_output(seq, added))
+        return outputs, finished
+
+    def _check_stop_token(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _logprob_entry(self, row: torch.Tensor, tok: int, n: int) -> list[Logprob]:
+        entry = [Logprob(tok, float(row[tok]), self.detok.decode_one(tok))]
+        if n:
+            vals, idx = row.topk(n)
+            entry += [Logprob(int(t), float(v), self.detok.decode_one(int(t))) for v, t in zip(vals, idx)]
+        return entry
+
+    def _make_output(self, seq: Sequence, added: list[int]) -> RequestOutput:
+        upto = streamable_len(seq)
+        delta = seq.text[seq.sent_text_len:upto]
+        seq.sent_text_len = max(seq.sent_text_len, upto)
+        out_ids = seq.output_token_ids
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text[:upto], token_ids=out_ids, delta_text=delta, delta_token_ids=list(added),
+            finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,
+            logprobs=seq.logprobs, stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens)
+
+    # ---- events --------------------------------------------------------------------------------
+    def _emit_req(self, kind: str, seq: Sequence, finish_reason: str | None = None, message: str | None = None):
+        if not self.events.active:
+            return
+        self.events.emit(RequestEvent(
+            kind=kind, request_id=seq.request_id, time=time.perf_counter(), step=self.step_index,
+            prompt_len=seq.num_prompt_tokens, output_len=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens, finish_reason=finish_reason,
+            block_table=list(seq.block_table) if kind in ("scheduled", "preempted") else None,
+            message=message))
+
+    def _phase(self, seq: Sequence, n: int, start: int) -> str:
+        if seq.num_output_tokens == 0:
+            return "prefill"
+        if n == 1 and start == seq.num_tokens - 1:
+            return "decode"
+        # the no-cache baseline recomputes a decoding request's whole prefix every step
+        return "decode" if not self.config.enable_kv_cache and start == 0 and n == seq.num_tokens else "prefill"
+
+    def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str],
+                   timings: dict, cuda_graph: bool = False):
+        scheduled = []
+        n_pre = n_dec = 0
+        for seq, n, start, k, phase, total in zip(sched.seqs, sched.num_new_tokens, sched.computed_before,
+                                                  sched.num_spec_tokens, sched.phases, sched.total_lens):
+            if phase == "prefill":
+                n_pre += n
+            else:
+                n_dec += n
+            scheduled.append(ScheduledRequest(seq.request_id, n, phase, start, total, k))
+        spec = self.drafter.pop_step_stats() if self.drafter is not None else None
+        self.events.emit(StepEvent(
+            step=self.step_index, start=t0, end=t1, scheduled=scheduled,
+            num_prefill_tokens=n_pre, num_decode_tokens=n_dec,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            preempted=[s.request_id for s in sched.preempted], finished=finished,
+            kv_usage=self.block_manager.usage, num_blocks=self.num_blocks,
+            timings=timings, cuda_graph=cuda_graph, spec=spec, **self.block_manager.pop_step_stats()))
+
+    # ---- introspection -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return dict(step=self.step_index, num_running=len(self.scheduler.running),
+                    num_waiting=len(self.scheduler.waiting), num_blocks=self.num_blocks,
+                    num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
+                    num_preemptions_total=self.scheduler.num_preemptions,
+                    prefix_cache_queries=bm.total_queries, prefix_cache_hits=bm.total_hits,
+                    max_model_len=self.max_model_len, block_size=self.block_size,
+                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
+                    kernels=self.kernels, model=self.model_name, **self.stats_total,
+                    **(self.drafter.total_stats() if self.drafter is not None else {}))
+
+    def kv_snapshot(self) -> dict:
+        pool = self.block_manager.pool
+        tables = {s.request_id: list(s.block_table) for s in self.scheduler.running}
+        tables.update({s.request_id: list(s.block_table) for s in self.scheduler.waiting if s.block_table})
+        return dict(num_blocks=self.num_blocks, block_size=self.block_size, ref_counts=list(pool.ref_counts),
+                    cached=[h is not None for h in pool.block_hash], block_tables=tables)
+
+    def profile_step(self) -> None:
+        """Run the next step under torch.profiler; its per-kernel table lands in `last_profile`."""
+        self._profile_next = True
+
+    def _profiled_step(self) -> list[RequestOutput]:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            outs = self._step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        rows = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+            rows.append(dict(name=e.key, count=e.count, cpu_time_ms=e.self_cpu_time_total / 1e3,
+                             device_time_ms=dev_us / 1e3))
+        key = "device_time_ms" if self.device.type == "cuda" else "cpu_time_ms"
+        rows.sort(key=lambda r: -r[key])
+        self.last_profile = rows[:40]
+        return outs

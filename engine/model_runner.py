@@ -1,0 +1,94 @@
+"""ModelRunner: owns the model and the KV pool; packs a scheduled step into tensors and runs it."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import EngineConfig
+from .kernels.metadata import AttentionMetadata
+from .models.config import ModelConfig
+from .scheduler import SchedulerOutput
+from .timing import NullTimer
+
+
+def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model, mcfg: ModelConfig, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, num_blocks: int):
+        self.model, self.mcfg, self.config = model, mcfg, config
+        self.device, self.dtype = device, dtype
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
+        # [2, layers, num_blocks, block_size, Hk, D]
+        self.kv_cache = torch.zeros(2, mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
+                                    mcfg.head_dim, dtype=dtype, device=device)
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.v_cache = self.kv_cache[1, i]
+        self.timer = NullTimer()
+        self.graphs = None  # CUDA graph runner, attached by the engine on cuda
+
+    def set_timer(self, timer) -> None:
+        self.timer = timer
+        self.model.timer = timer
+
+    # ---- packing -------------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput, sample_mask: list[bool], extra_logits: list[int] | None = None
+                ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Pack the step: input ids [T], and metadata. Each sequence computes tokens
+        [computed_before, computed_before + num_new) of its token_ids (+ draft tokens at the end).
+        extra_logits[i] = how many positions before the last also need logits (verification)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions, slots, logits_idx = [], [], []
+        q_lens, seq_lens = [], []
+        max_blocks = 0
+        for i, (seq, n, start) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.computed_before)):
+            end = start + n
+            toks = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            ids.extend(toks[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            bt = np.asarray(seq.block_table, dtype=np.int64)
+            positions.append(pos)
+            slots.append(bt[pos // bs] * bs + pos % bs)
+            off = len(ids) - 1
+            if sample_mask[i]:
+                k = extra_logits[i] if extra_logits else 0
+                logits_idx.extend(range(off - k, off + 1))
+            q_lens.append(n)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(seq.block_table))
+        B = len(sched.seqs)
+        tables = np.zeros((B, max(max_blocks, 1)), dtype=np.int32)
+        for i, seq in enumerate(sched.seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        cu = np.zeros(B + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        dev = self.device
+        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)  # noqa: E731
+        md = AttentionMetadata(
+            positions=to(np.concatenate(positions), torch.int64),
+            slot_mapping=to(np.concatenate(slots), torch.int64),
+            cu_seqlens_q=to(cu, torch.int32),
+            seq_lens=to(np.asarray(seq_lens, dtype=np.int32), torch.int32),
+            block_tables=to(tables, torch.int32),
+            logits_indices=to(np.asarray(logits_idx, dtype=np.int64), torch.int64),
+            q_lens=q_lens, seq_lens_cpu=seq_lens,
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
+        )
+        input_ids = to(np.asarray(ids, dtype=np.int64), torch.int64)
+        return input_ids, md
+
+    # ---- execution -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """-> float32 logits [len(md.logits_indices), vocab]."""
+        if self.graphs is not None and self.graphs.can_run(md):
+            return self.graphs.run(input_ids, md)
+        hidden = self.model(input_ids, md)                       # [T, hidden]
+        if md.logits_indices.numel() == 0:
+            return hidden.new_empty((0, self.mcfg.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[md.logits_indices])

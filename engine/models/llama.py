@@ -1,0 +1,143 @@
+"""A Llama-family decoder over the paged KV cache: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Parameters use Hugging Face names except for two fusions: q/k/v -> `qkv_proj` (rows q, k, v) and
+gate/up -> `gate_up_proj` (rows gate, up); the loader concatenates them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..kernels.metadata import AttentionMetadata
+from ..timing import NullTimer
+from .config import ModelConfig
+
+
+def rope_cos_sin(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
+    """[max_pos, head_dim] float32: cos | sin of position * inv_freq (HF's default and llama3 rope)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "llama3":
+        factor = sc["factor"]
+        lo, hi = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > lo_wl, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= hi_wl) & (wavelen <= lo_wl)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"model: rope_scaling type {kind!r} is not supported (default, llama3)")
+    pos = torch.arange(max_pos, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)                      # [max_pos, D/2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)    # [max_pos, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.d ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hk) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_cache = self.v_cache = torch.empty(0)          # [num_blocks, block_size, Hk, D], set by the runner
+
+    def forward(self, x: torch.Tensor, md: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)                                 # [T, (H + 2Hk) * D]
+        q, k, v = qkv.split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        q = q.view(T, self.h, self.d)                          # [T, H, D]
+        k = k.view(T, self.hk, self.d)                         # [T, Hk, D]
+        v = v.view(T, self.hk, self.d)
+        if self.qk_norm:
+            q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0].view(T, self.h, self.d)
+            k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0].view(T, self.hk, self.d)
+        self.ops.apply_rope(q, k, md.positions, cos_sin)
+        self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.self_attn = Attention(cfg, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops, max_pos: int):
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.model = LlamaModel(cfg, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("cos_sin", rope_cos_sin(cfg, max_pos), persistent=False)
+        self.timer = NullTimer()
+
+    def forward(self, input_ids: torch.Tensor, md: AttentionMetadata,
+                num_layers: int | None = None) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]. num_layers < all: the first layers only (self-drafting)."""
+        t, ops, m = self.timer, self.ops, self.model
+        with t.region("embedding"):
+            x = m.embed_tokens(input_ids)                      # [T, hidden]
+        residual = None
+        for layer in m.layers[:num_layers]:
+            with t.region("norms"):
+                x, residual = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
+            with t.region("attention"):
+                x = layer.self_attn(x, md, self.cos_sin)
+            with t.region("norms"):
+                x, residual = ops.rms_norm(x, layer.post_attention_layernorm.weight,
+                                           layer.post_attention_layernorm.eps, residual)
+            with t.region("mlp"):
+                x = layer.mlp(x)
+        with t.region("norms"):
+            x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [L, hidden] -> float32 logits [L, vocab]."""
+        with self.timer.region("lm_head"):
+            return self.lm_head(hidden).float()

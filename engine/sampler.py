@@ -1,0 +1,101 @@
+"""Sampler: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+Seeded requests draw from a generator seeded by (seed, output position), so their tokens do not depend
+on batch composition or preemption. Unseeded requests use the engine's generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    token_ids: list[int]        # prompt + output so far (penalties)
+    num_prompt: int
+    position: int               # output index of the token being sampled (seeds)
+    banned: list[int] | None = None  # token ids masked out (EOS before min_tokens)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.needs_penalties:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0 and r.token_ids:
+            ids = torch.tensor(sorted(set(r.token_ids)), device=logits.device)
+            vals = row[ids]
+            row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        out = r.token_ids[r.num_prompt:]
+        if out and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.tensor(out, device=logits.device).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks; returns probabilities [B, V]."""
+    dev = logits.device
+    temp = torch.tensor([r.params.temperature for r in rows], device=dev).clamp_min(1e-5)
+    logits = logits / temp[:, None]
+    top_k = [r.params.top_k for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        V = logits.shape[-1]
+        k = torch.tensor([kk if kk > 0 else V for kk in top_k], device=dev)
+        ranks = torch.arange(V, device=dev)[None, :]
+        mask = ranks >= k[:, None]
+        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
+        cum = probs.cumsum(-1) - probs                      # mass strictly before each token
+        mask |= cum >= torch.tensor(top_p, device=dev)[:, None]
+        mask[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+    probs = logits.softmax(-1)
+    if any(m > 0 for m in min_p):
+        mp = torch.tensor(min_p, device=dev)[:, None]
+        probs = probs.masked_fill(probs < mp * probs.max(-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None
+           ) -> tuple[list[int], torch.Tensor | None]:
+    """logits [B, V] float32 -> (token ids, raw log-probs [B, V] when any row asked for logprobs)."""
+    want_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+    if any(r.banned for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.banned:
+                logits[i, r.banned] = float("-inf")
+    if any(r.params.needs_penalties for r in rows):
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        return logits.argmax(-1).tolist(), raw_logprobs
+    tokens = logits.argmax(-1)
+    sample_idx = [i for i, g in enumerate(greedy) if not g]
+    sub_rows = [rows[i] for i in sample_idx]
+    probs = _filter(logits[sample_idx], sub_rows)          # [S, V]
+    unseeded = [j for j, r in enumerate(sub_rows) if r.params.seed is None]
+    if unseeded:
+        q = torch.empty_like(probs[unseeded]).exponential_(generator=generator)
+        picked = (probs[unseeded] / q).argmax(-1)
+        tokens[torch.tensor([sample_idx[j] for j in unseeded], device=logits.device)] = picked
+    for j, r in enumerate(sub_rows):
+        if r.params.seed is not None:
+            g = _seeded_generator(r.params.seed, r.position, probs.device)
+            tokens[sample_idx[j]] = torch.multinomial(probs[j], 1, generator=g)[0]
+    return tokens.tolist(), raw_logprobs

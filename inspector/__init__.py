@@ -1,0 +1,13 @@
+"""kvscope inspector: turns the engine's event stream into metrics, figures and load.
+
+Nothing in this package imports Gradio: every piece works from a plain Python session or a notebook.
+
+- `recorder.Recorder`   subscribes to `engine.events.EventBus`, keeps bounded ring buffers, and hands out
+                        consistent `Snapshot`s (per-request spans, steps, finished-request records).
+- `metrics`             TTFT / TPOT / ITL / E2EL, throughput and goodput from `RequestMetrics` stamps.
+- `figures`             Plotly figure builders (block map, timeline, step timings, spec decoding, latency).
+- `load`                gamma arrivals, workload presets and simulated users driving an `EngineLoop`.
+- `export`              metrics CSV and Chrome-trace JSON (opens in Perfetto).
+- `synthetic`           a toy scheduler that emits realistic events without a model (tests, notebooks).
+"""
+from inspector.recorder import Recorder, RequestRecord, Snapshot  # noqa: F401
