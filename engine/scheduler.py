@@ -73,14 +73,18 @@ class Scheduler:
             seq = self.running[i]
             num_spec = len(seq.spec_token_ids)
             want = seq.num_tokens + num_spec - seq.num_computed_tokens
-            if not chunked and want > budget:
+            if not chunked and want - num_spec > budget:   # drafts may be cut, the rest may not
                 i += 1
                 continue
             num_new = min(want, budget)
             if num_new < want:                 # a chunk cut short carries no draft tokens
                 num_spec = max(0, num_spec - (want - num_new))
+                seq.spec_token_ids = seq.spec_token_ids[:num_spec]  # so the engine samples after the last one
             scheduled = True
             while not self.bm.can_allocate(seq, num_new):
+                if num_spec:                   # drop this request's drafts before preempting anyone
+                    num_new, num_spec, seq.spec_token_ids = num_new - num_spec, 0, []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is seq:

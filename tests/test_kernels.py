@@ -154,6 +154,14 @@ def test_paged_attention(dtype, case):
         _check_attention(*make_batch(q_lens, seq_lens, bs=bs, dtype=dtype, **shp), dtype)
 
 
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 16)])
+def test_paged_attention_tilings(block_m, block_n):
+    # small tiles: every causal diagonal offset modulo the key tile occurs (tile starts 2, 6, 10, 14, ...)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+    batch = make_batch([30, 1, 5], [32, 17, 40], bs=4, dtype=torch.float32, **SMALL)
+    _check_attention(*batch, torch.float32, config=cfg)
+
+
 @pytest.mark.parametrize("H,Hk,D", [(4, 4, 16), (8, 1, 24)])  # no GQA; MQA with D not a power of two
 def test_paged_attention_head_shapes(H, Hk, D):
     _check_attention(*make_batch([1, 6], [9, 21], H, Hk, D, 8, torch.float32), torch.float32)

@@ -1,6 +1,7 @@
 """Build a model from a Hugging Face folder (safetensors only), a random-weight preset, or the bundled SmolLM2."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -46,7 +47,9 @@ def _fallback_tokenizer_folder() -> Path | None:
         return None
 
 
+@functools.lru_cache(maxsize=8)
 def load_tokenizer(folder: Path | None):
+    """Tokenizers are read-only here, so engines on the same folder share one."""
     if folder is None:
         return None
     from transformers import AutoTokenizer

@@ -1,0 +1,185 @@
+"""The drafter interface the engine calls, and what every method shares: verification and metrics.
+
+Per step the engine calls
+  propose(running)              before scheduling: sets `seq.spec_token_ids` for requests in decode phase;
+  verify(sched, mask, logits)   instead of sampling: the target's logits at the last num_spec+1 positions
+                                of each sampled request -> tokens to append (accepted drafts + 1);
+  accept(seq, num_spec, toks)   in postprocess: accepted drafts' KV is valid (computed += accepted),
+                                rejected slots are dropped and blocks that only held them returned;
+  pop_step_stats()              the step's counters for StepEvent.spec;
+  total_stats()                 cumulative counters for engine.stats().
+Metrics follow vLLM: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..sampler import _apply_penalties, _filter, _seeded_generator
+from ..sequence import Sequence
+from .rejection import greedy_accept, rejection_sample
+
+_MAX_REQUEST_STATS = 4096
+
+
+class SpecStats:
+    def __init__(self, k: int):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+
+    def add(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    def to_dict(self) -> dict:
+        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                    num_accepted_tokens=self.num_accepted_tokens, accepted_per_pos=list(self.accepted_per_pos),
+                    acceptance_rate=acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens),
+                    mean_acceptance_length=mean_acceptance_length(self.num_accepted_tokens, self.num_drafts))
+
+
+def acceptance_rate(accepted: int, draft_tokens: int) -> float | None:
+    return accepted / draft_tokens if draft_tokens else None
+
+
+def mean_acceptance_length(accepted: int, drafts: int) -> float | None:
+    return 1.0 + accepted / drafts if drafts else None
+
+
+class Drafter:
+    method = "base"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.k = engine.config.num_speculative_tokens
+        self.total = SpecStats(self.k)
+        self._step: SpecStats | None = None
+        self._requests: OrderedDict[str, SpecStats] = OrderedDict()
+        self._q: dict[str, torch.Tensor] = {}      # request id -> [k, V] draft distributions (sampled drafts)
+
+    # ---- proposing -----------------------------------------------------------------------------
+    def num_draft_slots(self, seq: Sequence) -> int:
+        """How many drafts this request may get now: 0 unless it is decoding; never past max_tokens or
+        max_model_len (the bonus token included), so a verified step can never overrun a limit."""
+        if seq.is_finished or seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        room = min(seq.params.max_tokens - seq.num_output_tokens,
+                   self.engine.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.k, room))
+
+    def propose(self, running: list[Sequence]) -> None:
+        cands = []
+        for seq in running:
+            seq.spec_token_ids = []                    # drafts of a step that never ran are stale
+            self._q.pop(seq.request_id, None)
+            k = self.num_draft_slots(seq)
+            if k > 0:
+                cands.append((seq, k))
+        if cands:
+            timer = self.engine.runner.timer
+            with timer.region("draft"):
+                self.draft(cands)
+
+    def draft(self, cands: list[tuple[Sequence, int]]) -> None:
+        """Set seq.spec_token_ids (at most k tokens) for each (seq, k); optionally self._q[rid]."""
+        raise NotImplementedError
+
+    # ---- verification --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def verify(self, sched, sample_mask: list[bool], logits: torch.Tensor):
+        eng = self.engine
+        rows, groups = [], []
+        r = 0
+        for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
+            if not m:
+                continue
+            k = sched.num_spec_tokens[i]
+            drafts = list(seq.spec_token_ids[:k])
+            for j in range(k + 1):
+                rows.append(eng._sample_row(seq, drafts[:j]))
+            groups.append((i, seq, drafts, r))
+            r += k + 1
+        new_tokens: list[list[int]] = [[] for _ in sched.seqs]
+        lp_rows: list = [None] * len(sched.seqs)
+        step = self._step = SpecStats(self.k)
+        if not groups:
+            return new_tokens, lp_rows
+        assert r == logits.shape[0], f"verify: {r} logit rows expected, got {logits.shape[0]}"
+        want_lp = any(rw.params.logprobs is not None for rw in rows)
+        raw_lp = logits.log_softmax(-1) if want_lp else None
+        if any(rw.banned for rw in rows) or any(rw.params.needs_penalties for rw in rows):
+            logits = logits.clone()
+            for j, rw in enumerate(rows):
+                if rw.banned:
+                    logits[j, rw.banned] = float("-inf")
+            _apply_penalties(logits, rows)
+        argmax = logits.argmax(-1).tolist()
+        sampled = [j for j, rw in enumerate(rows) if not rw.params.greedy]
+        probs, where = None, {}
+        if sampled:
+            probs = _filter(logits[sampled], [rows[j] for j in sampled])
+            where = {j: n for n, j in enumerate(sampled)}
+        for i, seq, drafts, r0 in groups:
+            k = len(drafts)
+            p = seq.params
+            if p.greedy:
+                toks = greedy_accept(argmax[r0:r0 + k + 1], drafts)
+            else:
+                pr = probs[where[r0]:where[r0] + k + 1]
+                q = self._q.pop(seq.request_id, None)
+                if q is not None:
+                    q = q[:k]
+                gen = eng.generator if p.seed is None else \
+                    _seeded_generator(p.seed, seq.num_output_tokens, pr.device)
+                toks = rejection_sample(pr, drafts, q, gen)
+            new_tokens[i] = toks
+            if raw_lp is not None:
+                lp_rows[i] = [raw_lp[r0 + j] for j in range(len(toks))]
+            a = len(toks) - 1
+            step.add(k, a)
+            self.total.add(k, a)
+            if k:
+                rs = self._requests.get(seq.request_id)
+                if rs is None:
+                    rs = self._requests[seq.request_id] = SpecStats(self.k)
+                    if len(self._requests) > _MAX_REQUEST_STATS:
+                        self._requests.popitem(last=False)
+                rs.add(k, a)
+        return new_tokens, lp_rows
+
+    def accept(self, seq: Sequence, num_spec: int, toks: list[int]) -> None:
+        """After verification (before the tokens are appended): the KV of the accepted drafts is valid."""
+        seq.num_computed_tokens += len(toks) - 1
+        seq.spec_token_ids = []
+        # blocks beyond the last token's slot only hold rejected drafts (or unused draft slots)
+        self.engine.block_manager.trim(seq, seq.num_computed_tokens + 1)
+
+    # ---- metrics -------------------------------------------------------------------------------
+    def pop_step_stats(self) -> dict | None:
+        s, self._step = self._step, None
+        if s is None:
+            return None
+        return dict(num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
+                    num_accepted_tokens=s.num_accepted_tokens, accepted_per_pos=list(s.accepted_per_pos))
+
+    def total_stats(self) -> dict:
+        t = self.total
+        return dict(spec_method=self.method, num_speculative_tokens=self.k,
+                    spec_decode_num_drafts=t.num_drafts, spec_decode_num_draft_tokens=t.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=t.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(t.accepted_per_pos),
+                    acceptance_rate=acceptance_rate(t.num_accepted_tokens, t.num_draft_tokens),
+                    mean_acceptance_length=mean_acceptance_length(t.num_accepted_tokens, t.num_drafts))
+
+    def request_stats(self, request_id: str) -> dict | None:
+        """Per-request counters (kept for the last few thousand requests that were ever drafted for)."""
+        s = self._requests.get(request_id)
+        return None if s is None else s.to_dict()

@@ -1,0 +1,119 @@
+"""Engine behaviour on the bundled SmolLM2: identical greedy (and seeded) outputs under every scheduling switch."""
+import pytest
+
+from engine import SamplingParams
+
+CHATS = ["What is the capital of France?", "Name three colours of the rainbow.",
+         "Write one sentence about cats.", "Count from one to ten in words, separated by commas, please."]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+
+
+def run(engine, prompts, params):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return [outs[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_engine_factory):
+    eng = smollm2_engine_factory()
+    return [eng.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return [GREEDY, SEEDED, GREEDY, GREEDY]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_engine_factory, prompts, params):
+    """Each request alone, on a default engine."""
+    eng = smollm2_engine_factory()
+    return [run(eng, [p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+
+
+def test_reference_is_meaningful(reference):
+    assert all(len(r) == 16 for r in reference)
+    assert len({tuple(r) for r in reference}) == 4
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(),                                                        # batched, continuous
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=16),  # prompts split into chunks, mixed steps
+    dict(enable_chunked_prefill=False, max_num_batched_tokens=2048),
+    dict(scheduling="static", max_num_seqs=3),                     # batch runs until all finish
+    dict(enable_prefix_caching=False),
+    dict(enable_kv_cache=False),                                   # recompute the whole prefix every step
+    dict(block_size=8, max_num_seqs=2),
+], ids=["batched", "chunked16", "nochunk", "static", "noprefix", "nocache", "bs8-seqs2"])
+def test_same_outputs_under_switches(smollm2_engine_factory, prompts, params, reference, cfg):
+    eng = smollm2_engine_factory(**cfg)
+    outs = run(eng, prompts, params)
+    assert [o.token_ids for o in outs] == reference
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
+def test_forced_preemption_same_outputs(smollm2_engine_factory, prompts, params, reference):
+    # 4 requests of ~40-50 tokens each need ~16 blocks of 16; give the pool 10
+    eng = smollm2_engine_factory(num_kv_blocks=10, enable_prefix_caching=False)
+    outs = run(eng, prompts, params)
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == eng.scheduler.num_preemptions
+    assert [o.token_ids for o in outs] == reference
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
+def test_prefix_cache_hits_on_shared_prompt(smollm2_engine_factory, prompts):
+    eng = smollm2_engine_factory()
+    first = run(eng, [prompts[3]], [GREEDY])[0]
+    again = run(eng, [prompts[3]], [GREEDY])[0]
+    assert first.num_cached_tokens == 0
+    n = len(first.prompt_token_ids)
+    assert again.num_cached_tokens == (n - 1) // 16 * 16 > 0
+    assert again.token_ids == first.token_ids
+
+
+def test_stop_strings_and_streaming_text(smollm2_engine_factory, prompts):
+    eng = smollm2_engine_factory()
+    full = run(eng, [prompts[3]], [SamplingParams(temperature=0, max_tokens=40)])[0]
+    stop = full.text[9:12]
+    assert len(full.text) > 14 and len(stop) == 3
+    sp = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
+    rid = eng.add_request(prompts[3], sp)
+    streamed, final = "", None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == rid:
+                streamed += o.delta_text
+                final = o
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.text == full.text[:full.text.index(stop)]
+    assert streamed == final.text           # the held-back partial stop string never leaked
+
+
+def test_logprobs(smollm2_engine_factory, prompts):
+    eng = smollm2_engine_factory()
+    out = run(eng, [prompts[0]], [SamplingParams(temperature=0, max_tokens=4, logprobs=3)])[0]
+    assert len(out.logprobs) == 4
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        chosen, top = entry[0], entry[1:]
+        assert chosen.token_id == tok and len(top) == 3
+        assert top[0].token_id == tok              # greedy picks the most likely token
+        assert top[0].logprob >= top[1].logprob >= top[2].logprob
+        assert chosen.logprob <= 0
+
+
+def test_request_metrics(smollm2_engine_factory, prompts):
+    eng = smollm2_engine_factory()
+    outs = run(eng, prompts[:2], [GREEDY, GREEDY])
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert len(m.token_times) == 16 and m.token_times == sorted(m.token_times)
+        assert o.ttft > 0 and o.tpot > 0
+        assert abs(o.tpot - (m.last_token_time - m.first_token_time) / 15) < 1e-9
