@@ -5,9 +5,11 @@ Two kernels share one inner loop (online softmax in fp32, exp2 with the scale fo
   sequence times one whole GQA group (rows = query x head, group padded to a power of two), so every
   K/V tile is loaded once per group. Programs find their sequence by binary search over cu_seqlens_q:
   the grid (T // BQ + B, Hk) depends only on host sizes.
-- decode (q_len == 1 for every sequence): a program owns (sequence, kv head, split); splits partition
-  each sequence's run-time length (flash-decoding), then a small kernel merges them by log-sum-exp.
-  The grid depends only on (B, Hk, num_splits): CUDA-graph capturable with a fixed split count.
+- decode (q_len == 1): a program owns (sequence, kv head, split); splits partition each sequence's
+  run-time length (flash-decoding), then a small kernel merges them by log-sum-exp. The grid depends
+  only on (B, Hk, num_splits): CUDA-graph capturable with a fixed split count. In a mixed batch the
+  decodes run here too (VARLEN: rows found through cu_seqlens_q) and the prefill kernel skips them, so
+  a long decode is not computed with a 128-row tile that holds one real query.
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+                    SKIP_DECODES: tl.constexpr, DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # sequence i owns programs [cu_q[i] // BQ + i, cu_q[i+1] // BQ + i + 1): at least cdiv(q_len, BQ)
@@ -85,7 +87,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     tile = (pid - q_start // BQ - seq) * BQ                  # first query of this tile in its sequence
-    if tile >= q_len:
+    skip = tile >= q_len
+    if SKIP_DECODES:                                         # q_len == 1: the decode kernel's
+        skip = skip | (q_len == 1)
+    if skip:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first = seq_len - q_len + tile                           # absolute position of the tile's first query
@@ -121,15 +126,21 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, qk_scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, qk_scale,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if VARLEN:                                               # mixed batch: only sequences with q_len == 1
+        r = tl.load(cu_q_ptr + b).to(tl.int64)
+        if tl.load(cu_q_ptr + b + 1) - r != 1:
+            return
+    else:
+        r = b                                                # packed query row of this sequence
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -141,7 +152,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, qk
     head = kvh * G + hh
     offs_d = tl.arange(0, BD)
     q_mask = row_ok[:, None] & (offs_d[None, :] < D)
-    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + r * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)                      # [M, BD]
 
     bt = bt_ptr + b * stride_bt
@@ -158,7 +169,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, qk
                                 BLOCK_N, BLOCK_SIZE, D, BD, True, False, DOT_PREC)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]      # empty split or padded sequence: zeros
     if NUM_SPLITS == 1:
-        tl.store(o_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+        tl.store(o_ptr + r * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=q_mask)
     else:                                                    # partials [B, H, S, D] fp32, lse [B, H, S]
         part = (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
@@ -168,10 +179,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, qk
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,
-                   NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+def _reduce_kernel(part_ptr, lse_ptr, o_ptr, cu_q_ptr, stride_ob, stride_oh,
+                   NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if VARLEN:
+        r = tl.load(cu_q_ptr + b).to(tl.int64)
+        if tl.load(cu_q_ptr + b + 1) - r != 1:
+            return
+    else:
+        r = b
     row = b * tl.num_programs(1) + h
     s = tl.arange(0, NUM_SPLITS)
     lse = tl.load(lse_ptr + row * NUM_SPLITS + s)            # [S]
@@ -179,7 +196,7 @@ def _reduce_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,
     d = tl.arange(0, BD)
     o = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=d[None, :] < D)  # [S, BD]
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+    tl.store(o_ptr + r * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
 # ---------------------------------------------------------------- launch configuration
