@@ -30,7 +30,8 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE = DEV.type == "cpu"                                    # interpreter dry run of the script itself: tiny sizes
 BF16 = torch.float16 if SMOKE else torch.bfloat16
 H, HK, D, BS = 32, 8, 64, 16
-SIZES = dict(rows=16384, silu=(8192, 8192), decode=((64, 4096), (1, 4096), (16, 4096), (256, 1024)), prefill=4096,
+SIZES = dict(rows=16384, silu=(8192, 8192), decode=((64, 4096), (1, 4096), (4, 4096), (16, 4096), (32, 4096), (128, 4096), (256, 1024)),
+             prefill=4096,
              mixed_decodes=63)
 if SMOKE:
     SIZES = dict(rows=8, silu=(4, 64), decode=((3, 100),), prefill=40, mixed_decodes=2)
@@ -120,7 +121,8 @@ def bench_elementwise(ceil):
     q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + HK) * D].view(T, HK, D)
     v = qkv[:, (H + HK) * D:].view(T, HK, D)
     pos = torch.randint(0, 8192, (T,), device=DEV)
-    cs = torch.randn(8192, D, device=DEV, dtype=torch.float32)
+    ang = torch.rand(8192, D // 2, device=DEV) * 6.28    # a real rotation: repeats keep |q| bounded
+    cs = torch.cat((ang.cos(), ang.sin()), -1)
     q2, k2 = q.float(), k.float()
     tk.apply_rope(q, k, pos, cs)
     torch_ops.apply_rope(q2, k2, pos, cs)
@@ -129,6 +131,9 @@ def bench_elementwise(ceil):
         bench(lambda: torch_ops.apply_rope(q, k, pos, cs)), nbytes=2 * T * (H + HK) * D * 2 + T * D * 4,
         err=err, ceil=ceil)
 
+    T = SIZES["rows"] * 4
+    qkv = torch.randn(T, (H + 2 * HK) * D, device=DEV, dtype=BF16)
+    k, v = qkv[:, H * D:(H + HK) * D].view(T, HK, D), qkv[:, (H + HK) * D:].view(T, HK, D)
     nblocks = T // BS + 16
     kc = torch.randn(nblocks, BS, HK, D, device=DEV, dtype=BF16)
     vc = torch.randn_like(kc)
@@ -192,38 +197,44 @@ def bench_decode(ceil, sweep):
                    flops=flops, err=err, ceil=ceil, splits=S)
         k, v = contiguous_kv(kc, vc, md)
         sd = lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)  # noqa: E731
-        ROWS[-1]["sdpa_contiguous_us"] = bench(sd) * 1e3
+        main["sdpa_contiguous_us"] = bench(sd) * 1e3
         del k, v
-        # CUDA-graph replay of the decode call (static inputs, hint fixed)
+        # CUDA-graph replay of the decode call (static inputs, hint fixed): what the engine's decode steps see
         ms, out_g = graph_replay_ms(lambda: tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, L))
         main["graph_replay_us"] = ms * 1e3
+        main["graph_GBps"] = nbytes / ms / 1e6
+        main["graph_pct_of_copy"] = 100 * main["graph_GBps"] / ceil["copy_GBps"]
         main["graph_rel_err"] = rel_err(out_g, ref_out)
-        if sweep:
+        if sweep:                                            # graph replays: no launch overhead in the numbers
             res = []
-            for bn, warps, stages in ((32, 2, 3), (32, 4, 4), (64, 4, 3), (64, 4, 4), (64, 2, 3), (64, 8, 3),
-                                      (128, 4, 3), (128, 8, 3), (128, 8, 2)):
-                for s in (1, 2, 4, 8, 16) if B < 64 else (1, 2, 4, 8):
+            for bn, warps, stages in ((64, 2, 3), (64, 4, 3), (32, 2, 3), (128, 4, 3)):
+                for s in (1, 2, 4, 8, 16, 32):
+                    if B * HK * s > 8 * 1024 or (s > 1 and L // s < 128):
+                        continue
                     cfg = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
                     try:
-                        f = lambda: tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, L,  # noqa: E731
-                                                              num_splits=s, config=cfg)
-                        e = rel_err(f(), ref_out)
-                        us = bench(f, warmup=10, rep=40) * 1e3
+                        ms, o = graph_replay_ms(lambda: tk.paged_attention_decode(  # noqa: B023
+                            q, kc, vc, md.block_tables, md.seq_lens, scale, L, num_splits=s, config=cfg))
+                        e, us = rel_err(o, ref_out), ms * 1e3
                     except Exception as ex:  # a config that does not compile (resources) is skipped
                         e, us = str(ex)[:80], float("nan")
                     res.append(dict(cfg=cfg, splits=s, us=us, GBps=nbytes / us / 1e3, err=e))
             res.sort(key=lambda r: r["us"] if r["us"] == r["us"] else 1e18)
             main["sweep"] = res
-            print("    best decode configs:", [(r["cfg"], r["splits"], round(r["us"], 1)) for r in res[:5]], flush=True)
+            print("    best decode configs (graph):", [(tuple(r["cfg"].values()), r["splits"], round(r["us"], 1))
+                                                    for r in res[:4]], flush=True)
         del q, kc, vc, md
 
 
 def bench_prefill(ceil, sweep):
     scale = D ** -0.5
     L, nd = SIZES["prefill"], SIZES["mixed_decodes"]
+    sweeps = {"prefill": ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3)),
+              "verify": ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 32, 2, 3), (128, 64, 8, 3))}
     for q_lens, seq_lens, label in (([L] * 4, [L] * 4, f"prefill 4x{L}"),
                                     ([L // 2] * 2, [L] * 2, f"chunk 2x({L // 2} of {L})"),
-                                    ([L // 4] + [1] * nd, [L] * (nd + 1), f"mixed {L // 4}-chunk+{nd} dec")):
+                                    ([L // 4] + [1] * nd, [L] * (nd + 1), f"mixed {L // 4}-chunk+{nd} dec"),
+                                    ([4] * (nd + 1), [L] * (nd + 1), f"verify {nd + 1}x(4 of {L})")):
         q, kc, vc, md = make_batch(q_lens, seq_lens)
         flops = sum(4 * H * D * (ql * (sl - ql) + ql * (ql + 1) // 2) for ql, sl in zip(q_lens, seq_lens))
         nbytes = sum(2 * sl * HK * D * 2 for sl in seq_lens) + 2 * q.numel() * 2
@@ -239,11 +250,13 @@ def bench_prefill(ceil, sweep):
             main["sdpa_flash_contiguous_us"] = bench(
                 lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=True, scale=scale, enable_gqa=True)) * 1e3
             del k, v
-        if sweep and label.startswith("prefill"):
+        if label.startswith("mixed"):                        # decodes inside the prefill kernel instead
+            main["decodes_in_prefill_kernel_us"] = bench(
+                lambda: tk.paged_attention(q, kc, vc, md, scale, config=dict(decodes_apart=False))) * 1e3
+        kind = label.split()[0]
+        if sweep and kind in sweeps:
             res = []
-            for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-                                          (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3),
-                                          (128, 128, 8, 2), (256, 32, 8, 3)):
+            for bm, bn, warps, stages in sweeps[kind]:
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 try:
                     f = lambda: tk.paged_attention(q, kc, vc, md, scale, config=cfg)  # noqa: E731
@@ -294,7 +307,10 @@ def main():
         print(f"{r['kernel']:26s} {r['shape']:40s} {r['triton_us']:10.1f} {r['ref_us'] or 0:10.1f} "
               f"{r['speedup'] or 0:6.1f} {r['GBps'] or 0:7.0f} {r['TFLOPs'] or 0:7.1f} {r.get('pct_of_ceiling', 0):5.1f}%  "
               f"{_fmt(r['rel_err'])}"
-              + (f"  graph {r['graph_replay_us']:.1f}us S={r['splits']}" if "graph_replay_us" in r else ""))
+              + (f"  graph {r['graph_replay_us']:.1f}us {r['graph_pct_of_copy']:.0f}% S={r['splits']}"
+                 if "graph_replay_us" in r else "")
+              + (f"  decodes-in-prefill {r['decodes_in_prefill_kernel_us']:.1f}us"
+                 if "decodes_in_prefill_kernel_us" in r else ""))
     print(f"total {time.time() - t0:.0f} s; json: {paths}")
 
 

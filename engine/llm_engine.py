@@ -79,7 +79,9 @@ class LLMEngine:
         prefix = config.enable_prefix_caching and config.enable_kv_cache
         self.block_manager = BlockManager(self.num_blocks, config.block_size, prefix)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks)
+        self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
+                                  self.max_model_len + spec_margin)
+        self.runner.warmup()
         self.detok = Detokenizer(self.tokenizer)
         self.events = EventBus()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -94,9 +96,10 @@ class LLMEngine:
         if config.speculative_method:
             from .spec import make_drafter
             self.drafter = make_drafter(self)
-        if self.device.type == "cuda" and config.enable_cuda_graphs:
+        if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
             from .cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
+            self.runner.graphs.capture()
 
     # ---- construction helpers ------------------------------------------------------------------
     def _derive_max_model_len(self, mcfg: ModelConfig) -> int:

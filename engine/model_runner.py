@@ -17,11 +17,12 @@ def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -
 
 class ModelRunner:
     def __init__(self, model, mcfg: ModelConfig, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, num_blocks: int):
+                 dtype: torch.dtype, num_blocks: int, max_model_len: int):
         self.model, self.mcfg, self.config = model, mcfg, config
         self.device, self.dtype = device, dtype
         self.block_size = config.block_size
         self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
         # [2, layers, num_blocks, block_size, Hk, D]
         self.kv_cache = torch.zeros(2, mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
                                     mcfg.head_dim, dtype=dtype, device=device)
@@ -81,6 +82,21 @@ class ModelRunner:
         )
         input_ids = to(np.asarray(ids, dtype=np.int64), torch.int64)
         return input_ids, md
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int = 8) -> None:
+        """One small prefill and one decode through the null block 0, so the first real step is not slow."""
+        n = min(num_tokens, self.block_size)
+        dev = self.device
+        for q in (n, 1):
+            md = AttentionMetadata(
+                positions=torch.arange(n - q, n, device=dev), slot_mapping=torch.arange(n - q, n, device=dev),
+                cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                logits_indices=torch.tensor([q - 1], device=dev), q_lens=[q], seq_lens_cpu=[n],
+                max_seqlen_q=q, max_seqlen_k=n, block_size=self.block_size)
+            self.execute(torch.ones(q, dtype=torch.int64, device=dev), md)
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -154,12 +154,20 @@ def test_paged_attention(dtype, case):
         _check_attention(*make_batch(q_lens, seq_lens, bs=bs, dtype=dtype, **shp), dtype)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 16)])
-def test_paged_attention_tilings(block_m, block_n):
-    # small tiles: every causal diagonal offset modulo the key tile occurs (tile starts 2, 6, 10, 14, ...)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+@pytest.mark.parametrize("block_m,block_n,apart", [(16, 16, True), (64, 16, False)])
+def test_paged_attention_tilings(block_m, block_n, apart):
+    # small tiles: every causal diagonal offset modulo the key tile occurs (tile starts 2, 6, 10, 14, ...);
+    # apart=False: the prefill kernel also serves the decode (one real query in its tile)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, decodes_apart=apart)
     batch = make_batch([30, 1, 5], [32, 17, 40], bs=4, dtype=torch.float32, **SMALL)
     _check_attention(*batch, torch.float32, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_mixed_split_decodes(dtype):
+    # decodes of a mixed batch through the varlen split-K kernel, one of them a single key
+    batch = make_batch([1, 12, 1, 1], [90, 12, 1, 47], bs=8, dtype=dtype, **SMALL)
+    _check_attention(*batch, dtype, config=dict(decode_splits=4))
 
 
 @pytest.mark.parametrize("H,Hk,D", [(4, 4, 16), (8, 1, 24)])  # no GQA; MQA with D not a power of two

@@ -21,6 +21,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     block_size: int
+    graphed: bool = False          # set when the step was replayed from a CUDA graph
 
     @property
     def num_seqs(self) -> int:

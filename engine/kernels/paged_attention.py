@@ -14,8 +14,6 @@ Two kernels share one inner loop (online softmax in fp32, exp2 with the scale fo
 from __future__ import annotations
 
 import functools
-import math
-import os
 
 import torch
 import triton
@@ -24,7 +22,6 @@ import triton.language as tl
 from .metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -211,28 +208,33 @@ def _num_sms(device: torch.device) -> int:
 def decode_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Split count (a power of two) for a decode batch; depends only on host sizes, never on tensors.
     Under CUDA graphs pass the same fixed max_seqlen_k (e.g. max_model_len) at capture and replay."""
+    sms = _num_sms(torch.device(device))
     progs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(DECODE_TARGET_PROGRAMS_PER_SM * _num_sms(torch.device(device)), progs)
+    if progs >= DECODE_NO_SPLIT_PROGRAMS_PER_SM * sms:      # enough (seq, head) programs to fill the chip
+        return 1
+    want = triton.cdiv(DECODE_TARGET_PROGRAMS_PER_SM * sms, progs)
     cap = min(DECODE_MAX_SPLITS, max(1, max_seqlen_k // DECODE_MIN_SPLIT_TOKENS))
     s = max(1, min(want, cap))
     return 1 << (s.bit_length() - 1)                         # round down to a power of two
 
 
+DECODE_NO_SPLIT_PROGRAMS_PER_SM = 2
 DECODE_TARGET_PROGRAMS_PER_SM = 4
 DECODE_MAX_SPLITS = 32
-DECODE_MIN_SPLIT_TOKENS = 256
+DECODE_MIN_SPLIT_TOKENS = 128
 
 
 def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _prefill_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
+def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    bm = min(128, max(16, triton.next_power_of_2(max_q) * gp))   # short queries (spec verify): smaller tiles
+    return dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if bm >= 128 else 4, num_stages=3)
 
 
 def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -240,10 +242,38 @@ def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) ->
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32 or d > 128:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=64, num_warps=2, num_stages=3)
 
 
 # ---------------------------------------------------------------- launchers
+
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out):
+    """Grid (B, Hk, S). cu_q None: sequence b's query is row b; else rows come from cu_q and
+    sequences with q_len != 1 are skipped."""
+    H, D = q.shape[1], q.shape[2]
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    G = H // Hk
+    BD = triton.next_power_of_2(D)
+    varlen = cu_q is not None
+    cu_q = cu_q if varlen else seq_lens                      # unused when not varlen
+    if S > 1:
+        part = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+        dst, sob, soh = part, 0, 0
+    else:
+        lse, dst, sob, soh = out, out, out.stride(0), out.stride(1)
+    _decode_kernel[(B, Hk, S)](
+        q, k_cache, v_cache, dst, lse, block_tables, seq_lens, cu_q, scale * LOG2E,
+        q.stride(0), q.stride(1), sob, soh, block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
+        NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if S > 1:
+        _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),
+                               NUM_SPLITS=S, D=D, BD=BD, VARLEN=varlen, num_warps=1 if BD * S <= 1024 else 4)
+
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -253,33 +283,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens [B] int32 (0 allowed: padded rows give zeros). Returns [B, H, D].
     No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits."""
     B, H, D = q.shape
-    Hk, bs = k_cache.shape[2], k_cache.shape[1]
-    G = H // Hk
+    Hk = k_cache.shape[2]
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
-    if B == 0:
-        return out
-    cfg = dict(_decode_config(G, D, q.dtype, q.device), **(config or {}))
-    S = num_splits or decode_num_splits(B, Hk, max_seqlen_k_hint, q.device)
-    BD = triton.next_power_of_2(D)
-    BM = max(16, triton.next_power_of_2(G))
-    if S > 1:
-        part = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
-        lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-        dst, sob, soh = part, 0, 0
-    else:
-        lse, dst, sob, soh = out, out, out.stride(0), out.stride(1)
-    _decode_kernel[(B, Hk, S)](
-        q, k_cache, v_cache, dst, lse, block_tables, seq_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), sob, soh, block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=G, BLOCK_M=BM, BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD, NUM_SPLITS=S,
-        DOT_PREC=_dot_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if S > 1:
-        _reduce_kernel[(B, H)](part, lse, out, out.stride(0), out.stride(1),
-                               NUM_SPLITS=S, D=D, BD=BD, num_warps=1 if BD * S <= 1024 else 4)
+    if B:
+        cfg = dict(_decode_config(H // Hk, D, q.dtype, q.device), **(config or {}))
+        S = num_splits or decode_num_splits(B, Hk, max_seqlen_k_hint, q.device)
+        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out)
     return out
 
 
@@ -287,31 +298,42 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     md: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                     config: dict | None = None) -> torch.Tensor:
     """Causal attention of packed varlen queries over paged KV; same contract as torch_ops.paged_attention.
-    q [T, H, D] (any strides, D contiguous) -> [T, H, D]. Decode-only batches take the split-K kernel."""
+    q [T, H, D] (any strides, D contiguous) -> [T, H, D]. Decode-only batches take the split-K kernel;
+    in mixed batches the decodes take it too (config: decodes_apart=False keeps them in the prefill
+    kernel, decode_splits=N forces their split count; other keys tune the prefill kernel)."""
     T, H, D = q.shape
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hk
     B = md.num_seqs
-    if md.max_seqlen_q == 1 and T == B and config is None:
+    cfg = dict(config or {})
+    apart, dec_splits = cfg.pop("decodes_apart", True), cfg.pop("decode_splits", None)
+    if md.max_seqlen_q == 1 and T == B and not cfg:
         return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      md.max_seqlen_k, out=out)
+                                      md.max_seqlen_k, out=out, num_splits=dec_splits)
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
+    n_dec = sum(1 for n in md.q_lens if n == 1) if apart else 0
+    max_q = max((n for n in md.q_lens if n != 1 or not n_dec), default=1)
     GP = triton.next_power_of_2(G)
-    cfg = dict(_prefill_config(GP, D, q.dtype, q.device), **(config or {}))
-    BQ = max(1, cfg["BLOCK_M"] // GP)
+    pcfg = dict(_prefill_config(GP, D, max_q, q.dtype, q.device), **cfg)
+    BQ = max(1, pcfg["BLOCK_M"] // GP)
     BM = max(16, BQ * GP)
-    _prefill_kernel[(T // BQ + B, Hk)](
-        q, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.cu_seqlens_q, B, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=G, GP=GP, BQ=BQ, BLOCK_M=BM, BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
-        BD=triton.next_power_of_2(D), DOT_PREC=_dot_prec(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if n_dec < B:
+        _prefill_kernel[(T // BQ + B, Hk)](
+            q, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.cu_seqlens_q, B, scale * LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            G=G, GP=GP, BQ=BQ, BLOCK_M=BM, BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
+            BD=triton.next_power_of_2(D), SKIP_DECODES=n_dec > 0, DOT_PREC=_dot_prec(q.dtype),
+            num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+    if n_dec:
+        S = dec_splits or decode_num_splits(n_dec, Hk, md.max_seqlen_k, q.device)
+        _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, S,
+                       _decode_config(G, D, q.dtype, q.device), out)
     return out
 
 
