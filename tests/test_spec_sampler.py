@@ -148,7 +148,7 @@ def test_engine_sampling_distribution_is_lossless(method, tmp_path):
                     enable_prefix_caching=True, seed=3, **extra)
     prompt = [2, 3, 2, 3, 4, 2]
     temperature, top_k = 0.9, (4 if method == "draft" else 0)
-    N = 3000
+    N = 2000
     for i in range(N):
         # the first token comes from the prefill, then 2 drafts are verified (+ a bonus token);
         # the test looks at the first 3 tokens
