@@ -90,6 +90,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._timer = make_timer(True, self.device) if config.enable_step_timings else NullTimer()
         self._profile_next = False
+        self.final_outputs_only = False        # LLM.generate: skip building per-step streaming outputs
         self.last_profile: list[dict] | None = None
         self.stats_total = dict(prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
         self.drafter = None
@@ -344,7 +345,8 @@ class LLMEngine:
                     seq.num_computed_tokens = 0      # the baseline forgets its cache every step
                 else:
                     self.block_manager.commit_computed(seq)
-            outputs.append(self._make_output(seq, added))
+            if seq.is_finished or not self.final_outputs_only:
+                outputs.append(self._make_output(seq, added))
         return outputs, finished
 
     def _check_stop_token(self, seq: Sequence, tok: int) -> str | None:

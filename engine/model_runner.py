@@ -44,24 +44,32 @@ class ModelRunner:
         extra_logits[i] = how many positions before the last also need logits (verification)."""
         bs = self.block_size
         ids: list[int] = []
-        positions, slots, logits_idx = [], [], []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
         q_lens, seq_lens = [], []
         max_blocks = 0
         for i, (seq, n, start) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.computed_before)):
             end = start + n
-            toks = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
-            ids.extend(toks[start:end])
-            pos = np.arange(start, end, dtype=np.int64)
-            bt = np.asarray(seq.block_table, dtype=np.int64)
-            positions.append(pos)
-            slots.append(bt[pos // bs] * bs + pos % bs)
+            bt = seq.block_table
+            if n == 1 and not seq.spec_token_ids:           # a plain decode: no numpy round trip
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(bt[start // bs] * bs + start % bs)
+            else:
+                toks = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+                ids.extend(toks[start:end])
+                pos = np.arange(start, end, dtype=np.int64)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(bt, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             off = len(ids) - 1
             if sample_mask[i]:
                 k = extra_logits[i] if extra_logits else 0
                 logits_idx.extend(range(off - k, off + 1))
             q_lens.append(n)
             seq_lens.append(end)
-            max_blocks = max(max_blocks, len(seq.block_table))
+            if len(bt) > max_blocks:
+                max_blocks = len(bt)
         B = len(sched.seqs)
         tables = np.zeros((B, max(max_blocks, 1)), dtype=np.int32)
         for i, seq in enumerate(sched.seqs):
@@ -71,8 +79,8 @@ class ModelRunner:
         dev = self.device
         to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)  # noqa: E731
         md = AttentionMetadata(
-            positions=to(np.concatenate(positions), torch.int64),
-            slot_mapping=to(np.concatenate(slots), torch.int64),
+            positions=to(np.asarray(positions, dtype=np.int64), torch.int64),
+            slot_mapping=to(np.asarray(slots, dtype=np.int64), torch.int64),
             cu_seqlens_q=to(cu, torch.int32),
             seq_lens=to(np.asarray(seq_lens, dtype=np.int32), torch.int32),
             block_tables=to(tables, torch.int32),
@@ -84,18 +92,20 @@ class ModelRunner:
         return input_ids, md
 
     @torch.inference_mode()
-    def warmup(self, num_tokens: int = 8) -> None:
-        """One small prefill and one decode through the null block 0, so the first real step is not slow."""
-        n = min(num_tokens, self.block_size)
-        dev = self.device
-        for q in (n, 1):
+    def warmup(self) -> None:
+        """Run each kernel variant once (prefill tile sizes, decode) through the null block 0, so no real
+        step pays for a compile; every slot written is in block 0."""
+        dev, bs = self.device, self.block_size
+        n = 64 if dev.type == "cuda" else 8
+        nb = -(-n // bs)
+        for q in ((64, 16, 8, 4, 1) if dev.type == "cuda" else (8, 1)):
             md = AttentionMetadata(
-                positions=torch.arange(n - q, n, device=dev), slot_mapping=torch.arange(n - q, n, device=dev),
+                positions=torch.arange(n - q, n, device=dev), slot_mapping=torch.arange(n - q, n, device=dev) % bs,
                 cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-                block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(1, nb, dtype=torch.int32, device=dev),
                 logits_indices=torch.tensor([q - 1], device=dev), q_lens=[q], seq_lens_cpu=[n],
-                max_seqlen_q=q, max_seqlen_k=n, block_size=self.block_size)
+                max_seqlen_q=q, max_seqlen_k=n, block_size=bs)
             self.execute(torch.ones(q, dtype=torch.int64, device=dev), md)
 
     # ---- execution -----------------------------------------------------------------------------

@@ -69,6 +69,22 @@ def _seeded_generator(seed: int, position: int, device: torch.device) -> torch.G
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
+def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool],
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """Temperature only, no seeds: one batched exponential race (same law as multinomial) over all rows."""
+    dev = logits.device
+    temp = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
+    probs = (logits / temp[:, None]).softmax(-1)                       # [B, V]
+    if dev.type == "cpu":                                              # cheaper than an exponential per entry
+        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    else:
+        q = torch.empty_like(probs).exponential_(generator=generator)
+        sampled = (probs / q).argmax(-1)
+    if any(greedy):
+        sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
+    return sampled
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None
            ) -> tuple[list[int], torch.Tensor | None]:
     """logits [B, V] float32 -> (token ids, raw log-probs [B, V] when any row asked for logprobs)."""
@@ -85,6 +101,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         return logits.argmax(-1).tolist(), raw_logprobs
+    if not any(r.params.seed is not None or r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0
+               for r in rows):
+        return _sample_plain(logits, rows, greedy, generator).tolist(), raw_logprobs
     tokens = logits.argmax(-1)
     sample_idx = [i for i, g in enumerate(greedy) if not g]
     sub_rows = [rows[i] for i in sample_idx]

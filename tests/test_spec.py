@@ -27,6 +27,15 @@ def _hf_model(folder, seed, layers, scale=0.1):
     m.save_pretrained(folder, safe_serialization=True)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest single-threaded, and a shared 2-core box punishes oversubscription."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec_models")
@@ -171,18 +180,23 @@ def test_metrics_events_and_request_stats(models):
 
 
 def test_bundled_smollm2_greedy_identical():
-    """The real model on a rewrite prompt: n-gram and layer-skip drafting reproduce plain greedy decoding."""
+    """The real model on a rewrite prompt: n-gram and layer-skip drafting reproduce plain greedy decoding.
+    One engine (one model load): the drafter is swapped between runs with no request in flight."""
+    from engine.spec import NgramDrafter
     text = ("Rewrite this sentence exactly: The old lighthouse keeper climbed the stairs every night "
             "to light the lamp for the ships.")
-    sp = SamplingParams(temperature=0.0, max_tokens=40)
-    common = dict(device="cpu", cpu_kv_cache_gib=0.05, max_model_len=512)
+    msgs = [[{"role": "user", "content": text}], [{"role": "user", "content": "Count from 1 to 12."}]]
+    sp = SamplingParams(temperature=0.0, max_tokens=32)
+    llm = LLM(model=None, device="cpu", cpu_kv_cache_gib=0.05, max_model_len=512,
+              speculative_method="self", num_speculative_tokens=3, draft_layers=20)
+    eng = llm.engine
+    drafters = {"self": eng.drafter, "ngram": NgramDrafter(eng), "base": None}
     results = {}
-    for name, spec in [("base", {}), ("ngram", dict(speculative_method="ngram", num_speculative_tokens=4)),
-                       ("self", dict(speculative_method="self", num_speculative_tokens=3, draft_layers=20))]:
-        llm = LLM(model=None, **common, **spec)
-        msgs = [[{"role": "user", "content": text}], [{"role": "user", "content": "Count from 1 to 12."}]]
-        results[name] = ([o.token_ids for o in llm.chat(msgs, sp, use_tqdm=False)], llm.engine.stats())
-        _check_no_leak(llm.engine)
+    for name, d in drafters.items():
+        eng.drafter = d
+        results[name] = [o.token_ids for o in llm.chat(msgs, sp, use_tqdm=False)]
+        _check_no_leak(eng)
     for name in ("ngram", "self"):
-        assert results[name][0] == results["base"][0], name
-        assert results[name][1]["spec_decode_num_accepted_tokens"] > 0
+        assert results[name] == results["base"], name
+        st = drafters[name].total_stats()
+        assert st["spec_decode_num_accepted_tokens"] > 0, name

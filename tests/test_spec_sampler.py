@@ -10,6 +10,14 @@ from engine import LLMEngine, SamplingParams
 from engine.spec import greedy_accept, ngram_propose, rejection_sample
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
     """Pearson chi-square goodness of fit; cells with expected count < min_expected are pooled."""
     counts, probs = counts.double().flatten(), probs.double().flatten()

@@ -1,0 +1,166 @@
+"""Prometheus metrics for `GET /metrics`, under vLLM's names with a `kvscope:` prefix.
+
+Two sources, each the single source of its numbers:
+
+- Engine state and totals (running/waiting requests, KV-cache usage, preemptions, prompt/generation
+  tokens, prefix-cache queries/hits, speculative-decoding counters) are read from the engine when
+  Prometheus scrapes (`EngineCollector`): the same counters `LLMEngine.stats()` reports, so they cover
+  every request (HTTP, playground, in-process load) and cost nothing per step. The reads are plain
+  attribute/len reads of ints and lists; they take no lock, so a scrape never waits for a step.
+- Per-request histograms (TTFT, inter-token latency, TPOT, E2E latency, queue/prefill/decode time,
+  prompt/generation lengths) and finish-reason counts are observed from each finished request's
+  `RequestMetrics` stamps (`ServerMetrics.observe`), the engine's own timing stamps, exactly as vLLM's
+  frontend observes them from its outputs. The API server observes every request it serves; other
+  in-process callers may call `observe(output)` too.
+
+Each server gets its own `CollectorRegistry`, so several apps can live in one process (tests).
+"""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "kvscope:"
+
+# Seconds. Finer at the low end than vLLM's so GPU-speed latencies resolve too.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISH_REASONS = ("stop", "length", "abort")
+API_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class EngineCollector(Collector):
+    """Engine gauges and counters, read at scrape time from an EngineLoop (or anything with `.engine`)."""
+
+    def __init__(self, loop, model_name: str):
+        self.loop = loop
+        self.labels = {"model_name": model_name}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self):
+        eng = self.loop.engine
+        sched, bm = eng.scheduler, eng.block_manager
+        pending = getattr(self.loop, "_pending_admissions", 0)   # submitted, not yet admitted by the loop
+        yield self._gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
+                          len(sched.waiting) + max(0, pending))
+        yield self._gauge("kv_cache_usage_perc", "KV-cache usage: fraction of KV blocks in use (1 = 100%).",
+                          bm.usage)
+        yield self._gauge("num_kv_blocks", "KV blocks in the pool (block 0 reserved).", eng.num_blocks)
+        yield self._gauge("num_free_kv_blocks", "KV blocks on the free list (cached ones included).",
+                          bm.num_free_blocks)
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV-cache configuration.",
+                                 labels=["block_size", "num_blocks", "enable_prefix_caching", "max_model_len"])
+        info.add_metric([str(eng.block_size), str(eng.num_blocks), str(eng.config.enable_prefix_caching),
+                         str(eng.max_model_len)], 1)
+        yield info
+        tot = dict(eng.stats_total)
+        yield self._counter("num_preemptions", "Preemptions (a running request lost its KV blocks).",
+                            sched.num_preemptions)
+        yield self._counter("prompt_tokens", "Prompt tokens of requests admitted to the engine.",
+                            tot.get("prompt_tokens", 0))
+        yield self._counter("generation_tokens", "Tokens generated.", tot.get("generation_tokens", 0))
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", bm.total_queries)
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.total_hits)
+        drafter = getattr(eng, "drafter", None)
+        if drafter is not None:
+            s = drafter.total_stats()
+            yield self._counter("spec_decode_num_drafts", "Speculative drafts proposed.",
+                                s["spec_decode_num_drafts"])
+            yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                s["spec_decode_num_draft_tokens"])
+            yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                s["spec_decode_num_accepted_tokens"])
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by draft position.",
+                                          labels=list(self.labels) + ["position"])
+            for i, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                per_pos.add_metric(list(self.labels.values()) + [str(i)], n)
+            yield per_pos
+
+
+class ServerMetrics:
+    """The registry behind `GET /metrics`: engine collector + per-request histograms + API counters."""
+
+    def __init__(self, loop, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(EngineCollector(loop, model_name))
+        lab = ["model_name"]
+        r = self.registry
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, lab, registry=r, buckets=buckets).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token: arrival -> first token.",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds",
+                        "Inter-token latency: gap between consecutive outputs of a request.", ITL_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: (last token - first token) / (output tokens - 1).", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency: arrival -> finish.", REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival -> first scheduled.", REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled -> first token.", REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token -> last token.", REQUEST_BUCKETS)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
+        succ = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                       lab + ["finished_reason"], registry=r)
+        self.success = {k: succ.labels(model_name, k) for k in FINISH_REASONS}
+        api = Counter(PREFIX + "api_requests", "HTTP API requests by endpoint and status code.",
+                      ["endpoint", "status"], registry=r)
+        self._api = api
+        self._lock = threading.Lock()
+
+    def observe(self, out) -> None:
+        """Record one finished RequestOutput (its engine-stamped RequestMetrics)."""
+        reason = out.finish_reason or "abort"
+        if reason in self.success:
+            self.success[reason].inc()
+        if reason == "abort":          # cancelled/timed-out requests stay out of the latency histograms
+            return
+        m = out.metrics
+        n = len(out.token_ids)
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.gen_len.observe(n)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        end = m.finished_time if m.finished_time is not None else m.last_token_time
+        if end is not None:
+            self.e2e.observe(end - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.decode.observe(m.last_token_time - m.first_token_time)
+        t = m.token_times
+        for a, b in zip(t, t[1:]):
+            self.itl.observe(b - a)
+        tpot = m.tpot(n)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def count_api(self, path: str, status: int) -> None:
+        endpoint = path if path in API_ENDPOINTS else "other"
+        self._api.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

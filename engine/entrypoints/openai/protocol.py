@@ -1,0 +1,304 @@
+"""OpenAI-compatible request/response shapes (pydantic) and OpenAI-style errors.
+
+Requests are parsed strictly (JSON types are not coerced: `"max_tokens": "10"` is an error), unknown
+fields are ignored (clients often send fields meant for other servers), and every error names the
+field it is about, the way OpenAI does: `{"error": {"message", "type", "param", "code"}}`.
+
+Beyond OpenAI's fields the requests accept vLLM's sampling extensions under vLLM's names: `top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+`include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.sampling_params import MAX_LOGPROBS
+
+MAX_N = 64                 # choices per request
+MAX_PROMPTS = 256          # prompts in one /v1/completions request
+LOGPROB_FLOOR = -9999.0    # JSON has no -inf; masked tokens report this (as vLLM does)
+
+
+# --------------------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error that becomes an OpenAI-style JSON error response."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming its field."""
+    errs = e.errors(include_url=False)
+    if not errs:
+        return APIError("invalid request body")
+    err = errs[0]
+    if err.get("type") == "json_invalid":
+        return APIError(f"malformed JSON body: {err.get('msg', '')}".rstrip(": "), code="invalid_json")
+    if not err.get("loc"):
+        return APIError("request body: must be a JSON object", code="invalid_body")
+    param = _loc(err["loc"])
+    msg = err.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err.get("type") == "missing":
+        return APIError(f"{param}: is required", param=param, code="missing_field")
+    got = err.get("input")
+    tail = "" if isinstance(got, dict) else f" (got {_short(got)})"
+    return APIError(f"{param}: {msg}{tail}", param=param, code="invalid_value")
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+# --------------------------------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: usage on every chunk
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Any = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("must be a string or a list of strings")
+        if len(v) > 16:
+            raise ValueError("at most 16 stop strings")
+        if not all(v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v):
+        if v is not None and not (-(2 ** 63) <= v < 2 ** 64):
+            raise ValueError("must fit in 64 bits")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v is not None and not all(t >= 0 for t in v):
+            raise ValueError("must be non-negative token ids")
+        return v
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
+                     "repetition_penalty")
+    @classmethod
+    def _finite(cls, v):
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError("logit_bias: is not supported by this server", param="logit_bias",
+                           code="unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options: only allowed when stream is true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        ok_ids = lambda x: isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in x)
+        if isinstance(v, str):
+            return [v]
+        if ok_ids(v):
+            return [v]
+        if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(ok_ids(p) for p in v)):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of "
+                         "token-id lists (none of them empty)")
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise APIError("suffix: is not supported by this server", param="suffix", code="unsupported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of: only best_of == n is supported", param="best_of", code="unsupported")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True   # vLLM extension
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v):
+        if not v:
+            raise ValueError("must be a non-empty list of messages")
+        out = []
+        for i, m in enumerate(v):
+            role = m.get("role")
+            if not isinstance(role, str) or not role:
+                raise ValueError(f"message {i}: 'role' must be a non-empty string")
+            content = m.get("content")
+            if content is None:
+                if role != "assistant":
+                    raise ValueError(f"message {i}: 'content' is required")
+                content = ""
+            elif isinstance(content, list):
+                parts = []
+                for j, p in enumerate(content):
+                    if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                        raise ValueError(f"message {i} content part {j}: only {{'type': 'text', 'text': ...}} "
+                                         "parts are supported")
+                    parts.append(p["text"])
+                content = "\n".join(parts)
+            elif not isinstance(content, str):
+                raise ValueError(f"message {i}: 'content' must be a string or a list of text parts")
+            out.append({"role": role, "content": content})
+        return out
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise APIError("tools: tool calling is not supported by this server", param="tools",
+                           code="unsupported")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise APIError(f"response_format: only type 'text' is supported (got {fmt!r})",
+                           param="response_format", code="unsupported")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise APIError("max_completion_tokens: conflicts with max_tokens; send one of them",
+                           param="max_completion_tokens")
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+# --------------------------------------------------------------------------------------- responses
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def completion_logprobs(entries: list, text_offset: int, top_n: int) -> dict:
+    """Legacy completions logprobs for a run of tokens; each entry is [chosen, top-n...] Logprobs."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset
+    for e in entries:
+        chosen = e[0]
+        tokens.append(chosen.decoded)
+        token_lps.append(_lp(chosen.logprob))
+        if top_n:
+            d = {t.decoded: _lp(t.logprob) for t in e[1:1 + top_n]}
+            d.setdefault(chosen.decoded, _lp(chosen.logprob))
+            tops.append(d)
+        else:
+            tops.append(None)
+        offsets.append(off)
+        off += len(chosen.decoded)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list, top_n: int) -> dict:
+    def one(lp):
+        return {"token": lp.decoded, "logprob": _lp(lp.logprob), "bytes": list(lp.decoded.encode("utf-8"))}
+
+    content = []
+    for e in entries:
+        item = one(e[0])
+        item["top_logprobs"] = [one(t) for t in e[1:1 + top_n]]
+        content.append(item)
+    return {"content": content}
+
+
+FinishReason = Literal["stop", "length", "abort"]
