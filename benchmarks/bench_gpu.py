@@ -82,8 +82,7 @@ def bench_latency(bw: float, cfg: dict) -> list[dict]:
         rows.append(dict(bench="latency b=1", config="cuda graphs" if graphs else "eager",
                          ms_per_token=whole * 1e3, ttft_ms=m.ttft * 1e3, decode_step_ms=step * 1e3, roofline_ms=floor * 1e3,
                          pct_roofline=100 * floor / step, tok_s=1 / whole))
-        del llm
-        torch.cuda.empty_cache()
+        llm.engine.close()
     return rows
 
 
@@ -97,8 +96,7 @@ def run_engine(prompts, outs, **cfg) -> tuple[float, int]:
     dt = time.perf_counter() - t
     n = sum(len(r.token_ids) for r in res)
     assert n == sum(outs)
-    del llm
-    torch.cuda.empty_cache()
+    llm.engine.close()
     return dt, n
 
 

@@ -440,6 +440,20 @@ class LLMEngine:
         return dict(num_blocks=self.num_blocks, block_size=self.block_size, ref_counts=list(pool.ref_counts),
                     cached=[h is not None for h in pool.block_hash], block_tables=tables)
 
+    def close(self) -> None:
+        """Release the KV pool, graphs and weights now (engines otherwise wait for the garbage collector)."""
+        import gc
+        for seq in list(self.seqs.values()):
+            self.abort_request(seq.request_id)
+        self.runner.graphs = None
+        for layer in self.model.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
+        self.runner.kv_cache = None
+        self.model = self.runner.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def profile_step(self) -> None:
         """Run the next step under torch.profiler; its per-kernel table lands in `last_profile`."""
         self._profile_next = True

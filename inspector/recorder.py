@@ -342,7 +342,7 @@ class Recorder:
             steps = list(self._steps)
             records = list(self._records.values())
         with self._proc_lock:
-            if events and events[0][0] > self._processed + 1 and self._processed:
+            if events and events[0][0] > self._processed + 1:
                 self._dropped += events[0][0] - self._processed - 1
             for seq, ev in events:
                 if seq <= self._processed:
@@ -359,9 +359,9 @@ class Recorder:
             if events:
                 self._processed = max(self._processed, events[-1][0])
             now = time.perf_counter()
-            if self._last_step_end is not None:
-                # display "now" on the engine's clock; idle engines stop the open spans at their last step
-                now = max(self._last_step_end, min(now, self._last_step_end + 5.0))
+            if self._last_step_end is not None and not (self._last_step_end <= now <= self._last_step_end + 60.0):
+                # recorded / synthetic events, or a long-idle engine: open spans end at the last step
+                now = self._last_step_end
             now_step = float(self._last_step_idx + 1)
             tracks = [tr.copy(now, now_step) for tr in self._tracks.values()]
             t0 = self._t0 if self._t0 is not None else now

@@ -3,8 +3,13 @@
     python -m engine.entrypoints.openai.api_server --host 127.0.0.1 --port 8000 --model dummy:tiny
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not),
-`GET /health`, `GET /metrics` (Prometheus text format). `build_app(loop, ...)` returns the FastAPI app,
-so app.py can mount the Gradio UI beside it (`gr.mount_gradio_app(app, blocks, path="/")`).
+`GET /health`, `GET /metrics` (Prometheus text format).
+
+- `build_app(loop, api_key=None, ...)` returns a FastAPI app serving one EngineLoop.
+- `register(app, get_loop, api_key=None, ...)` adds the same routes to an existing FastAPI app (app.py
+  mounts the Gradio UI beside them with `gr.mount_gradio_app`). `get_loop()` is called per request, so
+  the engine behind the API may be rebuilt (new config) while the server runs; while there is none
+  the API answers 503.
 
 Faults and limits, all answered with OpenAI-style `{"error": {...}}` bodies:
 - 400: malformed JSON, a bad parameter (the error's `param` names it), a prompt that cannot fit.
@@ -30,10 +35,11 @@ import hmac
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -80,9 +86,11 @@ class _Tag:
 class _Job:
     """The engine requests behind one HTTP request (n choices x prompts), followed on the event loop."""
 
-    def __init__(self, server: "_Server", rids: list[str], streams: list, prompt_ids: list[list[int]],
-                 prompt_of: list[int], params: list[SamplingParams]):
+    def __init__(self, server: "_Server", loop: EngineLoop, rids: list[str], streams: list,
+                 prompt_ids: list[list[int]], prompt_of: list[int], params: list[SamplingParams]):
         self.server = server
+        self.loop = loop
+        self.model_name = server.model_name_of(loop)
         self.rids = rids
         self.streams = streams
         self.prompt_ids = prompt_ids      # one per prompt
@@ -148,14 +156,18 @@ class _Job:
             if isinstance(x, BaseException):
                 self.closed[i] = True
                 if isinstance(x, EngineOverloaded):
-                    raise self.server.overloaded(str(x))
+                    raise self.server.overloaded(self.loop, str(x))
+                if getattr(self.loop, "_stop", False):     # the engine was shut down / rebuilt under us
+                    raise APIError(f"the engine was stopped while serving this request: {x}", 503,
+                                   "server_error", code="engine_stopped",
+                                   headers={"Retry-After": str(self.server.retry_after_s)})
                 raise APIError(f"engine error: {x}", 500, "server_error", code="engine_error")
             if not hasattr(x, "finished"):    # the end-of-stream marker
                 continue
             if x.finished:
                 self.closed[i] = True
                 self.finals[i] = x
-                self.server.metrics.observe(x)
+                self.server.metrics.observe(x, self.model_name)
             yield i, x
 
     def abort_unfinished(self) -> None:
@@ -167,8 +179,8 @@ class _Job:
             return
         for i, c in enumerate(self.closed):
             self.closed[i] = True
-        self.server.metrics.success["abort"].inc(len(todo))
-        loop = self.server.loop
+        self.server.metrics.count_aborted(self.model_name, len(todo))
+        loop = self.loop
 
         def abort():
             for rid in todo:
@@ -211,36 +223,66 @@ class _SSEResponse(StreamingResponse):
 
 # ------------------------------------------------------------------------------------------ server
 class _Server:
-    def __init__(self, loop: EngineLoop, api_key: str | None, served_model_name: str | None,
+    def __init__(self, get_loop: Callable[[], EngineLoop], api_key: str | None, served_model_name: str | None,
                  request_timeout: float | None, max_body_bytes: int, retry_after_s: int,
                  metrics: ServerMetrics | None):
-        self.loop = loop
-        self.engine = loop.engine
+        self.get_loop = get_loop
         self.api_key = api_key
-        self.model_name = served_model_name or str(getattr(self.engine, "model_name", None) or "kvscope")
+        self.served_model_name = served_model_name
         self.request_timeout = request_timeout
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
-        self.metrics = metrics or ServerMetrics(loop, self.model_name)
+        self.metrics = metrics or ServerMetrics(self._loop_or_none, self.model_name_of)
         self.created = int(time.time())
+        self._admit = threading.Lock()     # capacity check + submits of one request, atomically
 
-    # ---- helpers ------------------------------------------------------------------------------
-    def overloaded(self, detail: str) -> APIError:
-        limit = self.engine.config.max_waiting_requests
+    # ---- the engine behind the API ------------------------------------------------------------
+    def _loop_or_none(self) -> EngineLoop | None:
+        try:
+            return self.get_loop()
+        except Exception:  # noqa: BLE001 - no engine right now (starting, restarting, failed)
+            return None
+
+    def current(self) -> EngineLoop:
+        try:
+            loop = self.get_loop()
+        except Exception as e:  # noqa: BLE001
+            raise APIError(f"the engine is not available right now ({e}); retry shortly", 503, "server_error",
+                           code="engine_unavailable", headers={"Retry-After": str(self.retry_after_s)})
+        if loop is None or getattr(loop, "_stop", False):
+            raise APIError("the engine is not available right now; retry shortly", 503, "server_error",
+                           code="engine_unavailable", headers={"Retry-After": str(self.retry_after_s)})
+        return loop
+
+    def model_name_of(self, loop: EngineLoop | None) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        eng = getattr(loop, "engine", None)
+        return str(getattr(eng, "model_name", None) or "kvscope")
+
+    def healthy(self) -> tuple[bool, str]:
+        loop = self._loop_or_none()
+        if loop is None:
+            return False, "no engine (starting, restarting or failed)"
+        t = getattr(loop, "_thread", None)
+        if t is None or not t.is_alive() or getattr(loop, "_stop", False):
+            return False, "the engine loop is not running"
+        return True, "ok"
+
+    def overloaded(self, loop: EngineLoop, detail: str) -> APIError:
+        limit = loop.engine.config.max_waiting_requests
         return APIError(f"The server is overloaded: the engine's waiting queue is full "
                         f"(max_waiting_requests={limit}); retry after {self.retry_after_s} s. [{detail}]",
                         503, "server_overloaded", code="queue_full",
                         headers={"Retry-After": str(self.retry_after_s)})
 
-    def healthy(self) -> bool:
-        t = getattr(self.loop, "_thread", None)
-        return t is not None and t.is_alive() and not getattr(self.loop, "_stop", False)
-
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}` "
+    def check_model(self, model: str | None, loop: EngineLoop) -> None:
+        name = self.model_name_of(loop)
+        if model and model != name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{name}` "
                            "(see GET /v1/models).", 404, "NotFoundError", param="model", code="model_not_found")
 
+    # ---- request parsing ----------------------------------------------------------------------
     async def read_json(self, request: Request, model_cls):
         limit = self.max_body_bytes
         cl = request.headers.get("content-length")
@@ -275,7 +317,8 @@ class _Server:
         param = rename.get(m.group(1), m.group(1))
         return APIError(f"{param}: {m.group(2)}", param=param, code="invalid_value")
 
-    def _sampling(self, req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    @staticmethod
+    def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
         kw: dict[str, Any] = dict(max_tokens=max_tokens, seed=seed, logprobs=logprobs, stop=list(req.stop or []),
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
@@ -287,17 +330,12 @@ class _Server:
                 kw[name] = v
         return SamplingParams(**kw)
 
-    def _room(self, prompt_len: int) -> int:
-        eng = self.engine
-        cap = min(eng.max_model_len, (eng.num_blocks - 1) * eng.block_size)
-        return cap - prompt_len
-
     # ---- submission (runs on a worker thread: it may tokenize and wait for the loop's lock) -----
-    def _submit(self, prompts: list, req, chat: bool) -> _Job:
-        eng = self.engine
+    def _submit(self, loop: EngineLoop, prompts: list, req, chat: bool) -> _Job:
+        eng = loop.engine
         limit_param = req.limit_param if chat else "max_tokens"
         rename = {"logprobs": "top_logprobs" if chat else "logprobs", "prompt": "messages" if chat else "prompt",
-                  "max_tokens": limit_param, "min_tokens": "min_tokens"}
+                  "max_tokens": limit_param}
         prompt_ids: list[list[int]] = []
         for p in prompts:
             try:
@@ -314,47 +352,68 @@ class _Server:
         else:
             logprobs = req.logprobs
             user_limit = req.max_tokens if req.max_tokens is not None else 16
-        n = req.n
+        mml = eng.max_model_len
         params, prompt_of = [], []
         for pi, ids in enumerate(prompt_ids):
             max_tokens = user_limit
             if max_tokens is None:              # chat without a limit: whatever room the context leaves
-                max_tokens = self._room(len(ids))
+                max_tokens = min(mml, (eng.num_blocks - 1) * eng.block_size) - len(ids)
                 if max_tokens < 1:
                     raise APIError(f"messages: the conversation is {len(ids)} tokens; it leaves no room for "
-                                   f"output in max_model_len {eng.max_model_len}", param="messages")
-            for k in range(n):
+                                   f"output in max_model_len {mml}", param="messages",
+                                   code="context_length_exceeded")
+            elif len(ids) < mml and len(ids) + max_tokens > mml:
+                raise APIError(f"{limit_param}: prompt ({len(ids)} tokens) + {limit_param} ({max_tokens}) = "
+                               f"{len(ids) + max_tokens} tokens exceeds this model's max_model_len ({mml}); "
+                               f"lower {limit_param} or shorten the prompt", param=limit_param,
+                               code="context_length_exceeded")
+            for k in range(req.n):
                 seed = None if req.seed is None else req.seed + k
                 try:
                     params.append(self._sampling(req, max_tokens, logprobs, seed))
                 except ValueError as e:
                     raise self._value_error(e, rename)
                 prompt_of.append(pi)
-        # accept the whole request or none of it
+        # validate every prompt before submitting any (a bad prompt must not leave others running)
+        for pi, ids in enumerate(prompt_ids):
+            first = prompt_of.index(pi)
+            try:
+                eng.make_sequence(ids, params[first], request_id="validate")
+            except ValueError as e:
+                raise self._value_error(e, rename)
+        # Accept the whole request or none of it. The capacity check and the submits are one critical
+        # section: EngineLoop.submit checks the queue and counts the new request in two separate lock
+        # sections, so concurrent submitters could all pass the check and the engine would then refuse
+        # the surplus after the 200 (and the stream) had begun.
         limit = eng.config.max_waiting_requests
-        if limit is not None:
-            queued = len(eng.scheduler.waiting) + getattr(self.loop, "_pending_admissions", 0)
-            if queued + len(params) > limit:
-                raise self.overloaded(f"{queued} queued + {len(params)} new > {limit}")
         base = uuid.uuid4().hex
         rids, streams = [], []
-        try:
-            for i, sp in enumerate(params):
-                rid = f"{base}-{i}"
-                streams.append(self.loop.submit(prompt_ids[prompt_of[i]], sp, request_id=rid))
-                rids.append(rid)
-        except (ValueError, EngineOverloaded) as e:
-            for rid in rids:
-                self.loop.abort(rid)
-            if isinstance(e, EngineOverloaded):
-                raise self.overloaded(str(e))
-            raise self._value_error(e, rename)
-        job = _Job(self, rids, streams, prompt_ids, prompt_of, params)
+        with self._admit:
+            if limit is not None:
+                queued = len(eng.scheduler.waiting) + getattr(loop, "_pending_admissions", 0)
+                if queued + len(params) > limit:
+                    raise self.overloaded(loop, f"{queued} queued + {len(params)} new > {limit}")
+            try:
+                for i, sp in enumerate(params):
+                    rid = f"{base}-{i}"
+                    streams.append(loop.submit(prompt_ids[prompt_of[i]], sp, request_id=rid))
+                    rids.append(rid)
+            except (ValueError, EngineOverloaded, RuntimeError) as e:
+                for rid in rids:
+                    loop.abort(rid)
+                if isinstance(e, EngineOverloaded):
+                    raise self.overloaded(loop, str(e))
+                if isinstance(e, ValueError):
+                    raise self._value_error(e, rename)
+                raise APIError(f"the engine is not available right now ({e}); retry shortly", 503,
+                               "server_error", code="engine_unavailable",
+                               headers={"Retry-After": str(self.retry_after_s)})
+        job = _Job(self, loop, rids, streams, prompt_ids, prompt_of, params)
         job.id_base = base
         return job
 
-    async def submit(self, prompts: list, req, chat: bool) -> _Job:
-        job = await run_in_threadpool(self._submit, prompts, req, chat)
+    async def submit(self, loop: EngineLoop, prompts: list, req, chat: bool) -> _Job:
+        job = await run_in_threadpool(self._submit, loop, prompts, req, chat)
         job.attach()
         return job
 
@@ -389,12 +448,13 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = await self.read_json(request, CompletionRequest)
         req.check_unsupported()
-        self.check_model(req.model)
+        loop = self.current()
+        self.check_model(req.model, loop)
         if req.echo and req.logprobs is not None:
             raise APIError("echo: not supported together with logprobs (no prompt logprobs)", param="echo",
                            code="unsupported")
-        job = await self.submit(req.prompt, req, chat=False)
-        echo = [self._echo_text(p) for p in req.prompt] if req.echo else None
+        job = await self.submit(loop, req.prompt, req, chat=False)
+        echo = [self._echo_text(loop, p) for p in req.prompt] if req.echo else None
         if req.stream:
             return _SSEResponse(self._completion_stream(req, job, echo), job)
         await self.run_to_end(job, request)
@@ -410,21 +470,22 @@ class _Server:
                 c["token_ids"] = list(out.token_ids)
             choices.append(c)
         body = {"id": f"cmpl-{job.id_base}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
+                "model": job.model_name, "choices": choices,
                 "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
                                     job.cached_tokens())}
         if req.return_token_ids:
             body["prompt_token_ids"] = job.prompt_ids[0] if len(job.prompt_ids) == 1 else job.prompt_ids
         return JSONResponse(body)
 
-    def _echo_text(self, p) -> str:
+    @staticmethod
+    def _echo_text(loop: EngineLoop, p) -> str:
         if isinstance(p, str):
             return p
-        tok = self.engine.tokenizer
+        tok = loop.engine.tokenizer
         return tok.decode(p, skip_special_tokens=False) if tok is not None else ""
 
     async def _completion_stream(self, req: CompletionRequest, job: _Job, echo) -> AsyncIterator[str]:
-        rid, created = f"cmpl-{job.id_base}", int(time.time())
+        rid, created, model = f"cmpl-{job.id_base}", int(time.time()), job.model_name
         k = len(job.streams)
         ntok, nchar, started = [0] * k, [0] * k, [False] * k
         gen = 0
@@ -449,13 +510,13 @@ class _Server:
                     choice["stop_reason"] = out.stop_reason
                 if req.return_token_ids:
                     choice["token_ids"] = new
-                chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                          "choices": [choice]}
                 if req.include_usage:
                     chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
                 yield _sse(chunk)
             if req.include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
         except APIError as e:
             job.abort_unfinished()
@@ -466,15 +527,16 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self.read_json(request, ChatCompletionRequest)
         req.check_unsupported()
-        self.check_model(req.model)
+        loop = self.current()
+        self.check_model(req.model, loop)
         try:
-            prompt = await run_in_threadpool(self.engine.apply_chat_template, req.messages,
+            prompt = await run_in_threadpool(loop.engine.apply_chat_template, req.messages,
                                              req.add_generation_prompt)
         except ValueError as e:
             raise self._value_error(e, {})
-        except Exception as e:  # a template that raises on these messages (e.g. role order)
+        except Exception as e:  # noqa: BLE001 - a template that raises on these messages (e.g. role order)
             raise APIError(f"messages: the chat template rejected them: {e}", param="messages")
-        job = await self.submit([prompt], req, chat=True)
+        job = await self.submit(loop, [prompt], req, chat=True)
         top_n = req.top_logprobs or 0
         if req.stream:
             return _SSEResponse(self._chat_stream(req, job, top_n), job)
@@ -490,7 +552,7 @@ class _Server:
                 c["token_ids"] = list(out.token_ids)
             choices.append(c)
         body = {"id": f"chatcmpl-{job.id_base}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices,
+                "model": job.model_name, "choices": choices,
                 "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
                                     job.cached_tokens())}
         if req.return_token_ids:
@@ -498,7 +560,7 @@ class _Server:
         return JSONResponse(body)
 
     async def _chat_stream(self, req: ChatCompletionRequest, job: _Job, top_n: int) -> AsyncIterator[str]:
-        rid, created = f"chatcmpl-{job.id_base}", int(time.time())
+        rid, created, model = f"chatcmpl-{job.id_base}", int(time.time()), job.model_name
         k = len(job.streams)
         ntok, started = [0] * k, [False] * k
         gen = 0
@@ -525,15 +587,14 @@ class _Server:
                     choice["stop_reason"] = out.stop_reason
                 if req.return_token_ids:
                     choice["token_ids"] = new
-                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": self.model_name, "choices": [choice]}
+                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": [choice]}
                 if req.include_usage:
                     chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
                 yield _sse(chunk)
             if req.include_usage:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                            "model": self.model_name, "choices": [],
-                            "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
         except APIError as e:
             job.abort_unfinished()
             yield _sse(e.body())
@@ -541,11 +602,12 @@ class _Server:
 
     # ---- /v1/models ---------------------------------------------------------------------------
     def models(self) -> dict:
-        eng = self.engine
+        loop = self.current()
+        eng = loop.engine
+        name = self.model_name_of(loop)
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvscope",
-            "root": str(eng.config.model or self.model_name), "parent": None,
-            "max_model_len": eng.max_model_len,
+            "id": name, "object": "model", "created": self.created, "owned_by": "kvscope",
+            "root": str(eng.config.model or name), "parent": None, "max_model_len": eng.max_model_len,
             "vocab_size": int(getattr(getattr(eng, "model_config", None), "vocab_size", 0) or 0)}]}
 
 
@@ -593,65 +655,74 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=e.headers)
 
 
-def build_app(loop: EngineLoop, api_key: str | None = None, *, served_model_name: str | None = None,
-              request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
-              metrics: ServerMetrics | None = None, app: FastAPI | None = None) -> FastAPI:
-    """The OpenAI-compatible API over `loop` (started here if it is not yet).
+def _guarded(handler):
+    """Route wrapper: APIError -> its OpenAI-style response; anything else -> a logged 500. Kept per route
+    (not app-wide exception handlers) so an app shared with the Gradio UI keeps its own error pages."""
+    async def route(request: Request):
+        try:
+            return await handler(request)
+        except APIError as e:
+            return _error_response(e)
+        except Exception as e:  # noqa: BLE001
+            log.exception("unhandled error on %s", request.url.path)
+            return JSONResponse(error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",
+                                           None, 500), 500)
+    route.__name__ = handler.__name__
+    return route
 
-    api_key: required as `Authorization: Bearer <key>` on /v1/* when set. request_timeout: seconds per
-    request (None: no limit). max_body_bytes: larger bodies get 413. retry_after_s: the Retry-After of
-    503s. metrics: a ServerMetrics to share (default: a fresh registry). app: add the routes to this
-    FastAPI app instead of a new one."""
+
+def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | None = None, *,
+             served_model_name: str | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
+             metrics: ServerMetrics | None = None) -> "_Server":
+    """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
+
+    get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
+    none: the API answers 503). api_key: required as `Authorization: Bearer <key>` on /v1/* when set.
+    request_timeout: seconds per request (None: no limit). max_body_bytes: larger bodies get 413.
+    retry_after_s: the Retry-After of 503s. metrics: a ServerMetrics to share (default: a new registry).
+    Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
     if not (isinstance(max_body_bytes, int) and max_body_bytes >= 1024):
         raise ValueError(f"max_body_bytes: must be an int >= 1024 (got {max_body_bytes!r})")
-    loop.start()
-    server = _Server(loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
+    server = _Server(get_loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
                      retry_after_s, metrics)
-    if app is None:
-        app = FastAPI(title="kvscope OpenAI-compatible API", docs_url="/docs", redoc_url=None)
-    app.state.kvscope = server
+    app.state.kvscope_api = server
     app.add_middleware(_ApiMiddleware, server=server)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return _error_response(e)
+    async def health(request: Request):
+        ok, why = server.healthy()
+        if ok:
+            return JSONResponse({"status": "ok", "model": server.model_name_of(server._loop_or_none())})
+        return JSONResponse(error_body(why, "server_error", None, 503), 503,
+                            headers={"Retry-After": str(retry_after_s)})
+
+    async def metrics_(request: Request):
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(request: Request):
+        return JSONResponse(server.models())
+
+    app.add_api_route("/health", _guarded(health), methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics", _guarded(metrics_), methods=["GET"], include_in_schema=False)
+    app.add_api_route("/v1/models", _guarded(models), methods=["GET"])
+    app.add_api_route("/v1/completions", _guarded(server.completions), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", _guarded(server.chat), methods=["POST"])
+    return server
+
+
+def build_app(loop: EngineLoop, api_key: str | None = None, **kwargs) -> FastAPI:
+    """A FastAPI app serving `loop` (started here if it is not yet); kwargs as in `register`."""
+    loop.start()
+    app = FastAPI(title="kvscope OpenAI-compatible API", docs_url="/docs", redoc_url=None)
+    register(app, lambda: loop, api_key, **kwargs)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}", kind, None, e.status_code),
-                            e.status_code, headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal server error: {type(e).__name__}: {e}", "server_error", None, 500),
-                            500)
-
-    @app.get("/health")
-    async def health():
-        if server.healthy():
-            return {"status": "ok", "model": server.model_name}
-        return JSONResponse(error_body("the engine loop is not running", "server_error", None, 503), 503)
-
-    @app.get("/metrics")
-    async def metrics_():
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return server.models()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await server.completions(request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await server.chat(request)
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}", kind, None,
+                                       e.status_code), e.status_code, headers=getattr(e, "headers", None))
 
     return app
 
@@ -747,10 +818,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info")
 
 
-def build_app_from_args(loop: EngineLoop, args: argparse.Namespace) -> FastAPI:
-    return build_app(loop, api_key=args.api_key, served_model_name=args.served_model_name,
-                     request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                     retry_after_s=args.retry_after)
+def server_kwargs(args: argparse.Namespace) -> dict:
+    """`register`/`build_app` keyword arguments from the flags of `add_server_args`."""
+    return dict(api_key=args.api_key, served_model_name=args.served_model_name,
+                request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
+                retry_after_s=args.retry_after)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -763,9 +835,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = EngineLoop(engine_config_from_args(args))
-    app = build_app_from_args(loop, args)
-    log.info("serving %s on http://%s:%d (max_waiting_requests=%s)", app.state.kvscope.model_name, args.host,
-             args.port, loop.config.max_waiting_requests)
+    app = build_app(loop, **server_kwargs(args))
+    log.info("serving %s on http://%s:%d (max_waiting_requests=%s)",
+             app.state.kvscope_api.model_name_of(loop), args.host, args.port, loop.config.max_waiting_requests)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_graceful_shutdown=5)

@@ -17,7 +17,7 @@ Each server gets its own `CollectorRegistry`, so several apps can live in one pr
 """
 from __future__ import annotations
 
-import threading
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -38,26 +38,35 @@ API_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 class EngineCollector(Collector):
-    """Engine gauges and counters, read at scrape time from an EngineLoop (or anything with `.engine`)."""
+    """Engine gauges and counters, read at scrape time from the current EngineLoop.
 
-    def __init__(self, loop, model_name: str):
-        self.loop = loop
-        self.labels = {"model_name": model_name}
+    get_loop() returns the loop (or None while there is no engine: then nothing is reported; counters
+    restart from zero when the engine is rebuilt, which Prometheus' rate() treats as a counter reset).
+    model_name(loop) gives the `model_name` label."""
+
+    def __init__(self, get_loop: Callable[[], Any], model_name: Callable[[Any], str]):
+        self.get_loop = get_loop
+        self.model_name = model_name
+        self._label: list[str] = []
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self.labels))
-        g.add_metric(list(self.labels.values()), value)
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        g.add_metric(self._label, value)
         return g
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
-        c.add_metric(list(self.labels.values()), value)
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric(self._label, value)
         return c
 
     def collect(self):
-        eng = self.loop.engine
+        loop = self.get_loop()
+        eng = getattr(loop, "engine", None)
+        if eng is None:
+            return
+        self._label = [self.model_name(loop)]
         sched, bm = eng.scheduler, eng.block_manager
-        pending = getattr(self.loop, "_pending_admissions", 0)   # submitted, not yet admitted by the loop
+        pending = getattr(loop, "_pending_admissions", 0)   # submitted, not yet admitted by the loop
         yield self._gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
                           len(sched.waiting) + max(0, pending))
@@ -90,24 +99,24 @@ class EngineCollector(Collector):
                                 s["spec_decode_num_accepted_tokens"])
             per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                           "Draft tokens accepted, by draft position.",
-                                          labels=list(self.labels) + ["position"])
+                                          labels=["model_name", "position"])
             for i, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
-                per_pos.add_metric(list(self.labels.values()) + [str(i)], n)
+                per_pos.add_metric(self._label + [str(i)], n)
             yield per_pos
 
 
 class ServerMetrics:
     """The registry behind `GET /metrics`: engine collector + per-request histograms + API counters."""
 
-    def __init__(self, loop, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, get_loop: Callable[[], Any], model_name: Callable[[Any], str],
+                 registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.model_name = model_name
-        self.registry.register(EngineCollector(loop, model_name))
+        self.registry.register(EngineCollector(get_loop, model_name))
         lab = ["model_name"]
         r = self.registry
 
         def hist(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, lab, registry=r, buckets=buckets).labels(model_name)
+            return Histogram(PREFIX + name, doc, lab, registry=r, buckets=buckets)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token: arrival -> first token.",
                          TTFT_BUCKETS)
@@ -121,42 +130,45 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "First token -> last token.", REQUEST_BUCKETS)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self.gen_len = hist("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
-        succ = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                       lab + ["finished_reason"], registry=r)
-        self.success = {k: succ.labels(model_name, k) for k in FINISH_REASONS}
+        self.success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                               lab + ["finished_reason"], registry=r)
         api = Counter(PREFIX + "api_requests", "HTTP API requests by endpoint and status code.",
                       ["endpoint", "status"], registry=r)
         self._api = api
-        self._lock = threading.Lock()
 
-    def observe(self, out) -> None:
+    def observe(self, out, model_name: str) -> None:
         """Record one finished RequestOutput (its engine-stamped RequestMetrics)."""
-        reason = out.finish_reason or "abort"
-        if reason in self.success:
-            self.success[reason].inc()
+        reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "abort"
+        self.success.labels(model_name, reason).inc()
         if reason == "abort":          # cancelled/timed-out requests stay out of the latency histograms
             return
         m = out.metrics
         n = len(out.token_ids)
-        self.prompt_len.observe(len(out.prompt_token_ids))
-        self.gen_len.observe(n)
+        h = {k: getattr(self, k).labels(model_name) for k in
+             ("ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "prompt_len", "gen_len")}
+        h["prompt_len"].observe(len(out.prompt_token_ids))
+        h["gen_len"].observe(n)
         if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
+            h["ttft"].observe(m.first_token_time - m.arrival_time)
         end = m.finished_time if m.finished_time is not None else m.last_token_time
         if end is not None:
-            self.e2e.observe(end - m.arrival_time)
+            h["e2e"].observe(end - m.arrival_time)
         if m.first_scheduled_time is not None:
-            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            h["queue"].observe(m.first_scheduled_time - m.arrival_time)
             if m.first_token_time is not None:
-                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+                h["prefill"].observe(m.first_token_time - m.first_scheduled_time)
         if m.first_token_time is not None and m.last_token_time is not None:
-            self.decode.observe(m.last_token_time - m.first_token_time)
-        t = m.token_times
+            h["decode"].observe(m.last_token_time - m.first_token_time)
+        t = list(m.token_times)
         for a, b in zip(t, t[1:]):
-            self.itl.observe(b - a)
+            h["itl"].observe(b - a)
         tpot = m.tpot(n)
         if tpot is not None:
-            self.tpot.observe(tpot)
+            h["tpot"].observe(tpot)
+
+    def count_aborted(self, model_name: str, n: int = 1) -> None:
+        """Requests the server aborted (client gone, timeout) before they finished."""
+        self.success.labels(model_name, "abort").inc(n)
 
     def count_api(self, path: str, status: int) -> None:
         endpoint = path if path in API_ENDPOINTS else "other"

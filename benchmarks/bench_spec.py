@@ -1,0 +1,187 @@
+"""Speculative decoding benchmark: output tok/s with and without each drafter, acceptance rate and length.
+
+Workloads (chat-templated, greedy, so every method must reproduce the baseline tokens exactly):
+  rewrite - repetition-friendly: repeat / fix typos / rename a variable in code / summarise a given text;
+  chat    - plain questions whose answers are not in the prompt.
+Modes: "b1" runs the requests one after another (batch 1, the latency case speculation targets);
+       "b4" submits them together (continuous batching, 4 requests).
+Methods: none; ngram (prompt lookup); self (SmolLM2's first L layers + final norm + LM head); draft (a
+separate model: SmolLM2 truncated to its first layers, saved as its own folder, own KV pool: no training).
+
+Usage: python benchmarks/bench_spec.py [--threads 1] [--max-tokens 128] [--methods none,ngram,self,draft]
+Writes benchmarks/results/spec_<device>.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+PARAGRAPH = ("The city library opened in 1952 and quickly became the heart of the neighbourhood. Every "
+             "Saturday morning, children gathered in the reading room to listen to stories, while their "
+             "parents browsed the new arrivals. In 1987 the building was expanded with a second floor that "
+             "holds the music collection and a small café. Today the library lends more than two hundred "
+             "thousand items a year and runs free classes on computers, languages and gardening.")
+TYPOS = ("Teh city libary opened in 1952 and quikly became the hart of the neighbourhood. Every Saturday "
+         "morning, childern gathered in the reading room to listen to storys, while there parents browsed "
+         "the new arivals. In 1987 the bilding was expanded with a secnd floor.")
+CODE = '''def summarize(data, limit=10):
+    """Return the count, mean and the largest values of data."""
+    if not data:
+        return {"count": 0, "mean": None, "top": []}
+    total = 0
+    for value in data:
+        total += value
+    mean = total / len(data)
+    top = sorted(data, reverse=True)[:limit]
+    return {"count": len(data), "mean": mean, "top": top}
+'''
+WORKLOADS = {
+    "rewrite": [
+        f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
+        f"Fix the spelling mistakes in this text and output the corrected text in full:\n\n{TYPOS}",
+        f"Rename the parameter `data` to `values` in this Python function and output the complete "
+        f"updated code:\n\n```python\n{CODE}```",
+        f"Summarize the following text in three sentences, reusing its wording:\n\n{PARAGRAPH}",
+    ],
+    "chat": [
+        "What are three good habits for sleeping better? Explain each one.",
+        "Write a short story about a robot who learns to paint.",
+        "Explain how a bicycle works to a ten-year-old.",
+        "What should I pack for a weekend hiking trip in the mountains?",
+    ],
+}
+
+
+def truncated_draft(num_layers: int) -> str:
+    """SmolLM2-135M-Instruct cut to its first num_layers layers, saved as a standalone model folder."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.bundled import ensure_bundled
+    src = ensure_bundled()
+    dst = src.parent / f"{src.name}-first{num_layers}"
+    if (dst / "model.safetensors").exists():
+        return str(dst)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = num_layers
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    keep = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+            continue
+        keep[name] = t.contiguous()
+    save_file(keep, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(f, tmp / f.name)
+    tmp.rename(dst)
+    return str(dst)
+
+
+def run_mode(llm: LLM, prompts: list[str], mode: str, sp: SamplingParams):
+    eng = llm.engine
+    texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    t0 = time.perf_counter()
+    if mode == "b1":
+        outs = [llm.generate([t], sp, use_tqdm=False)[0] for t in texts]
+    else:
+        outs = llm.generate(texts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return outs, wall
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--methods", default="none,ngram,self,draft")
+    ap.add_argument("--modes", default="b1,b4")
+    ap.add_argument("--workloads", default="rewrite,chat")
+    ap.add_argument("--k-ngram", type=int, default=4)
+    ap.add_argument("--k-self", type=int, default=2)
+    ap.add_argument("--self-layers", type=int, default=20)
+    ap.add_argument("--k-draft", type=int, default=3)
+    ap.add_argument("--draft-layers", type=int, default=10, help="layers kept in the truncated draft model")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = {
+        "none": {},
+        "ngram": dict(speculative_method="ngram", num_speculative_tokens=args.k_ngram, ngram_min=1, ngram_max=4),
+        "self": dict(speculative_method="self", num_speculative_tokens=args.k_self, draft_layers=args.self_layers),
+        "draft": dict(speculative_method="draft", num_speculative_tokens=args.k_draft),
+    }
+    labels = {"none": "none", "ngram": f"ngram k={args.k_ngram}",
+              "self": f"self L={args.self_layers} k={args.k_self}",
+              "draft": f"draft {args.draft_layers}-layer k={args.k_draft}"}
+    chosen = args.methods.split(",")
+    if "draft" in chosen:
+        methods["draft"]["draft_model"] = truncated_draft(args.draft_layers)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rows, baseline = [], {}
+    load0 = os.getloadavg()
+    for method in chosen:
+        llm = LLM(model=args.model, device=args.device, cpu_kv_cache_gib=0.25, max_model_len=2048,
+                  **methods[method])
+        eng = llm.engine
+        llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)        # warm-up
+        for wl in args.workloads.split(","):
+            for mode in args.modes.split(","):
+                before = eng.drafter.total_stats() if eng.drafter else None
+                outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
+                ntok = sum(len(o.token_ids) for o in outs)
+                row = dict(workload=wl, mode=mode, method=labels[method], out_tokens=ntok, wall_s=wall,
+                           tok_s=ntok / wall,
+                           tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs))
+                key = (wl, mode)
+                toks = [o.token_ids for o in outs]
+                if method == "none":
+                    baseline[key] = (toks, row["tok_s"])
+                if key in baseline:
+                    row["speedup"] = row["tok_s"] / baseline[key][1]
+                    row["identical"] = toks == baseline[key][0]
+                if eng.drafter:
+                    after = eng.drafter.total_stats()
+                    d = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                           "spec_decode_num_accepted_tokens")}
+                    row["drafts"] = d["spec_decode_num_drafts"]
+                    row["accept_rate"] = (d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_draft_tokens"]
+                                          if d["spec_decode_num_draft_tokens"] else None)
+                    row["mean_len"] = (1 + d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_drafts"]
+                                       if d["spec_decode_num_drafts"] else None)
+                    row["per_pos"] = [a - b for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
+                                                             before["spec_decode_num_accepted_tokens_per_pos"])]
+                rows.append(row)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+                      flush=True)
+        del llm, eng
+    dev = device_name(args.device)
+    payload = dict(device=dev, model=args.model or "SmolLM2-135M-Instruct (bundled, fp32)",
+                   torch_threads=torch.get_num_threads(), loadavg_before=load0, loadavg_after=os.getloadavg(),
+                   max_tokens=args.max_tokens, greedy=True, args=vars(args), rows=rows)
+    path = write_json(f"spec_{slug(dev)}{args.tag}", payload)
+    print()
+    print_table(rows, ["workload", "mode", "method", "out_tokens", "tok_s", "speedup", "accept_rate",
+                       "mean_len", "tpot_ms", "identical"])
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Where does a throughput run spend its steps? Runs nano-vllm's workload under a few configs with an
+event listener and summarizes the engine's own StepEvents by step kind (the inspector's data, as a table).
+
+    python benchmarks/profile_steps.py [--requests 256] [--configs default,nochunk]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_gpu import MODEL, nano_workload  # noqa: E402
+from benchmarks.common import print_table  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+CONFIGS = {"default": {}, "nochunk": dict(enable_chunked_prefill=False), "budget4k": dict(max_num_batched_tokens=4096),
+           "nographs": dict(enable_cuda_graphs=False)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--configs", default="default,nochunk")
+    args = ap.parse_args()
+    prompts, outs = nano_workload(args.requests)
+    rows = []
+    for name in args.configs.split(","):
+        llm = LLM(MODEL, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
+                  enable_step_timings=False, **{**CONFIGS[name]})
+        llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
+        events = []
+        llm.engine.events.subscribe(lambda e: events.append(e) if getattr(e, "kind", "") == "step" else None)
+        params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        agg = defaultdict(lambda: defaultdict(float))
+        for e in events:
+            kind = "graph decode" if e.cuda_graph else ("eager decode" if e.num_prefill_tokens == 0 else "mixed/prefill")
+            a = agg[kind]
+            a["steps"] += 1
+            a["ms"] += (e.end - e.start) * 1e3
+            a["batch"] += len(e.scheduled)
+            a["tokens"] += e.num_prefill_tokens + e.num_decode_tokens
+            for k, v in e.timings.items():
+                a[k] += v * 1e3
+        for kind, a in agg.items():
+            n = a["steps"]
+            rows.append(dict(config=name, kind=kind, steps=int(n), total_s=a["ms"] / 1e3, step_ms=a["ms"] / n,
+                             batch=a["batch"] / n, tokens=a["tokens"] / n,
+                             **{k: a[k] / n for k in ("schedule", "prepare", "forward", "sampling", "postprocess")}))
+        rows.append(dict(config=name, kind="WALL", total_s=wall, steps=len(events)))
+        llm.engine.close()
+    print_table(rows, ["config", "kind", "steps", "total_s", "step_ms", "batch", "tokens", "schedule", "prepare",
+                       "forward", "sampling", "postprocess"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""Simulated users over HTTP: the load generator's workloads sent to any OpenAI-compatible server.
+
+The same seeded `LoadSpec` as `inspector.load` (gamma/Poisson arrivals, length distributions, shared
+prefix, multi-turn) is built into the same items (`build_workload`), then each request is sent as a
+streaming `POST /v1/completions` whose prompt is the token-id list (exact lengths on any server that
+accepts token-id prompts: kvscope, vLLM, SGLang, llama.cpp, OpenAI), or to `/v1/chat/completions` with
+the ids decoded to text by a tokenizer you pass.
+
+Timings are taken over the wire on this machine's `time.perf_counter()` clock (the engine's clock, so
+an in-process server's records line up with the inspector's timeline): arrival = just before the
+request is sent; first token = the first streamed chunk with text (or token ids); one token stamp per
+such chunk (the ITL samples); finish = the end of the stream. Token counts come from the stream's final
+`usage` (`stream_options.include_usage`). Results are `RequestRecord`s, the type the in-process
+`LoadRunner` produces, so `inspector.metrics.summarize` reports both the same way.
+
+`HttpLoadRunner` has LoadRunner's surface (`start`, `stop`, `wait`, `done`, `progress`, `summary`,
+`records`, `errors`), so the UI can offer both targets; `run_http_load` is the one-call blocking form.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from engine.outputs import RequestMetrics
+from inspector import metrics as M
+from inspector.load import LoadItem, LoadSpec, build_workload
+from inspector.recorder import RequestRecord
+
+log = logging.getLogger(__name__)
+_run_ids = itertools.count(1)
+DEFAULT_VOCAB = 32000        # random prompt ids stay below this unless the server says more (/v1/models)
+
+
+@dataclass
+class HttpTarget:
+    """Where to send load. base_url: "http://127.0.0.1:8000" (with or without a trailing /v1)."""
+    base_url: str
+    model: str | None = None          # None: the first model of GET /v1/models
+    api_key: str | None = None
+    endpoint: str = "completions"     # "completions" (token-id prompts) | "chat" (needs `tokenizer`)
+    extensions: bool = True           # send vLLM-style fields (ignore_eos, return_token_ids); off for OpenAI
+    timeout_s: float = 600.0          # per request
+    tokenizer: Any = None             # decodes token ids to text for endpoint="chat"
+    headers: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base URL: must start with http:// or https:// (got {self.base_url!r})")
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint: must be 'completions' or 'chat' (got {self.endpoint!r})")
+        if self.endpoint == "chat" and self.tokenizer is None:
+            raise ValueError("endpoint 'chat' needs a tokenizer to turn the workload's token ids into text")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout: must be > 0 s (got {self.timeout_s!r})")
+
+    @property
+    def v1(self) -> str:
+        b = self.base_url.rstrip("/")
+        return b if b.endswith("/v1") else b + "/v1"
+
+    def auth_headers(self) -> dict:
+        h = dict(self.headers)
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+def discover(target: HttpTarget, timeout: float = 10.0) -> dict:
+    """GET /v1/models: {"model", "max_model_len", "vocab_size"} (None where the server does not say)."""
+    r = httpx.get(target.v1 + "/models", headers=target.auth_headers(), timeout=timeout)
+    if r.status_code != 200:
+        raise ValueError(f"base URL: GET {target.v1}/models answered HTTP {r.status_code}: {r.text[:200]}")
+    data = r.json().get("data") or []
+    if not data:
+        raise ValueError(f"base URL: {target.v1}/models lists no models")
+    card = next((m for m in data if m.get("id") == target.model), None) if target.model else data[0]
+    if card is None:
+        raise ValueError(f"model: {target.model!r} is not served at {target.v1} "
+                         f"(it serves {[m.get('id') for m in data]})")
+    return {"model": card["id"], "max_model_len": card.get("max_model_len"), "vocab_size": card.get("vocab_size")}
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int | str, message: str):
+        super().__init__(f"HTTP {status}: {message}" if isinstance(status, int) else f"{status}: {message}")
+        self.status = status
+
+
+class HttpLoadRunner:
+    """Simulated users sending `spec` to an OpenAI-compatible server; LoadRunner's interface.
+
+    `start()` returns at once (the requests run on an asyncio loop in a background thread);
+    `progress()`/`summary()` may be polled from any thread; `stop()` cancels what is in flight by closing
+    its connections (a kvscope server then aborts those requests and frees their KV blocks)."""
+
+    def __init__(self, target: HttpTarget | str, spec: LoadSpec, slo: M.SLO | None = None,
+                 vocab_size: int | None = None, special_ids=(), max_model_len: int | None = None,
+                 on_record: Callable[[RequestRecord], None] | None = None, discover_server: bool = True):
+        self.target = HttpTarget(target) if isinstance(target, str) else target
+        self.spec = spec
+        self.slo = slo
+        self.run_id = f"H{next(_run_ids)}"
+        self.on_record = on_record
+        info = discover(self.target) if discover_server else {}
+        self.model = self.target.model or info.get("model")
+        if self.model is None:
+            raise ValueError("model: give HttpTarget.model when the server is not asked (/v1/models)")
+        self.max_model_len = max_model_len or info.get("max_model_len")
+        self.vocab_size = vocab_size or min(info.get("vocab_size") or DEFAULT_VOCAB, 1 << 20)
+        spec.validate(self.max_model_len)
+        self.prefix, self.items = build_workload(spec, self.vocab_size, special_ids)
+        self.records: list[RequestRecord] = []
+        self.errors: list[str] = []
+        self.status_counts: Counter = Counter()
+        self._lock = threading.Lock()
+        self._submitted = self._finished = self._failed = 0
+        self._t_start: float | None = None
+        self._t_end: float | None = None
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task | None = None
+        self._summary: dict | None = None
+
+    # ------------------------------------------------------------------ control (LoadRunner's surface)
+    def start(self) -> "HttpLoadRunner":
+        self._t_start = time.perf_counter()
+        self._thread = threading.Thread(target=self._thread_main, name=f"kvscope-http-load-{self.run_id}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        aloop, main = self._aloop, self._main
+        if aloop is not None and main is not None and not aloop.is_closed():
+            try:
+                aloop.call_soon_threadsafe(main.cancel)
+            except RuntimeError:   # the loop closed meanwhile
+                pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def progress(self) -> dict:
+        with self._lock:
+            total = len(self.items)
+            now = self._t_end or time.perf_counter()
+            return dict(run_id=self.run_id, name=self.spec.name, total=total, submitted=self._submitted,
+                        finished=self._finished, failed=self._failed,
+                        in_flight=max(0, self._submitted - self._finished - self._failed),
+                        not_sent=total - self._submitted,
+                        elapsed_s=(now - self._t_start) if self._t_start else 0.0,
+                        fraction=(self._finished + self._failed) / total if total else 1.0,
+                        done=self._done.is_set(), stopped=self._stop.is_set(), errors=list(self.errors[-5:]),
+                        target=self.target.v1, http_status=dict(self.status_counts))
+
+    def summary(self) -> dict:
+        if self._summary is not None:
+            return self._summary
+        with self._lock:
+            recs = list(self.records)
+        s = M.summarize(recs, slo=self.slo)
+        s["num_requests"] = len(self.items)
+        s["failed"] = self._failed
+        s["not_sent"] = len(self.items) - self._submitted
+        s["stopped"] = self._stop.is_set()
+        s["target"] = self.target.v1
+        s["model"] = self.model
+        s["http_status"] = {str(k): v for k, v in sorted(self.status_counts.items(), key=lambda kv: str(kv[0]))}
+        if self._done.is_set():
+            self._summary = s
+        return s
+
+    # ------------------------------------------------------------------ internals
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except Exception as e:  # noqa: BLE001 - never leave a caller waiting
+            log.exception("HTTP load runner failed")
+            self.errors.append(f"runner: {type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._t_end = time.perf_counter()
+            self._done.set()
+
+    async def _run(self) -> None:
+        self._aloop = asyncio.get_running_loop()
+        self._main = asyncio.current_task()
+        if self._stop.is_set():
+            return
+        spec = self.spec
+        conc = spec.max_concurrency
+        sem = asyncio.Semaphore(conc) if conc else None
+        turns = max(1, spec.num_turns)
+        by_user: dict[int, list[LoadItem]] = {}
+        for it in self.items:
+            by_user.setdefault(it.user, []).append(it)
+        limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc or 64)
+        timeout = httpx.Timeout(self.target.timeout_s, connect=30.0)
+        t0 = self._t_start or time.perf_counter()
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self.target.auth_headers()) as client:
+
+            async def user(items: list[LoadItem]) -> None:
+                history = list(self.prefix)
+                delay = t0 + items[0].arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                for k, it in enumerate(items):
+                    prompt = history + it.new_tokens
+                    if sem is not None:
+                        await sem.acquire()
+                    try:
+                        with self._lock:
+                            self._submitted += 1
+                        out_ids = await self._one(client, it, prompt)
+                    except asyncio.CancelledError:    # stop(): the connection closes, the server aborts
+                        with self._lock:
+                            self._failed += 1
+                            self.status_counts["cancelled"] += 1
+                        raise
+                    except Exception as e:  # noqa: BLE001 - one failed request never stops the load
+                        status = getattr(e, "status", type(e).__name__)
+                        with self._lock:
+                            self._failed += 1 + (len(items) - k - 1)   # later turns cannot happen
+                            self._submitted += len(items) - k - 1
+                            self.status_counts[status] += 1
+                            self.errors.append(f"request {it.index}: {e}")
+                        return
+                    finally:
+                        if sem is not None:
+                            sem.release()
+                    if k + 1 < turns:
+                        history = prompt + out_ids
+                        if spec.think_time_s:
+                            await asyncio.sleep(spec.think_time_s)
+
+            tasks = [asyncio.ensure_future(user(v)) for _, v in sorted(by_user.items())]
+            try:
+                await asyncio.gather(*tasks)
+            except asyncio.CancelledError:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _body(self, it: LoadItem, prompt: list[int]) -> tuple[str, dict]:
+        spec, t = self.spec, self.target
+        body: dict[str, Any] = {"model": self.model, "max_tokens": it.max_tokens, "temperature": spec.temperature,
+                                "stream": True, "stream_options": {"include_usage": True}}
+        if spec.seed is not None:
+            body["seed"] = spec.seed
+        if t.extensions:
+            body["ignore_eos"] = spec.ignore_eos
+            body["return_token_ids"] = True
+        if t.endpoint == "chat":
+            text = t.tokenizer.decode(prompt)
+            body["messages"] = [{"role": "user", "content": text}]
+            return t.v1 + "/chat/completions", body
+        body["prompt"] = prompt
+        return t.v1 + "/completions", body
+
+    async def _one(self, client: httpx.AsyncClient, it: LoadItem, prompt: list[int]) -> list[int]:
+        url, body = self._body(it, prompt)
+        payload = json.dumps(body).encode()
+        rid = f"{self.run_id}-u{it.user}t{it.turn}" if self.spec.num_turns > 1 else f"{self.run_id}-{it.index:03d}"
+        m = RequestMetrics(arrival_time=time.perf_counter())
+        out_ids: list[int] = []
+        usage: dict | None = None
+        finish = None
+        n_chunks = 0
+        async with client.stream("POST", url, content=payload,
+                                 headers={"Content-Type": "application/json"}) as r:
+            if r.status_code != 200:
+                raw = (await r.aread()).decode("utf-8", "replace")
+                try:
+                    msg = json.loads(raw)["error"]["message"]
+                except Exception:  # noqa: BLE001
+                    msg = raw[:200]
+                raise _HttpError(r.status_code, msg)
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):      # an error after the 200: reported inside the stream
+                    err = obj["error"]
+                    raise _HttpError(f"stream:{err.get('code') or err.get('type') or 'error'}",
+                                     err.get("message", str(err)))
+                now = time.perf_counter()
+                for ch in obj.get("choices") or []:
+                    text = ch.get("text")
+                    if text is None:
+                        text = (ch.get("delta") or {}).get("content") or ""
+                    ids = ch.get("token_ids") or []
+                    if text or ids:
+                        if m.first_token_time is None:
+                            m.first_token_time = now
+                        m.token_times.append(now)
+                        m.last_token_time = now
+                        n_chunks += 1
+                    out_ids.extend(ids)
+                    if ch.get("finish_reason"):
+                        finish = ch["finish_reason"]
+                if obj.get("usage"):
+                    usage = obj["usage"]
+        m.finished_time = time.perf_counter()
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        m.num_cached_tokens = int(details.get("cached_tokens") or 0)
+        out_len = (usage or {}).get("completion_tokens")
+        if out_len is None:
+            out_len = len(out_ids) or n_chunks
+        rec = RequestRecord(request_id=rid, prompt_len=int((usage or {}).get("prompt_tokens") or len(prompt)),
+                            output_len=int(out_len), finish_reason=finish or "stop", metrics=m)
+        with self._lock:
+            self.records.append(rec)
+            self._finished += 1
+            self.status_counts[200] += 1
+        if self.on_record is not None:
+            try:
+                self.on_record(rec)
+            except Exception:  # noqa: BLE001
+                log.exception("on_record failed")
+        return out_ids
+
+
+def run_http_load(target: HttpTarget | str, spec: LoadSpec, timeout: float | None = None,
+                  **kwargs) -> list[RequestRecord]:
+    """Send `spec` to an OpenAI-compatible server and wait: the per-request records (failures are left
+    out, as in the in-process runner; see HttpLoadRunner.errors for them)."""
+    runner = HttpLoadRunner(target, spec, **kwargs).start()
+    if not runner.wait(timeout):
+        runner.stop()
+        runner.wait(30)
+    return list(runner.records)
+
+
+def format_progress(p: dict) -> str:
+    state = "stopped" if p["stopped"] and p["done"] else ("done" if p["done"] else "running")
+    codes = ", ".join(f"{k}: {v}" for k, v in sorted(p.get("http_status", {}).items(), key=lambda kv: str(kv[0])))
+    return (f"{p['name']} → {p.get('target', 'HTTP')}: {state} — {p['finished']}/{p['total']} finished, "
+            f"{p['in_flight']} in flight, {p['failed']} failed/cancelled, {p['elapsed_s']:.1f} s"
+            + (f" (HTTP {codes})" if codes else ""))
+
+
+__all__ = ["HttpTarget", "HttpLoadRunner", "run_http_load", "discover", "format_progress"]

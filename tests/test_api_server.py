@@ -1,0 +1,399 @@
+"""The OpenAI-compatible server, driven over real HTTP (uvicorn on a free port) with the official client."""
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import EngineConfig
+from engine.async_engine import EngineLoop
+from engine.entrypoints.openai.api_server import ServerThread, build_app
+
+MODEL = "dummy:tiny"
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=256, block_size=16, max_model_len=1024,
+                                 max_num_seqs=4, max_waiting_requests=6)).start()
+    yield lp
+    lp.shutdown()
+
+
+@pytest.fixture(scope="module")
+def srv(loop):
+    with ServerThread(build_app(loop)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def guarded(loop):
+    """Same engine, second app: API key, short request timeout, small body limit."""
+    with ServerThread(build_app(loop, api_key="sekrit", request_timeout=0.5, max_body_bytes=4096)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok(loop):
+    return loop.engine.tokenizer
+
+
+def wait_all_free(loop, timeout=5.0):
+    """Every KV block back on the free list and nothing running or waiting."""
+    full = loop.engine.num_blocks - 1
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        s = loop.stats()
+        if s["num_free_blocks"] == full and s["num_running"] == 0 and s["num_waiting"] == 0:
+            return s
+        time.sleep(0.01)
+    raise AssertionError(f"KV blocks not freed: {loop.stats()}")
+
+
+def sse_lines(r: httpx.Response) -> list[str]:
+    return [line for line in r.iter_lines() if line]
+
+
+# ------------------------------------------------------------------------------ basics
+def test_models_and_health(srv, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+    r = httpx.get(srv.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_completion_usage_and_stream_match(client, tok):
+    prompt = "The quick brown fox jumps over"
+    n_prompt = len(tok.encode(prompt, add_special_tokens=False))
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, extra_body=NO_EOS)
+    c = full.choices[0]
+    assert c.finish_reason == "length" and c.index == 0 and c.text
+    assert full.usage.prompt_tokens == n_prompt
+    assert full.usage.completion_tokens == 7 and full.usage.total_tokens == n_prompt + 7
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=NO_EOS))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == c.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_sse_wire_format(srv):
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                      json={"prompt": "Hi", "max_tokens": 3, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = sse_lines(r)
+    assert lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_chat_stream_and_non_stream(client, tok):
+    msgs = [{"role": "user", "content": "Say something."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body=NO_EOS)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 6 and full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == len(tok.encode(tok.apply_chat_template(msgs, tokenize=False,
+                                                                              add_generation_prompt=True),
+                                                      add_special_tokens=False))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=NO_EOS))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_seeds_reproducible_and_n(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, extra_body=NO_EOS)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    c = client.completions.create(seed=1235, **kw).choices[0].text
+    assert a == b and a != c
+    # n choices use seeds seed, seed+1, ...: each equals the single request with that seed
+    many = client.completions.create(seed=1234, n=3, **kw)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == a and many.choices[1].text == c
+    assert len({ch.text for ch in many.choices}) == 3
+    assert many.usage.completion_tokens == 24
+
+
+def test_several_prompts_and_n(client, tok):
+    prompts = ["Hello there", "A much longer second prompt here"]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=4, temperature=0, extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text            # greedy: same prompt, same text
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p, add_special_tokens=False)) for p in prompts)
+    assert r.usage.completion_tokens == 16
+
+
+def test_token_id_prompt(client):
+    r = client.completions.create(model=MODEL, prompt=[1000, 2000, 3000], max_tokens=3, extra_body=NO_EOS)
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 3
+
+
+def test_stop_strings(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", temperature=0, extra_body=NO_EOS)
+    full = client.completions.create(max_tokens=24, **kw).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    want = full[:full.index(stop)]
+    r = client.completions.create(max_tokens=24, stop=[stop], **kw).choices[0]
+    assert r.text == want and r.finish_reason == "stop"
+    streamed = list(client.completions.create(max_tokens=24, stop=stop, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in streamed) == want
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    inc = client.completions.create(max_tokens=24, stop=[stop], extra_body={"ignore_eos": True,
+                                    "include_stop_str_in_output": True}, model=MODEL,
+                                    prompt="The capital of France is", temperature=0).choices[0]
+    assert inc.text == want + stop
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=3, temperature=0,
+                                  extra_body=NO_EOS)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and abs(max(top.values()) - chosen) < 1e-4   # greedy picks the top token
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       logprobs=True, top_logprobs=2, extra_body=NO_EOS)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    s = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            logprobs=True, stream=True, extra_body=NO_EOS))
+    assert sum(len(ch.choices[0].logprobs.content) for ch in s if ch.choices and ch.choices[0].logprobs) == 3
+
+
+# ------------------------------------------------------------------------------ errors
+BAD = [
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("completions", {"prompt": "x", "top_k": -5}, "top_k"),
+    ("completions", {"prompt": "x", "min_p": 2}, "min_p"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    ("completions", {"prompt": "x", "n": 0}, "n"),
+    ("completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
+    ("completions", {"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
+    ("completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"prompt": "x", "seed": "abc"}, "seed"),
+    ("completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "x", "stop": 5}, "stop"),
+    ("completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {}, "prompt"),
+    ("completions", {"prompt": 123}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": [10 ** 9]}, "prompt"),
+    ("completions", {"prompt": [5] * 2000}, "prompt"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("chat/completions", {"messages": "hello"}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50, "logprobs": True},
+     "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", BAD, ids=[f"{r}-{p}-{i}" for i, (r, _, p) in enumerate(BAD)])
+def test_bad_params_400(srv, route, body, param):
+    r = httpx.post(f"{srv.url}/v1/{route}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param + ":"), err
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"{not json", "malformed JSON"), (b"[1, 2]", "JSON object"), (b"", "JSON object"), (b"\xff\xfe", "JSON"),
+])
+def test_malformed_body_400(srv, content, needle):
+    r = httpx.post(srv.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_unknown_model_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+    assert e.value.body["param"] == "model"
+
+
+def test_engine_still_serves_after_errors(client, loop):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=NO_EOS)
+    assert r.usage.completion_tokens == 2
+    wait_all_free(loop)
+
+
+def test_api_key(guarded):
+    url = guarded.url + "/v1/completions"
+    body = {"prompt": "x", "max_tokens": 2}
+    assert httpx.post(url, json=body).status_code == 401
+    r = httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0).models.list()
+    ok = OpenAI(base_url=guarded.url + "/v1", api_key="sekrit", max_retries=0)
+    assert ok.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    assert httpx.get(guarded.url + "/health").status_code == 200     # only /v1/* is guarded
+    assert httpx.get(guarded.url + "/metrics").status_code == 200
+
+
+def test_body_too_large_413(guarded):
+    auth = {"Authorization": "Bearer sekrit"}
+    r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x" * 6000}, headers=auth)
+    assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------ faults
+def test_timeout_aborts(guarded, loop):
+    auth = {"Authorization": "Bearer sekrit"}
+    body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+    t0 = time.monotonic()
+    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=auth, timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    assert time.monotonic() - t0 < 5
+    wait_all_free(loop)
+    with httpx.stream("POST", guarded.url + "/v1/completions", json={**body, "stream": True}, headers=auth,
+                      timeout=30) as r:
+        lines = sse_lines(r)
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "request_timeout"
+    wait_all_free(loop)
+
+
+def test_disconnect_mid_stream_frees_blocks(srv, loop):
+    events = []
+    unsub = loop.engine.events.subscribe(lambda e: events.append(e) if getattr(e, "kind", "") == "aborted" else None)
+    try:
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", srv.url + "/v1/completions",
+                          json={"prompt": "Tell me a long story", "max_tokens": 900, "stream": True,
+                                "ignore_eos": True}) as r:
+                it = r.iter_lines()
+                got = 0
+                for line in it:
+                    got += line.startswith("data: {")
+                    if got == 3:
+                        break
+                assert loop.stats()["num_running"] == 1
+                step_at_close = loop.engine.step_index
+            # leaving the block closes the connection mid-stream
+        s = wait_all_free(loop)
+    finally:
+        unsub()
+    assert len(events) == 1
+    print("steps between close and abort:", events[0].step - step_at_close)
+    assert events[0].step - step_at_close <= 3, (events[0].step, step_at_close)
+    assert s["num_free_blocks"] == loop.engine.num_blocks - 1
+
+
+def test_disconnect_while_waiting_non_stream(srv, loop):
+    with pytest.raises(openai.APITimeoutError):
+        OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=0.3).completions.create(
+            model=MODEL, prompt="x", max_tokens=900, extra_body=NO_EOS)
+    wait_all_free(loop)
+
+
+def test_flood_gets_503_and_accepted_complete(srv, loop):
+    limit = loop.config.max_waiting_requests
+
+    async def flood():
+        c = AsyncOpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=60)
+
+        async def one(i):
+            try:
+                r = await c.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=12, extra_body=NO_EOS)
+                return r
+            except openai.APIStatusError as e:
+                return e
+        try:
+            return await asyncio.gather(*(one(i) for i in range(40)))
+        finally:
+            await c.close()
+
+    results = asyncio.run(flood())
+    ok = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused and all(e.status_code == 503 for e in refused), [getattr(e, "status_code", e) for e in refused]
+    assert all(e.response.headers.get("retry-after") == "1" for e in refused)
+    assert refused[0].body["code"] == "queue_full"
+    assert len(ok) >= limit
+    assert all(r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length" for r in ok)
+    wait_all_free(loop)
+
+
+# ------------------------------------------------------------------------------ /metrics
+def _scrape(url) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _get(m, name, **labels):
+    return sum(v for (n, ls), v in m.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))
+
+
+def test_metrics_counters_match(srv, client, loop, tok):
+    wait_all_free(loop)
+    before = _scrape(srv.url)
+    prompts = ["one two three", "four five", "six seven eight nine ten"]
+    for i, p in enumerate(prompts):
+        client.completions.create(model=MODEL, prompt=p, max_tokens=5 + i, extra_body=NO_EOS)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hey"}], max_tokens=4,
+                                        stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS))
+    after = _scrape(srv.url)
+    d = lambda name, **lb: _get(after, name, **lb) - _get(before, name, **lb)   # noqa: E731
+    chat_prompt = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "hey"}], tokenize=False,
+                                                         add_generation_prompt=True), add_special_tokens=False))
+    assert d("kvscope:prompt_tokens_total") == sum(len(tok.encode(p, add_special_tokens=False))
+                                                   for p in prompts) + chat_prompt
+    assert d("kvscope:generation_tokens_total") == 5 + 6 + 7 + 4
+    assert d("kvscope:request_success_total", finished_reason="length") == 4
+    assert d("kvscope:time_to_first_token_seconds_count") == 4
+    assert d("kvscope:e2e_request_latency_seconds_count") == 4
+    assert d("kvscope:request_queue_time_seconds_count") == 4
+    assert d("kvscope:inter_token_latency_seconds_count") == 4 + 5 + 6 + 3
+    assert d("kvscope:request_generation_tokens_sum") == 22
+    assert d("kvscope:api_requests_total", endpoint="/v1/completions", status="200") == 3
+    assert d("kvscope:api_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert _get(after, "kvscope:num_requests_running") == 0 and _get(after, "kvscope:num_requests_waiting") == 0
+    assert _get(after, "kvscope:kv_cache_usage_perc") == 0.0
+    assert _get(after, "kvscope:num_free_kv_blocks") == loop.engine.num_blocks - 1
+    # refused and rejected requests are counted by status
+    assert _get(after, "kvscope:api_requests_total", endpoint="/v1/completions", status="503") >= 1
+    assert _get(after, "kvscope:api_requests_total", endpoint="/v1/completions", status="400") >= 1
+
+
+# ------------------------------------------------------------------------------ the real model
+def test_real_model_chat():
+    lp = EngineLoop(EngineConfig(model=None, device="cpu", num_kv_blocks=40, max_model_len=512)).start()
+    try:
+        with ServerThread(build_app(lp)) as s:
+            c = OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=60)
+            model = c.models.list().data[0].id
+            r = c.chat.completions.create(model=model, temperature=0, max_tokens=20,
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+            assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    finally:
+        lp.shutdown()

@@ -1,0 +1,202 @@
+"""inspector.figures: every builder from recorded (synthetic) events: traces present, shapes right, valid
+Plotly (each spec goes through plotly's validating Figure constructor), JSON-safe, explicit heights."""
+import json
+
+import numpy as np
+import pytest
+
+from inspector import figures as F
+from inspector.recorder import Recorder
+from inspector.synthetic import simulate
+
+
+@pytest.fixture(scope="module")
+def snap():
+    run = simulate(num_requests=30, seed=0, num_blocks=32, shared_prefix_blocks=1, spec_tokens=3)
+    rec = Recorder()
+    run.feed(rec)
+    return rec.snapshot(kv=run.kv)
+
+
+@pytest.fixture(scope="module")
+def plain_snap():
+    run = simulate(num_requests=10, seed=5)
+    rec = Recorder()
+    run.feed(rec)
+    return rec.snapshot(kv=run.kv)
+
+
+def traces(spec, type_=None, name=None):
+    return [d for d in spec["data"] if (type_ is None or d["type"] == type_) and (name is None or d.get("name") == name)]
+
+
+def check(spec):
+    fig = F.as_figure(spec)                      # raises on any invalid property
+    assert spec["layout"]["height"] > 0 and spec["layout"].get("uirevision")
+    json.loads(F.to_json(spec))                 # strict JSON (no NaN)
+    return fig
+
+
+def test_block_map_cells_states_and_hover(snap):
+    kv = snap.kv
+    spec = F.block_map_spec(kv)
+    check(spec)
+    (hm,) = traces(spec, "heatmap")
+    z = np.array([[np.nan if v is None else v for v in row] for row in hm["z"]], dtype=float)
+    rows, cols = z.shape
+    assert rows * cols >= kv["num_blocks"] and cols >= 8
+    flat = z.reshape(-1)[: kv["num_blocks"]]
+    ref = np.array(kv["ref_counts"])
+    in_use = np.nonzero(ref == 1)[0]
+    assert (flat[in_use] >= 3).all()                          # owner colours
+    assert (flat[np.nonzero(ref > 1)[0]] == 2).all()          # shared
+    assert (hm["zmin"], hm["zmax"]) == (-0.5, F.N_CATS - 0.5)  # fixed colour range
+    text = sum(hm["text"], [])
+    owner = next(iter(kv["block_tables"]))
+    b = kv["block_tables"][owner][-1]
+    assert owner in text[b] and "ref" in text[b]
+    assert {t["name"] for t in traces(spec, "scatter")} >= {"free", "cached-free", "shared (ref>1)"}
+
+
+def test_block_map_highlight_and_block_table(snap):
+    kv = snap.kv
+    rid, table = next(iter(kv["block_tables"].items()))
+    spec = F.block_map_spec(kv, highlight=rid)
+    check(spec)
+    hi = traces(spec, "scatter")[-1]
+    assert len(hi["x"]) == len(table)
+    bt = F.block_table_spec(kv, rid)
+    check(bt)
+    (hm,) = traces(bt, "heatmap")
+    cells = [c for row in hm["text"] for c in row if c]
+    assert cells == [str(b) for b in table]                    # logical order -> physical ids
+    assert "select a request" in F.block_table_spec(kv, None)["layout"]["annotations"][0]["text"]
+    assert "holds no KV blocks" in F.block_table_spec(kv, "nope")["layout"]["annotations"][0]["text"]
+
+
+def test_block_map_large_pool_is_grouped():
+    n = 20000
+    kv = dict(num_blocks=n, block_size=16, ref_counts=[1] * 5000 + [0] * (n - 5000), cached=[False] * n,
+              block_tables={"r": list(range(5000))})
+    spec = F.block_map_spec(kv)
+    check(spec)
+    (hm,) = traces(spec, "heatmap")
+    assert sum(len(r) for r in hm["z"]) <= 4096 + 64
+    assert "1 cell = 5 blocks" in spec["layout"]["title"]["text"]
+
+
+def test_timeline_gantt_bars_with_base(snap):
+    spec = F.timeline_spec(snap)
+    check(spec)
+    bars = {t["name"]: t for t in traces(spec, "bar") if t.get("orientation") == "h"}
+    assert {"waiting", "prefill", "decode"} <= set(bars)
+    for t in bars.values():
+        assert len(t["x"]) == len(t["y"]) == len(t["base"])
+        assert all(x > 0 for x in t["x"])
+    ids = {r.request_id for r in snap.requests}
+    assert set(bars["decode"]["y"]) <= ids and len(set(bars["decode"]["y"])) == len(snap.requests)
+    # numeric axis, not dates
+    assert isinstance(bars["prefill"]["base"][0], float)
+    # batch composition subplot: one bar per step
+    comp = traces(spec, "bar", "prefill tokens")[0]
+    assert len(comp["x"]) == len(snap.steps)
+    assert traces(spec, "scatter", "running") and traces(spec, "scatter", "waiting (queue)")
+
+
+def test_timeline_step_axis_and_preemptions():
+    run = simulate(num_requests=16, seed=4, num_blocks=14, max_num_seqs=8, output_len=(30, 60))
+    rec = Recorder()
+    run.feed(rec)
+    s = rec.snapshot()
+    assert s.totals["preemptions"] > 0
+    spec = F.timeline_spec(s, axis="step")
+    check(spec)
+    pre = traces(spec, "bar", "preempted")[0]
+    assert len(pre["y"]) >= 1
+    assert traces(spec, "scatter", "preemption")
+    bases = traces(spec, "bar", "decode")[0]["base"]
+    assert all(float(b).is_integer() for b in bases)           # whole steps on the step axis
+
+
+def test_timings_stacked_regions_sum_to_wall(snap):
+    spec = F.timings_spec(snap)
+    check(spec)
+    areas = [t for t in spec["data"] if t.get("stackgroup") == "regions"]
+    names = [t["name"] for t in areas]
+    assert {"attention", "mlp", "schedule", "sampling"} <= set(names)
+    assert "forward" not in names                               # parent split into its parts
+    total = np.sum([t["y"] for t in areas], axis=0)
+    walls = [(s.end - s.start) * 1e3 for s in snap.steps[-len(total):]]
+    assert np.allclose(total, walls, rtol=1e-6, atol=1e-6)
+
+
+def test_step_regions_nesting():
+    r = F.step_regions({"schedule": 1.0, "draft": 0.4, "forward": 5.0, "attention": 2.0, "mlp": 2.5}, wall=8.0)
+    assert r == pytest.approx({"schedule": 0.6, "draft": 0.4, "forward (other)": 0.5, "attention": 2.0, "mlp": 2.5,
+                               "unaccounted": 2.0})
+
+
+def test_spec_panel_not_enabled_then_with_data(plain_snap, snap):
+    off = F.spec_spec(plain_snap)
+    check(off)
+    assert "not enabled" in off["layout"]["annotations"][0]["text"] and not off["data"]
+    on = F.spec_spec(snap)
+    check(on)
+    (bar,) = traces(on, "bar")
+    assert len(bar["y"]) == 3 and all(0 <= v <= 1 for v in bar["y"])
+    assert bar["y"][0] >= bar["y"][1] >= bar["y"][2]
+    assert traces(on, "scatter", "acceptance rate") and traces(on, "scatter", "mean acceptance length")
+    assert "mean acceptance length" in on["layout"]["title"]["text"]
+
+
+def test_latency_histograms_are_precomputed(snap):
+    spec = F.latency_spec(snap.records, bins=20)
+    check(spec)
+    bars = traces(spec, "bar")
+    assert [b["name"] for b in bars] == ["TTFT", "TPOT", "ITL", "E2EL"]
+    assert sum(bars[0]["y"]) == len(snap.records)               # every request binned once
+    assert all(len(b["x"]) == 20 for b in bars)
+    assert "empty" not in json.dumps(spec)
+    assert "no finished requests" in F.latency_spec([])["layout"]["annotations"][0]["text"]
+
+
+def test_throughput_and_kv_usage(snap):
+    spec = F.throughput_spec(snap)
+    check(spec)
+    gen = traces(spec, "scatter", "generation tok/s")[0]
+    assert max(gen["y"]) > 0
+    kv = traces(spec, "scatter", "KV usage %")[0]
+    assert len(kv["y"]) == len(snap.steps) and 0 <= min(kv["y"]) and max(kv["y"]) <= 100
+
+
+def test_profile_spec():
+    rows = [dict(name="aten::mm", count=30, cpu_time_ms=3.0, device_time_ms=0.0),
+            dict(name="_paged_attention_kernel", count=30, cpu_time_ms=1.0, device_time_ms=0.0)]
+    spec = F.profile_spec(rows)
+    check(spec)
+    assert traces(spec, "bar")[0]["y"][0] == "aten::mm"
+    assert F.profile_spec(None)["layout"]["annotations"]
+
+
+def test_empty_snapshot_and_error_isolation(snap, monkeypatch):
+    empty = Recorder().snapshot()
+    for name, spec in F.build_specs(empty).items():
+        check(spec)
+    def boom(s):
+        raise RuntimeError("broken builder")
+    monkeypatch.setitem(F.SPECS, "timings", boom)
+    specs = F.build_specs(snap)
+    assert "broken builder" in specs["timings"]["layout"]["annotations"][0]["text"]
+    assert specs["timeline"]["data"]                            # the others still drew
+
+
+def test_build_all_returns_plotly_figures(snap):
+    import plotly.graph_objects as go
+    figs = F.build_all(snap)
+    assert set(figs) == set(F.SPECS)
+    assert all(isinstance(f, go.Figure) and f.layout.height for f in figs.values())
+
+
+def test_payloads_stay_small(snap):
+    sizes = {k: len(F.to_json(v)) for k, v in F.build_specs(snap).items()}
+    assert max(sizes.values()) < 200_000, sizes
