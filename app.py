@@ -38,6 +38,7 @@ from inspector import export as X  # noqa: E402
 from inspector import figures as F  # noqa: E402
 from inspector import load as L  # noqa: E402
 from inspector import metrics as M  # noqa: E402
+from inspector.profile import can_profile, profile_one_step  # noqa: E402
 from inspector.recorder import Recorder, Snapshot  # noqa: E402
 
 log = logging.getLogger("kvscope.app")
@@ -995,19 +996,14 @@ def build_ui(host: EngineHost):
                     loop = host.require_loop()
                 except EngineUnavailable as e:
                     return str(e), gr.update(visible=False)
-                has_loop_fn = callable(getattr(loop, "profile_step", None))
-                has_engine_fn = callable(getattr(loop.engine, "profile_step", None))
-                if not (has_loop_fn or has_engine_fn):
+                if not can_profile(loop):
                     return "This engine has no `profile_step()`: per-kernel profiling is unavailable.", gr.update(visible=False)
                 st = loop.stats()
                 if not (st.get("num_running") or st.get("num_waiting")):
                     return ("The profiler records the next engine step: start a load or send a prompt first, then "
                             "press again while requests run."), gr.update(visible=False)
                 try:
-                    if has_loop_fn:
-                        rows = loop.profile_step(timeout=15.0)
-                    else:
-                        rows = loop.engine.profile_step()
+                    rows = profile_one_step(loop, timeout=15.0)
                 except Exception as e:
                     log.exception("profile failed")
                     return f"Profiling failed: {type(e).__name__}: {e}", gr.update(visible=False)

@@ -31,8 +31,9 @@ def main():
     prompts, outs = nano_workload(args.requests)
     rows = []
     for name in args.configs.split(","):
-        llm = LLM(MODEL, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
-                  enable_step_timings=False, **{**CONFIGS[name]})
+        cfg = {**dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
+                      enable_step_timings=False), **CONFIGS[name]}
+        llm = LLM(MODEL, **cfg)
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
         events = []
         llm.engine.events.subscribe(lambda e: events.append(e) if getattr(e, "kind", "") == "step" else None)
@@ -58,6 +59,7 @@ def main():
                              **{k: a[k] / n for k in ("schedule", "prepare", "forward", "sampling", "postprocess")}))
         rows.append(dict(config=name, kind="WALL", total_s=wall, steps=len(events)))
         llm.engine.close()
+        print(rows[-1], flush=True)
     print_table(rows, ["config", "kind", "steps", "total_s", "step_ms", "batch", "tokens", "schedule", "prepare",
                        "forward", "sampling", "postprocess"])
 
