@@ -260,6 +260,7 @@ class CompareJob:
         self.snapshots: dict[str, Snapshot] = {}
         self.status = "queued"
         self.error: str | None = None
+        self.errors: dict[str, str] = {}        # per config label
         self.current: str | None = None
         self.runner: L.LoadRunner | None = None
         self._stop = threading.Event()
@@ -281,8 +282,12 @@ class CompareJob:
                 if self._stop.is_set():
                     break
                 self.current, self.status = label, f"{label}: loading engine"
-                loop = self.loop_factory(cfg)
-                loop.start()
+                try:
+                    loop = self.loop_factory(cfg)
+                    loop.start()
+                except Exception as e:
+                    self.errors[label] = f"engine did not start: {type(e).__name__}: {e}"
+                    continue
                 rec = Recorder().attach(loop.engine.events)
                 try:
                     self.status = f"{label}: running {self.spec.num_requests} requests"
@@ -298,6 +303,8 @@ class CompareJob:
                     s["mean_step_ms"] = (1e3 * snap.totals.get("busy_time", 0) / max(1, snap.totals.get("steps", 1)))
                     self.results[label] = s
                     self.snapshots[label] = snap
+                except Exception as e:  # e.g. the workload does not fit this config's max_model_len
+                    self.errors[label] = f"{type(e).__name__}: {e}"
                 finally:
                     rec.detach()
                     loop.shutdown()
@@ -1144,6 +1151,9 @@ def build_ui(host: EngineHost):
                     return gr.skip(), gr.skip(), gr.skip(), gr.skip(), shown_id
                 if job.error:
                     return f"⚠️ comparison failed: {job.error}", gr.skip(), gr.skip(), gr.skip(), id(job)
+                errs = "".join(f"<br>⚠️ config {k}: {v}" for k, v in job.errors.items())
+                if not job.results:
+                    return f"Comparison {job.status}.{errs}", gr.skip(), gr.skip(), gr.skip(), id(job)
                 tbl = compare_table(job.results)
                 figs = []
                 for label in ("A", "B"):
@@ -1154,7 +1164,18 @@ def build_ui(host: EngineHost):
                         sp = F.timeline_spec(snap, max_requests=32)
                         sp["layout"]["title"]["text"] = f"Config {label} — " + sp["layout"]["title"]["text"]
                         figs.append(spec_plot(sp))
-                return f"Comparison {job.status}.", tbl, figs[0], figs[1], id(job)
+                return f"Comparison {job.status}.{errs}", tbl, figs[0], figs[1], id(job)
+
+            def compare_report() -> dict:
+                """For API clients: the comparison's status and, when done, each config's summary."""
+                job = host.compare
+                if job is None:
+                    return {"status": None}
+                return {"status": job.status, "done": job.done.is_set(), "error": job.error, "errors": job.errors,
+                        "results": job.results if job.done.is_set() else None,
+                        "table": compare_table(job.results).to_dict("records") if job.done.is_set() and job.results else None}
+
+            gr.api(compare_report, api_name="compare_report", concurrency_limit=None)
 
             cmp_timer = gr.Timer(1.0)
             cmp_timer.tick(compare_status, cmp_shown, [cmp_msg, cmp_table, cmp_tl_a, cmp_tl_b, cmp_shown],
@@ -1234,6 +1255,42 @@ def create_app(host: EngineHost, api_only: bool = False, with_api: bool = True):
     return app, demo
 
 
+class ServerHandle:
+    """A uvicorn server on a background thread (tests, notebooks): `.url`, `.stop()`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import socket
+
+        import uvicorn
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}/"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, name="kvscope-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerHandle":
+        self.thread.start()
+        deadline = time.time() + timeout
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve_in_thread(host: EngineHost, port: int = 0, bind: str = "127.0.0.1") -> ServerHandle:
+    """Build the app around a started EngineHost and serve it on a background thread."""
+    app, _ = create_app(host)
+    return ServerHandle(app, bind, port).start()
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="kvscope: an LLM inference engine you can see into")
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
@@ -1284,7 +1341,7 @@ def main(argv=None) -> None:
     app, _ = create_app(host, api_only=args.api_only)
     print(f"kvscope ready on http://{args.host}:{args.port}  ({host.describe()})", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     finally:
         host.shutdown()
 

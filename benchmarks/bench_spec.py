@@ -92,9 +92,26 @@ def truncated_draft(num_layers: int) -> str:
     return str(dst)
 
 
+def token_prompts(workload: str, vocab: int, n: int = 4) -> list[list[int]]:
+    """For tokenizer-less random-weight models (GPU runs): 'rewrite' prompts hold a random passage twice,
+    'chat' prompts are random. With random weights acceptance is an artifact of the weights; such rows
+    measure what drafting and verification cost, not what they buy on real text."""
+    import random
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        body = [rng.randrange(10, vocab) for _ in range(200)]
+        out.append(body + body[:50] if workload == "rewrite" else body)
+    return out
+
+
 def run_mode(llm: LLM, prompts: list[str], mode: str, sp: SamplingParams):
     eng = llm.engine
-    texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
+        name = "rewrite" if prompts is WORKLOADS["rewrite"] else "chat"
+        texts = token_prompts(name, eng.model_config.vocab_size, len(prompts))
+    else:
+        texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     t0 = time.perf_counter()
     if mode == "b1":
         outs = [llm.generate([t], sp, use_tqdm=False)[0] for t in texts]
@@ -110,14 +127,17 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--methods", default="none,ngram,self,draft")
+    ap.add_argument("--methods", default="none,ngram,ngram+a,self,self+a,draft,draft+a",
+                    help="a '+a' suffix turns on adaptive draft lengths (Drafter.adaptive)")
     ap.add_argument("--modes", default="b1,b4")
     ap.add_argument("--workloads", default="rewrite,chat")
     ap.add_argument("--k-ngram", type=int, default=4)
     ap.add_argument("--k-self", type=int, default=2)
-    ap.add_argument("--self-layers", type=int, default=20)
-    ap.add_argument("--k-draft", type=int, default=3)
-    ap.add_argument("--draft-layers", type=int, default=10, help="layers kept in the truncated draft model")
+    ap.add_argument("--self-layers", type=int, default=24)
+    ap.add_argument("--k-draft", type=int, default=2)
+    ap.add_argument("--draft-layers", type=int, default=16, help="layers kept in the truncated draft model")
+    ap.add_argument("--draft-model", default=None, help="default: SmolLM2 truncated to --draft-layers layers")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.threads:
@@ -130,26 +150,42 @@ def main():
     }
     labels = {"none": "none", "ngram": f"ngram k={args.k_ngram}",
               "self": f"self L={args.self_layers} k={args.k_self}",
-              "draft": f"draft {args.draft_layers}-layer k={args.k_draft}"}
+              "draft": (f"draft {args.draft_model} k={args.k_draft}" if args.draft_model
+                        else f"draft {args.draft_layers}-layer k={args.k_draft}")}
     chosen = args.methods.split(",")
-    if "draft" in chosen:
+    if any(m.startswith("draft") for m in chosen) and args.draft_model:
+        methods["draft"]["draft_model"] = args.draft_model
+    elif any(m.startswith("draft") for m in chosen):
         methods["draft"]["draft_model"] = truncated_draft(args.draft_layers)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    # one engine per drafter, all loaded up front; runs are interleaved method by method for each
+    # (workload, mode) so that load from other processes on a shared machine hits all methods alike
+    engines = {}
+    for method in chosen:
+        base = method.removesuffix("+a")
+        if base not in engines:
+            llm = LLM(model=args.model, device=args.device, dtype=args.dtype, cpu_kv_cache_gib=0.25,
+                      max_model_len=2048, gpu_memory_utilization=0.4, **methods[base])
+            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4), use_tqdm=False)    # warm-up
+            engines[base] = llm
     rows, baseline = [], {}
     load0 = os.getloadavg()
-    for method in chosen:
-        llm = LLM(model=args.model, device=args.device, cpu_kv_cache_gib=0.25, max_model_len=2048,
-                  **methods[method])
-        eng = llm.engine
-        llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)        # warm-up
-        for wl in args.workloads.split(","):
-            for mode in args.modes.split(","):
+    for wl in args.workloads.split(","):
+        for mode in args.modes.split(","):
+            for method in chosen:
+                base, adaptive = method.removesuffix("+a"), method.endswith("+a")
+                llm = engines[base]
+                eng = llm.engine
+                if eng.drafter:
+                    eng.drafter.adaptive = adaptive
                 before = eng.drafter.total_stats() if eng.drafter else None
                 outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
                 ntok = sum(len(o.token_ids) for o in outs)
-                row = dict(workload=wl, mode=mode, method=labels[method], out_tokens=ntok, wall_s=wall,
+                label = labels[base] + (" adaptive" if adaptive else "")
+                row = dict(workload=wl, mode=mode, method=label, out_tokens=ntok, wall_s=wall,
                            tok_s=ntok / wall,
-                           tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs))
+                           tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs),
+                           loadavg_1m=os.getloadavg()[0])
                 key = (wl, mode)
                 toks = [o.token_ids for o in outs]
                 if method == "none":
@@ -162,6 +198,7 @@ def main():
                     d = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
                                                            "spec_decode_num_accepted_tokens")}
                     row["drafts"] = d["spec_decode_num_drafts"]
+                    row["draft_tokens"] = d["spec_decode_num_draft_tokens"]
                     row["accept_rate"] = (d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_draft_tokens"]
                                           if d["spec_decode_num_draft_tokens"] else None)
                     row["mean_len"] = (1 + d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_drafts"]
@@ -171,15 +208,14 @@ def main():
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
                       flush=True)
-        del llm, eng
     dev = device_name(args.device)
-    payload = dict(device=dev, model=args.model or "SmolLM2-135M-Instruct (bundled, fp32)",
+    payload = dict(device=dev, model=args.model or "SmolLM2-135M-Instruct (bundled)", dtype=args.dtype,
                    torch_threads=torch.get_num_threads(), loadavg_before=load0, loadavg_after=os.getloadavg(),
                    max_tokens=args.max_tokens, greedy=True, args=vars(args), rows=rows)
     path = write_json(f"spec_{slug(dev)}{args.tag}", payload)
     print()
     print_table(rows, ["workload", "mode", "method", "out_tokens", "tok_s", "speedup", "accept_rate",
-                       "mean_len", "tpot_ms", "identical"])
+                       "mean_len", "draft_tokens", "tpot_ms", "identical"])
     print(f"\nwrote {path}")
 
 

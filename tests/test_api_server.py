@@ -321,8 +321,16 @@ def test_flood_gets_503_and_accepted_complete(srv, loop):
 
         async def one(i):
             try:
-                r = await c.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=12, extra_body=NO_EOS)
-                return r
+                if i % 2:       # streamed: an accepted stream must run to its end, never fail midway
+                    text, usage = "", None
+                    async for ch in await c.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=12,
+                                                               stream=True, stream_options={"include_usage": True},
+                                                               extra_body=NO_EOS):
+                        text += ch.choices[0].text if ch.choices else ""
+                        usage = ch.usage or usage
+                    return usage
+                return (await c.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=12,
+                                                   extra_body=NO_EOS)).usage
             except openai.APIStatusError as e:
                 return e
         try:
@@ -337,8 +345,34 @@ def test_flood_gets_503_and_accepted_complete(srv, loop):
     assert all(e.response.headers.get("retry-after") == "1" for e in refused)
     assert refused[0].body["code"] == "queue_full"
     assert len(ok) >= limit
-    assert all(r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length" for r in ok)
+    assert all(u.completion_tokens == 12 for u in ok)
     wait_all_free(loop)
+
+
+def test_register_follows_the_current_engine(loop):
+    """register(app, get_loop): no engine -> 503 (health too); an engine -> served; the loop is looked up per request."""
+    from fastapi import FastAPI
+    from engine.entrypoints.openai.api_server import register
+
+    holder = {"loop": None}
+
+    def get_loop():
+        if holder["loop"] is None:
+            raise RuntimeError("engine is restarting")
+        return holder["loop"]
+
+    app = FastAPI()
+    register(app, get_loop)
+    with ServerThread(app) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable" and r.headers["retry-after"]
+        assert httpx.get(s.url + "/health").status_code == 503
+        assert httpx.get(s.url + "/metrics").status_code == 200          # request metrics only, no engine
+        holder["loop"] = loop
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(s.url + "/health").json()["status"] == "ok"
+        assert "kvscope:kv_cache_usage_perc" in httpx.get(s.url + "/metrics").text
 
 
 # ------------------------------------------------------------------------------ /metrics

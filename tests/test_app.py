@@ -1,0 +1,199 @@
+"""End to end: `python app.py` on a free port (random-weight tiny model, CPU), driven with gradio_client:
+stream a prompt, run a short seeded load, check its metrics and that the block map and the timeline
+reflect it; bad inputs get clear messages; settings restart the engine; compare and export work."""
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+ROOT = Path(__file__).resolve().parents[1]
+N_LOAD, OUT_LEN = 10, 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GRADIO_ANALYTICS_ENABLED="False")
+    log = open(ROOT / "assets" / "_tmp_app_e2e.log", "w") if (ROOT / "assets").is_dir() else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--model", "dummy:tiny", "--device", "cpu",
+                             "--port", str(port), "--set", "num_kv_blocks=96", "--set", "max_num_seqs=16"],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"app.py exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "healthz", timeout=1).json()["state"] == "ready":
+                break
+        except Exception:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        raise RuntimeError("app.py did not come up")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    if log is not subprocess.DEVNULL:
+        log.close()
+        os.unlink(log.name)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return gradio_client.Client(server, verbose=False)
+
+
+def load_args(n=N_LOAD, rate=20.0, all_at_once=False, seed=7, o_len=OUT_LEN, p_min=16, p_max=48, **kw):
+    a = dict(name="Steady Poisson", n=n, rate=rate, all_at_once=all_at_once, burstiness=1.0, conc=0, p_kind="uniform",
+             p_min=p_min, p_max=p_max, o_kind="fixed", o_min=o_len, o_max=o_len, shared=0, turns=1, think=0.0,
+             seed=seed, temp=0.0, ieos=True, slo_ttft=10_000, slo_tpot=None, slo_e2el=None, fresh=True)
+    a.update(kw)
+    return list(a.values())
+
+
+def test_binds_localhost_and_has_no_share_link(server):
+    assert server.startswith("http://127.0.0.1:")
+    assert httpx.get(server + "healthz").json()["state"] == "ready"
+
+
+def test_stream_a_prompt(client):
+    job = client.submit(prompt="The quick brown fox", max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2,
+                        api_name="/complete")
+    chunks = list(job)
+    final = job.result()
+    assert len(chunks) >= 3                               # streamed, not one blob
+    texts = [c["text"] for c in chunks]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    assert "| length |" in final["stats"] and "TTFT" in final["stats"]
+    assert len(final["logprobs"]) == 16 and len(final["logprobs"][0]) == 5
+
+
+def test_chat_uses_the_chat_template(client):
+    out = client.predict(message="What is the capital of France?", max_tokens=8, seed=1, api_name="/chat")
+    assert "`chat-" in out["stats"]
+    ins = client.predict("", "time", api_name="/inspector")
+    chat = [r for r in ins["requests"] if r["request_id"].startswith("chat-")][-1]
+    assert chat["prompt_len"] > 10                          # template tokens around the message
+
+
+def test_bad_inputs_get_clear_messages(client):
+    for kw, word in ((dict(prompt=""), "enter a prompt"), (dict(prompt="hi", max_tokens=10**8), "max tokens"),
+                     (dict(prompt="hi", top_p=0.0), "top-p"), (dict(prompt="hi", temperature=-1.0), "temperature")):
+        with pytest.raises(Exception, match=word):
+            client.predict(api_name="/complete", **kw)
+    for kw, word in ((dict(rate=0), "rate"), (dict(n=100000), "too many"), (dict(p_min=-5), "prompt min"),
+                     (dict(o_len=10**6), "max_model_len")):
+        msg = client.predict(*load_args(**kw), api_name="/start_load")[0]
+        assert "⚠️" in msg and word in msg, msg
+
+
+def test_seeded_load_metrics_block_map_and_timeline(client):
+    msg = client.predict(*load_args(), api_name="/start_load")[0]
+    assert msg.startswith("Started"), msg
+    owned = None
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        rep = client.predict(api_name="/load_report")
+        if owned is None:
+            ins = client.predict("", "time", api_name="/inspector")
+            tables = ins["kv"]["block_tables"]
+            if any(k.startswith("L") for k in tables):
+                owned = ins
+        if rep["progress"]["done"]:
+            break
+        time.sleep(0.1)
+    p, s = rep["progress"], rep["summary"]
+    assert p["finished"] == N_LOAD and p["failed"] == 0
+    assert s["completed"] == N_LOAD and s["output_tokens"] == N_LOAD * OUT_LEN
+    for m in ("TTFT", "TPOT", "ITL", "E2EL"):
+        assert s[m]["n"] > 0 and 0 < s[m]["p50"] <= s[m]["p99"]
+    assert s["TPOT"]["n"] == N_LOAD and s["ITL"]["n"] == N_LOAD * (OUT_LEN - 1)
+    assert s["goodput"] is not None and s["output_throughput"] > 0
+    # the block map showed load requests owning blocks while it ran
+    assert owned is not None, "never saw a load request holding KV blocks"
+    rid = next(k for k in owned["kv"]["block_tables"] if k.startswith("L"))
+    bm = json.loads(owned["plots"]["block_map"])
+    hover = " ".join(sum(bm["data"][0]["text"], []))
+    assert rid in hover
+    # the timeline has every load request with prefill and decode spans
+    ins = client.predict(rid, "time", api_name="/inspector")
+    tl = json.loads(ins["plots"]["timeline"])
+    decode = next(t for t in tl["data"] if t.get("name") == "decode")
+    load_ids = {r["request_id"] for r in ins["requests"] if r["request_id"].startswith("L")}
+    assert len(load_ids) == N_LOAD and load_ids <= set(decode["y"])
+    assert all({"prefill", "decode"} <= set(r["phases"]) for r in ins["requests"] if r["request_id"] in load_ids)
+    assert ins["totals"]["finished"] >= N_LOAD
+    lat = json.loads(ins["plots"]["latency"])
+    assert sum(next(t for t in lat["data"] if t["name"] == "TTFT")["y"]) == N_LOAD
+
+
+def test_load_is_seeded(client):
+    """Same seed -> same prompts: identical prompt lengths request by request."""
+    lens = []
+    for _ in range(2):
+        assert client.predict(*load_args(n=4, all_at_once=True, o_len=2), api_name="/start_load")[0].startswith("Started")
+        while not client.predict(api_name="/load_report")["progress"]["done"]:
+            time.sleep(0.1)
+        ins = client.predict("", "time", api_name="/inspector")
+        lens.append([r["prompt_len"] for r in ins["requests"] if r["request_id"].startswith("L")])
+    assert lens[0] == lens[1] and len(lens[0]) == 4
+
+
+def test_export_csv_and_trace(client):
+    files = client.predict(api_name="/export_csv")
+    with open(files[0]) as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {"ttft_ms", "tpot_ms", "e2el_ms"} <= set(rows[0])
+    files = client.predict(api_name="/export_trace")
+    tr = json.loads(Path(files[0]).read_text())
+    assert any(e.get("cat") == "decode" for e in tr["traceEvents"])
+
+
+def test_compare_two_configs(client):
+    msg = client.predict(True, True, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3,
+                         False, False, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3,
+                         "One burst", 6, 0, 8, api_name="/compare")
+    assert msg.startswith("Running"), msg
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        rep = client.predict(api_name="/compare_report")
+        if rep.get("done"):
+            break
+        time.sleep(0.3)
+    assert rep["status"] == "done", rep
+    a, b = rep["results"]["A"], rep["results"]["B"]
+    assert a["completed"] == b["completed"] == 6
+    assert a["prompt_tokens"] == b["prompt_tokens"]         # the same seeded workload
+    assert {"A", "B", "B / A"} <= set(rep["table"][0])
+
+
+def test_settings_validate_and_restart(client):
+    from engine.config import EngineConfig
+    vals = dict(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_seqs=16).to_dict())
+    vals["speculative_method"] = "off"
+    vals["draft_model"] = ""
+    bad = dict(vals, block_size=3)
+    msg = client.predict(*bad.values(), api_name="/apply_settings")
+    assert "⚠️" in msg and "block_size" in msg
+    msg = client.predict(*vals.values(), api_name="/apply_settings")
+    assert msg.startswith("✅") and "64 KV blocks" in msg, msg
+    out = client.predict(prompt="after restart", max_tokens=4, api_name="/complete")
+    assert "| length |" in out["stats"]

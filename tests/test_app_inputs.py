@@ -1,0 +1,94 @@
+"""app.py input handling without a server: every bad UI input gets a clear message naming the field."""
+import math
+
+import pytest
+
+import app as A
+from engine.config import EngineConfig
+from inspector import load as L
+
+SAMPLING_OK = dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, max_tokens=32, min_tokens=0,
+                   repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop="",
+                   ignore_eos=False, logprobs_on=False, logprobs_n=3)
+
+
+def sp(**kw):
+    d = dict(SAMPLING_OK)
+    d.update(kw)
+    return A.make_sampling_params(*d.values(), max_model_len=2048)
+
+
+def test_sampling_params_parsed():
+    p = sp(stop="###\nEND", seed=7, logprobs_on=True, logprobs_n=2, top_k=-1)
+    assert p.stop == ["###", "END"] and p.seed == 7 and p.logprobs == 2 and p.top_k == 0
+    assert sp().seed is None and sp().logprobs is None
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(max_tokens=10**9), "max tokens"), (dict(max_tokens=0), "max tokens"), (dict(max_tokens=2.5), "whole"),
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top-p"), (dict(top_k=-5), "top-k"),
+    (dict(min_tokens=99), "min tokens"), (dict(seed=-3), "seed"), (dict(max_tokens=None), "max tokens"),
+    (dict(repetition_penalty=0), "repetition penalty"), (dict(presence_penalty=3), "presence penalty"),
+    (dict(max_tokens="abc"), "number"),
+])
+def test_sampling_params_messages(kw, word):
+    with pytest.raises(ValueError, match=word):
+        sp(**kw)
+
+
+LOAD_OK = dict(preset="custom", n=8, rate=4.0, all_at_once=False, burstiness=1.0, conc=0, p_kind="uniform", p_min=8,
+               p_max=16, o_kind="fixed", o_min=4, o_max=4, shared=0, turns=1, think=0.0, seed=0, temp=0.0, ieos=True)
+
+
+def ls(**kw):
+    d = dict(LOAD_OK)
+    d.update(kw)
+    return A.make_load_spec(*d.values(), max_model_len=512)
+
+
+def test_load_spec_parsed():
+    s = ls(all_at_once=True, conc=4)
+    assert math.isinf(s.rate) and s.max_concurrency == 4 and s.output_len == L.LengthDist("fixed", 4, 4)
+    assert ls().max_concurrency is None
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(rate=0), "rate"), (dict(rate=-1), "rate"), (dict(rate=None), "rate"), (dict(n=0), "number of requests"),
+    (dict(n=10**6), "too many"), (dict(n=-4), "number of requests"), (dict(burstiness=0), "burstiness"),
+    (dict(conc=-2), "max concurrency"), (dict(p_min=-1), "prompt min"), (dict(p_max=5), "prompt length"),
+    (dict(o_max=10**6, o_kind="uniform"), "max_model_len"), (dict(seed=1.5), "seed"), (dict(turns=0), "turns"),
+])
+def test_load_spec_messages(kw, word):
+    with pytest.raises(ValueError, match=word):
+        ls(**kw)
+
+
+def test_slo_parsing():
+    s = A.make_slo(200, None, "")
+    assert s.ttft_ms == 200 and s.tpot_ms is None and s.e2el_ms is None
+    with pytest.raises(ValueError, match="TPOT"):
+        A.make_slo(None, -5, None)
+
+
+def test_engine_settings_form_covers_every_field_and_roundtrips():
+    specs = A.config_field_specs()
+    names = [n for n, _, _ in specs]
+    assert names == EngineConfig.field_names()
+    cfg = EngineConfig(model="dummy:tiny", num_kv_blocks=64, speculative_method="ngram")
+    vals = A.config_form_values(cfg, names)
+    assert A.config_from_form(names, vals) == cfg
+    vals[names.index("block_size")] = 3
+    with pytest.raises(ValueError, match="block_size"):
+        A.config_from_form(names, vals)
+    vals[names.index("block_size")] = 16
+    vals[names.index("max_model_len")] = 0          # 0 / empty means "derive"
+    assert A.config_from_form(names, vals).max_model_len is None
+
+
+def test_cli_args():
+    args = A.parse_args(["--model", "dummy:tiny", "--set", "num_kv_blocks=32", "--set", "enable_prefix_caching=false"])
+    cfg = A.config_from_args(args)
+    assert cfg.model == "dummy:tiny" and cfg.num_kv_blocks == 32 and not cfg.enable_prefix_caching
+    assert args.host == "127.0.0.1"
+    with pytest.raises(SystemExit):
+        A.config_from_args(A.parse_args(["--set", "bogus=1"]))

