@@ -73,7 +73,7 @@ def _default_loop_factory(config: EngineConfig):
 class EngineHost:
     """The engine, its recorder, the figure producer, the current load and compare job."""
 
-    def __init__(self, config: EngineConfig, refresh_s: float = 0.5, loop_factory=_default_loop_factory):
+    def __init__(self, config: EngineConfig, refresh_s: float = 1.0, loop_factory=_default_loop_factory):
         self.config = config
         self.refresh_s = refresh_s
         self.loop_factory = loop_factory
@@ -91,12 +91,16 @@ class EngineHost:
         self._kick = threading.Event()
         self._producer: threading.Thread | None = None
         self._active: dict[str, Any] = {}   # session -> playground stream
+        self.want_step_axis_until = 0.0     # build the step-axis timeline only while someone looks at it
         self._ids = 0
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "EngineHost":
+    def start(self, inspect: bool = True) -> "EngineHost":
+        """Load the engine; with `inspect`, record its events and run the figure producer (the UI needs
+        both; a pure API server does not, and then the engine skips building events altogether)."""
+        self.inspect = inspect
         self._start_engine(self.config)
-        if self._producer is None:
+        if inspect and self._producer is None:
             self._producer = threading.Thread(target=self._produce, name="kvscope-figures", daemon=True)
             self._producer.start()
         return self
@@ -113,7 +117,8 @@ class EngineHost:
             raise
         self.recorder.detach()
         self.recorder.clear()
-        self.recorder.attach(loop.engine.events)
+        if getattr(self, "inspect", True):
+            self.recorder.attach(loop.engine.events)
         with self._lock:
             self.loop, self.config, self.state, self.error = loop, config, "ready", None
         log.info("engine ready in %.1f s: %s", time.perf_counter() - t, self.describe())
@@ -217,7 +222,8 @@ class EngineHost:
             except Exception:
                 log.exception("kv_snapshot / stats failed")
         snap = self.recorder.snapshot(kv=kv)
-        specs = F.build_specs(snap)
+        names = [n for n in F.SPECS if n != "timeline_step" or time.monotonic() < self.want_step_axis_until]
+        specs = F.build_specs(snap, names)
         plots, hashes = {}, {}
         for name, spec in specs.items():
             try:
@@ -954,7 +960,16 @@ def build_ui(host: EngineHost):
                 res.append(send("block_table", (pub.version, selected),
                                 lambda: spec_plot(F.block_table_spec(pub.kv, selected))))
                 tl = "timeline_step" if ax == "step" else "timeline"
-                res.append(send("timeline", (tl, pub.hashes.get(tl)), lambda: plot(pub.plots[tl])))
+                if ax == "step":
+                    host.want_step_axis_until = time.monotonic() + 10.0
+                    if tl not in pub.plots:            # first request for it: build it here once
+                        res.append(send("timeline", ("step-adhoc", pub.version),
+                                        lambda: spec_plot(F.timeline_spec(pub.snapshot, axis="step"))))
+                        host._kick.set()
+                    else:
+                        res.append(send("timeline", (tl, pub.hashes.get(tl)), lambda: plot(pub.plots[tl])))
+                else:
+                    res.append(send("timeline", (tl, pub.hashes.get(tl)), lambda: plot(pub.plots[tl])))
                 for name in ("throughput", "latency", "timings", "spec"):
                     res.append(send(name, pub.hashes.get(name), lambda n=name: plot(pub.plots[n])))
                 snap = pub.snapshot
@@ -1083,8 +1098,8 @@ def build_ui(host: EngineHost):
                         cs = []
                         vals = config_form_values(host.config, cmp_names)
                         for (name, kind), val in zip(cmp_fields, vals):
-                            if label == "B" and name == "enable_chunked_prefill":
-                                val = not val
+                            if label == "B" and name == "scheduling":
+                                val = "static" if val == "continuous" else "continuous"   # the classic contrast
                             if kind == "bool":
                                 cs.append(gr.Checkbox(value=bool(val), label=name))
                             elif kind == "choice":
@@ -1100,7 +1115,8 @@ def build_ui(host: EngineHost):
                 cmp_run = gr.Button("Run comparison", variant="primary", elem_id="kv-compare-run")
                 cmp_stop = gr.Button("Stop", variant="stop")
             cmp_msg = gr.Markdown()
-            cmp_table = gr.Dataframe(label="A vs B", interactive=False, elem_id="kv-compare-table")
+            cmp_table = gr.Dataframe(headers=["Metric", "A", "B", "B / A", "Better"], label="A vs B (same seeded workload)",
+                                     interactive=False, elem_id="kv-compare-table")
             with gr.Row():
                 cmp_tl_a = gr.Plot(label="A timeline", show_label=False)
                 cmp_tl_b = gr.Plot(label="B timeline", show_label=False)
@@ -1337,7 +1353,7 @@ def main(argv=None) -> None:
     cfg = config_from_args(args)
     host = EngineHost(cfg)
     log.info("loading the engine (%s)…", cfg.model or "bundled SmolLM2-135M-Instruct")
-    host.start()
+    host.start(inspect=not args.api_only)
     app, _ = create_app(host, api_only=args.api_only)
     print(f"kvscope ready on http://{args.host}:{args.port}  ({host.describe()})", flush=True)
     try:

@@ -196,6 +196,7 @@ def main(argv=None) -> dict:
         if warm.errors:
             raise SystemExit(f"warm-up request failed: {warm.errors}")
         before = scrape(url)
+        load_before = os.getloadavg()[0]
         runner = HttpLoadRunner(target, spec)
         print(f"benchmarking {runner.model} at {target.v1}: {args.num_prompts} prompts, rate "
               f"{args.request_rate:g} req/s, burstiness {args.burstiness:g}, input {args.input_len}, "
@@ -209,10 +210,13 @@ def main(argv=None) -> dict:
                 runner.wait(30)
                 break
         wall = time.perf_counter() - t0
+        load_after = os.getloadavg()[0]
         after = scrape(url)
         s = runner.summary()
         srv = server_side(before, after)
         print_report(s, wall, args, srv)
+        print(f"machine load average (1 min): {load_before:.2f} before, {load_after:.2f} after, "
+              f"{os.cpu_count()} cores (other processes share these cores)")
         if runner.errors:
             print(f"{len(runner.errors)} errors, e.g. {runner.errors[:3]}")
         cpu = "cpu"
@@ -230,6 +234,7 @@ def main(argv=None) -> dict:
             "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
             "target": target.v1, "model": runner.model, "launched": proc is not None,
             "client_host": f"{platform.node()} / {cpu} / {os.cpu_count()} cores", "duration_s": wall,
+            "load_average_1min": {"before": load_before, "after": load_after},
             "summary": {k: v for k, v in s.items() if k != "slo"}, "server_side": srv,
             "http_status": s.get("http_status"), "errors": runner.errors[:20], "requests": records})
         print(f"wrote {path}")

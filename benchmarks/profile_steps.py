@@ -27,7 +27,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--configs", default="default,nochunk")
+    ap.add_argument("--torch-profile", default="", help="engine steps to run under torch.profiler, e.g. 3,300")
     args = ap.parse_args()
+    prof_steps = {int(s) for s in args.torch_profile.split(",") if s}
+    profiles = []
     prompts, outs = nano_workload(args.requests)
     rows = []
     for name in args.configs.split(","):
@@ -36,7 +39,21 @@ def main():
         llm = LLM(MODEL, **cfg)
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
         events = []
-        llm.engine.events.subscribe(lambda e: events.append(e) if getattr(e, "kind", "") == "step" else None)
+        eng = llm.engine
+        step0 = eng.step_index
+
+        def listen(e):
+            if getattr(e, "kind", "") != "step":
+                return
+            if eng.last_profile is not None:        # the previous step ran under the profiler
+                p = events[-1]
+                profiles.append((name, p.step - step0, len(p.scheduled), p.num_prefill_tokens, p.end - p.start,
+                                 eng.last_profile))
+                eng.last_profile = None
+            events.append(e)
+            if e.step + 1 - step0 in prof_steps:
+                eng.profile_step()
+        eng.events.subscribe(listen)
         params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -60,6 +77,12 @@ def main():
         rows.append(dict(config=name, kind="WALL", total_s=wall, steps=len(events)))
         llm.engine.close()
         print(rows[-1], flush=True)
+    for name, step, batch, npre, wall, prof in profiles:
+        print(f"\n== {name}: step {step}, {batch} seqs, {npre} prefill tokens, {wall * 1e3:.2f} ms wall (profiled)")
+        dev_total = sum(r["device_time_ms"] for r in prof if not r["name"].startswith(("ProfilerStep", "aten::")))
+        print(f"   device kernels total (top 40, excl. aten wrappers) {dev_total:.2f} ms")
+        for r in prof[:25]:
+            print(f"   {r['device_time_ms']:8.3f} ms dev {r['cpu_time_ms']:8.3f} ms cpu x{r['count']:<4} {r['name'][:90]}")
     print_table(rows, ["config", "kind", "steps", "total_s", "step_ms", "batch", "tokens", "schedule", "prepare",
                        "forward", "sampling", "postprocess"])
 

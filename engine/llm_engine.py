@@ -446,6 +446,7 @@ class LLMEngine:
         for seq in list(self.seqs.values()):
             self.abort_request(seq.request_id)
         self.runner.graphs = None
+        self.drafter = None                     # a draft model and its KV pool go with it
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         self.runner.kv_cache = None

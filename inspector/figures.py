@@ -16,7 +16,7 @@ import json
 import logging
 import math
 import zlib
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -322,7 +322,7 @@ def block_table_spec(kv: dict | None, request_id: str | None, height: int = 200)
 
 
 # ----------------------------------------------------------------------------- 2. scheduler timeline
-def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, max_steps: int = 600,
+def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, max_steps: int = 400,
                   height: int | None = None) -> dict:
     """Gantt of the latest requests (waiting / prefill / decode / preempted spans) over time or engine
     steps, and below it the per-step batch composition (prefill vs decode tokens, running / waiting)."""
@@ -378,9 +378,9 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
         else:
             x = [(s.start + s.end) / 2 - t0 for s in steps]
             w = [max(1e-4, s.end - s.start) for s in steps]
-        hov = [f"step {s.step} · {len(s.scheduled)} seqs · {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode "
-               f"tokens · {(s.end - s.start) * 1e3:.1f} ms{' · CUDA graph' if s.cuda_graph else ''}"
-               + (f"<br>preempted: {', '.join(s.preempted[:5])}" if s.preempted else "") for s in steps]
+        hov = [f"step {s.step}: {len(s.scheduled)} seqs, {s.num_prefill_tokens}+{s.num_decode_tokens} tok, "
+               f"{(s.end - s.start) * 1e3:.1f} ms{' (graph)' if s.cuda_graph else ''}"
+               + (f"<br>preempted {', '.join(s.preempted[:4])}" if s.preempted else "") for s in steps]
         data.append(dict(type="bar", x=x, y=[s.num_prefill_tokens for s in steps], width=w, name="prefill tokens",
                          marker=dict(color=PHASE_COLORS["prefill"], line=dict(width=0)), hovertext=hov,
                          hoverinfo="text", showlegend=False, xaxis=x2, yaxis=y2))
@@ -401,7 +401,7 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
     lay[_axname(y1, "y")].update(type="category", categoryorder="array",
                                  categoryarray=[r.request_id for r in reversed(reqs)], tickfont=dict(size=9))
     lay[_axname(y2, "y")].update(title=dict(text="tokens/step"))
-    lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero")
+    lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero", tickformat="d")
     lay[_axname(x2, "x")].update(title=dict(text="engine step" if by_step else "seconds since first event"))
     return {"data": data, "layout": lay}
 
@@ -437,7 +437,7 @@ def step_regions(timings: dict[str, float], wall: float) -> dict[str, float]:
     return out
 
 
-def timings_spec(snap: Snapshot, max_steps: int = 400, height: int = 360) -> dict:
+def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dict:
     title = "Per-step timings"
     steps = [s for s in snap.steps[-max_steps:] if s.timings]
     if not steps:
@@ -618,6 +618,7 @@ def throughput_spec(snap: Snapshot, height: int = 340, max_bins: int = 120) -> d
     refs = _grid(lay, rows=[0.55, 0.45], cols=[1.0], vspace=0.07, share_x=True, secondary=((2, 1),))
     (x1, y1), (x2, y2), y2b = refs[(1, 1)], refs[(2, 1)], refs[(2, 1, "y2")]
     sub = steps[-2000:]
+    sub = sub[::max(1, math.ceil(len(sub) / 600))]          # at most ~600 points per line
     xs = [s.end - t0 for s in sub]
     data = [
         dict(type="scatter", x=_lst(xb), y=_lst(gen / width), name="generation tok/s", mode="lines",
@@ -633,7 +634,7 @@ def throughput_spec(snap: Snapshot, height: int = 340, max_bins: int = 120) -> d
     ]
     lay[_axname(y1, "y")].update(title=dict(text="tok/s"), rangemode="tozero")
     lay[_axname(y2, "y")].update(title=dict(text="KV %"), range=[0, 105])
-    lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero")
+    lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero", tickformat="d")
     lay[_axname(x2, "x")].update(title=dict(text="seconds since first event"))
     return {"data": data, "layout": lay}
 

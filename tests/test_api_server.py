@@ -431,3 +431,21 @@ def test_real_model_chat():
             assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
     finally:
         lp.shutdown()
+
+
+def test_cli_defaults_and_engine_flags():
+    import argparse
+
+    from engine.entrypoints.openai.api_server import (add_engine_args, add_server_args, engine_config_from_args,
+                                                      server_kwargs)
+    ap = argparse.ArgumentParser()
+    add_server_args(ap)
+    add_engine_args(ap, defaults={"max_waiting_requests": 256})
+    a = ap.parse_args(["--model", "dummy:tiny", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+                       "--gpu-memory-utilization", "0.5", "--api-key", "k"])
+    assert a.host == "127.0.0.1"                               # never exposed unless asked
+    cfg = engine_config_from_args(a)
+    assert (cfg.model, cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.max_waiting_requests,
+            cfg.gpu_memory_utilization) == ("dummy:tiny", 4, False, 256, 0.5)
+    assert engine_config_from_args(ap.parse_args(["--max-waiting-requests", "none"])).max_waiting_requests is None
+    assert server_kwargs(a)["api_key"] == "k" and server_kwargs(a)["request_timeout"] == 600.0

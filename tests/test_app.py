@@ -72,6 +72,14 @@ def load_args(n=N_LOAD, rate=20.0, all_at_once=False, seed=7, o_len=OUT_LEN, p_m
 def test_binds_localhost_and_has_no_share_link(server):
     assert server.startswith("http://127.0.0.1:")
     assert httpx.get(server + "healthz").json()["state"] == "ready"
+    assert "gradio" in httpx.get(server).text.lower()          # the UI at /
+
+
+def test_serving_api_lives_beside_the_ui(server):
+    r = httpx.post(server + "v1/completions", json={"model": "dummy:tiny", "prompt": "hi", "max_tokens": 3}, timeout=30)
+    if r.status_code == 404:
+        pytest.skip("serving API not present in this build")
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_stream_a_prompt(client):
@@ -197,3 +205,19 @@ def test_settings_validate_and_restart(client):
     assert msg.startswith("✅") and "64 KV blocks" in msg, msg
     out = client.predict(prompt="after restart", max_tokens=4, api_name="/complete")
     assert "| length |" in out["stats"]
+
+
+def test_stop_cancels_the_request_and_frees_its_blocks(client):
+    job = client.submit(prompt="a long story", max_tokens=1000, ignore_eos=True, api_name="/complete")
+    deadline = time.time() + 30
+    while time.time() < deadline and len(job.outputs()) < 3:
+        time.sleep(0.05)
+    client.predict(api_name="/stop")
+    final = job.result(timeout=30)
+    assert "| abort |" in final["stats"]
+    n_out = int(final["stats"].split("\n")[2].split("|")[7])
+    assert n_out < 1000
+    ins = client.predict("", "time", api_name="/inspector")
+    assert not [k for k in ins["kv"]["block_tables"] if k.startswith("completion-")]
+    req = [r for r in ins["requests"] if r["request_id"].startswith("completion-")][-1]
+    assert req["status"] == "aborted"

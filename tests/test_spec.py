@@ -58,6 +58,10 @@ def _workload():
             kw["stop_token_ids"] = [7, 11]                        # may stop in the middle of accepted drafts
         if i == 5:
             kw.update(ignore_eos=False, min_tokens=4)              # EOS banned for the first 4 tokens
+        if i == 6:
+            kw.update(repetition_penalty=1.3, frequency_penalty=0.2)  # penalties see the earlier drafts
+        if i == 4:
+            kw["logprobs"] = 2
         params.append(SamplingParams(**kw))
     return prompts, params
 
@@ -110,7 +114,7 @@ def _run(models, spec: dict, setup: dict):
 @pytest.fixture(scope="module")
 def reference(models):
     outs, _ = _run(models, {}, SETUPS["batched"])
-    return [(o.token_ids, o.finish_reason) for o in outs]
+    return outs
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
@@ -118,7 +122,13 @@ def reference(models):
 def test_greedy_identical_with_speculation(models, reference, method, setup):
     outs, eng = _run(models, METHODS[method], SETUPS[setup])
     got = [(o.token_ids, o.finish_reason) for o in outs]
-    assert got == reference[:len(got)]
+    assert got == [(o.token_ids, o.finish_reason) for o in reference[:len(got)]]
+    for o, ref in zip(outs, reference):
+        if o.logprobs is not None:                              # one entry per token, chosen token first
+            assert [e[0].token_id for e in o.logprobs] == o.token_ids
+            assert [[x.token_id for x in e] for e in o.logprobs] == [[x.token_id for x in e] for e in ref.logprobs]
+            assert [x.logprob for e in o.logprobs for x in e] == \
+                pytest.approx([x.logprob for e in ref.logprobs for x in e], abs=1e-4)
     _, params = _workload()
     for o, p in zip(outs, params):
         assert len(o.token_ids) <= p.max_tokens

@@ -17,8 +17,8 @@ positions need (skipping or shortening drafts when the pool is short, keeping a 
   its first draft forward, and restarts from 0 after a preemption. Prefix-cached blocks get their draft K/V
   rewritten by the new request (same tokens, same values), so sharing stays correct.
 
-Sampled requests draw drafts from the draft's own filtered distribution q (temperature, top-k/p, min-p, the
-min_tokens ban) and keep q for the rejection rule; greedy requests take the draft's argmax.
+Sampled requests draw drafts from the draft's own filtered distribution q (penalties, the min_tokens ban,
+temperature, top-k/p, min-p) and keep q for the rejection rule; greedy requests take the draft's argmax.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.config import ModelConfig
-from ..sampler import _filter, _seeded_generator
+from ..sampler import _apply_penalties, _filter, _seeded_generator
 from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
 from ..timing import NullTimer
@@ -117,11 +117,12 @@ class ModelDrafter(Drafter):
         """Next draft token per seq; sampled requests draw from q and record it."""
         eng = self.engine
         rows = [eng._sample_row(s, s.spec_token_ids) for s in seqs]
-        if any(r.banned for r in rows):
+        if any(r.banned or r.params.needs_penalties for r in rows):   # draft under the target's rules
             logits = logits.clone()
             for i, r in enumerate(rows):
                 if r.banned:
                     logits[i, r.banned] = float("-inf")
+            _apply_penalties(logits, rows)
         toks = logits.argmax(-1)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
