@@ -1,7 +1,10 @@
 """Speculative decoding in the engine: greedy output is token-identical with and without speculation for
-every method (alone, batched, with chunked prefill, draft truncation and forced preemption), blocks never
-leak (randomized run with aborts), and the acceptance metrics reach stats() and the event stream."""
+every method (alone, batched, with chunked prefill, draft truncation and forced preemption), different draft
+lengths are verified in one step, rejected drafts' KV slots and blocks are rolled back every step (StepChecks),
+blocks never leak (randomized run with aborts), and the acceptance metrics (vLLM definitions) reach stats()
+and the event stream, per step and per request."""
 import importlib.util
+import json
 import os
 import random
 
@@ -87,6 +90,78 @@ SETUPS = {
 }
 
 
+class StepChecks:
+    """An event listener that checks every StepEvent (emitted after the step's bookkeeping) against the
+    engine's state, independently of the drafter's own counters:
+    - a verified request computed its k drafts + 1 positions in the one target forward;
+    - rollback: a verified request that is still running has num_computed = num_tokens - 1 (rejected
+      slots are not counted as computed) and holds no block beyond its last token (blocks that only held
+      rejected drafts were returned in this step);
+    - per-request stats in the step's event (`spec["requests"]`) match the step: drafted = the scheduled
+      draft length, accepted + 1 = the tokens the request actually gained (when it did not finish);
+    - it keeps (drafted, accepted) pairs to re-derive the per-position counters, and notes steps that verify
+      different draft lengths together and steps that mix a prefill chunk with verification."""
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.pairs: list[tuple[int, int]] = []
+        self.per_request: dict[str, list[int]] = {}
+        self.mixed_lengths = self.mixed_phases = self.rollbacks_crossing_blocks = 0
+        eng.events.subscribe(self)
+
+    def __call__(self, ev):
+        if not isinstance(ev, StepEvent):
+            return
+        eng, bs = self.eng, self.eng.block_size
+        reqs = (ev.spec or {}).get("requests", {})
+        lengths = set()
+        for s in ev.scheduled:
+            sampled = s.num_computed_before + s.num_tokens == s.total_len + s.num_spec_tokens
+            seq = eng.seqs.get(s.request_id)
+            live = seq is not None and not seq.is_finished
+            if s.num_spec_tokens:
+                lengths.add(s.num_spec_tokens)
+                assert s.phase == "decode" and sampled
+                assert s.num_tokens == s.num_spec_tokens + 1 and s.num_computed_before == s.total_len - 1
+                k, a = reqs[s.request_id]
+                assert k == s.num_spec_tokens and 0 <= a <= k
+                self.pairs.append((k, a))
+                tot = self.per_request.setdefault(s.request_id, [0, 0])
+                tot[0] += k
+                tot[1] += a
+                if live:
+                    assert seq.num_tokens - s.total_len == a + 1            # accepted drafts + 1 token
+                    if -(-(s.total_len + k) // bs) > -(-seq.num_tokens // bs):
+                        self.rollbacks_crossing_blocks += 1              # rejected drafts filled a block
+            else:
+                assert s.request_id not in reqs
+            if live and sampled and seq.num_output_tokens:
+                assert seq.num_computed_tokens == seq.num_tokens - 1
+                assert len(seq.block_table) <= -(-seq.num_tokens // bs), "blocks of rejected drafts kept"
+        assert len(reqs) == len([s for s in ev.scheduled if s.num_spec_tokens])
+        self.mixed_lengths += len(lengths) > 1
+        self.mixed_phases += bool(lengths) and any(s.phase == "prefill" for s in ev.scheduled)
+        if ev.spec is not None:
+            sp = ev.spec
+            assert sp["num_drafts"] == len(reqs)
+            assert sp["num_draft_tokens"] == sum(k for k, _ in reqs.values())
+            assert sp["num_accepted_tokens"] == sum(a for _, a in reqs.values())
+            if sp["num_drafts"]:
+                assert sp["acceptance_rate"] == sp["num_accepted_tokens"] / sp["num_draft_tokens"]
+                assert sp["mean_acceptance_length"] == 1 + sp["num_accepted_tokens"] / sp["num_drafts"]
+
+    def check_totals(self, stats: dict, k_max: int):
+        """The engine's cumulative vLLM counters equal what the step events showed."""
+        assert stats["spec_decode_num_drafts"] == len(self.pairs)
+        assert stats["spec_decode_num_draft_tokens"] == sum(k for k, _ in self.pairs)
+        assert stats["spec_decode_num_accepted_tokens"] == sum(a for _, a in self.pairs)
+        assert stats["spec_decode_num_accepted_tokens_per_pos"] == \
+            [sum(a > j for _, a in self.pairs) for j in range(k_max)]
+        for rid, (k, a) in self.per_request.items():
+            rs = self.eng.drafter.request_stats(rid)
+            assert (rs["num_draft_tokens"], rs["num_accepted_tokens"]) == (k, a)
+
+
 def _check_no_leak(eng):
     bm = eng.block_manager
     assert not eng.has_unfinished_requests()
@@ -104,10 +179,14 @@ def _run(models, spec: dict, setup: dict):
     llm = LLM(model=models["target"], **cfg)
     if adaptive:
         llm.engine.drafter.adaptive = True
+    checks = StepChecks(llm.engine) if llm.engine.drafter is not None else None
     prompts, params = _workload()
     n = setup["n"]
     outs = llm.generate(prompts[:n], params[:n], use_tqdm=False)
     _check_no_leak(llm.engine)
+    if checks is not None:
+        checks.check_totals(llm.engine.stats(), cfg["num_speculative_tokens"])
+        llm.engine.checks = checks
     return outs, llm.engine
 
 
@@ -139,6 +218,11 @@ def test_greedy_identical_with_speculation(models, reference, method, setup):
         assert st["acceptance_rate"] == 1.0
     if setup == "pressure":
         assert st["num_preemptions_total"] > 0
+        assert eng.checks.mixed_phases > 0             # verification shared a forward with prefill chunks
+    if setup != "alone" and "adaptive" not in method:
+        assert eng.checks.mixed_lengths > 0            # different draft lengths verified in one step
+    if setup != "alone" and "adaptive" not in method and st["acceptance_rate"] < 1:
+        assert eng.checks.rollbacks_crossing_blocks > 0  # rejected drafts whose blocks had to be returned
     if method == "draft-bad-adaptive" and setup == "batched":
         fixed = _run(models, METHODS["draft-bad"] | dict(num_speculative_tokens=3), SETUPS[setup])[1].stats()
         assert st["spec_decode_num_draft_tokens"] < fixed["spec_decode_num_draft_tokens"] / 2
@@ -151,7 +235,9 @@ def test_no_leaked_blocks_randomized_with_aborts(models):
         if "draft_model" in cfg:
             cfg["draft_model"] = models[cfg["draft_model"]]
         eng = LLMEngine(model=models["target"], **cfg)
+        checks = StepChecks(eng)                 # rollback and per-request accounting, every step
         live: list[str] = []
+        aborted_with_blocks = 0
         for step in range(160):
             if step < 120 and rng.random() < 0.35:
                 prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 30))]
@@ -159,7 +245,9 @@ def test_no_leaked_blocks_randomized_with_aborts(models):
                                     ignore_eos=rng.random() < 0.5, seed=rng.choice([None, step]))
                 live.append(eng.add_request(prompt, sp))
             if live and rng.random() < 0.08:
-                eng.abort_request(live.pop(rng.randrange(len(live))))
+                rid = live.pop(rng.randrange(len(live)))
+                aborted_with_blocks += bool(eng.seqs[rid].block_table)
+                eng.abort_request(rid)
             for out in eng.step():
                 if out.finished and out.request_id in live:
                     live.remove(out.request_id)
@@ -172,7 +260,10 @@ def test_no_leaked_blocks_randomized_with_aborts(models):
         while eng.has_unfinished_requests():
             eng.step()
         _check_no_leak(eng)
-        assert eng.stats()["spec_decode_num_drafts"] > 0
+        st = eng.stats()
+        assert st["spec_decode_num_drafts"] > 0 and st["num_preemptions_total"] > 0 and aborted_with_blocks > 0
+        checks.check_totals(st, cfg["num_speculative_tokens"])
+        assert checks.rollbacks_crossing_blocks > 0
 
 
 def test_metrics_events_and_request_stats(models):
@@ -180,6 +271,7 @@ def test_metrics_events_and_request_stats(models):
     eng = LLMEngine(model=models["target"], **dict(BASE, **METHODS["ngram"]))
     events = []
     eng.events.subscribe(events.append)
+    checks = StepChecks(eng)
     prompts, params = _workload()
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     while eng.has_unfinished_requests():
@@ -187,6 +279,7 @@ def test_metrics_events_and_request_stats(models):
     steps = [e for e in events if isinstance(e, StepEvent) and e.spec is not None]
     assert steps
     tot = eng.stats()
+    checks.check_totals(tot, k)
     assert sum(e.spec["num_drafts"] for e in steps) == tot["spec_decode_num_drafts"]
     assert sum(e.spec["num_accepted_tokens"] for e in steps) == tot["spec_decode_num_accepted_tokens"]
     per_pos = tot["spec_decode_num_accepted_tokens_per_pos"]
@@ -200,6 +293,20 @@ def test_metrics_events_and_request_stats(models):
             assert "draft" in e.timings                             # drafting time is its own region
     rs = [eng.drafter.request_stats(r) for r in rids]
     assert sum(r["num_draft_tokens"] for r in rs if r) == tot["spec_decode_num_draft_tokens"]
+    # per request, from the event stream alone (what the inspector sees): the step events' `requests`
+    # entries add up to the drafter's per-request counters, with vLLM's derived rates
+    for rid, r in zip(rids, rs):
+        pairs = [e.spec["requests"][rid] for e in steps if rid in e.spec["requests"]]
+        if r is None:
+            assert not pairs
+            continue
+        d, a = sum(k for k, _ in pairs), sum(x for _, x in pairs)
+        assert (r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"]) == (len(pairs), d, a)
+        assert r["acceptance_rate"] == a / d
+        assert r["mean_acceptance_length"] == pytest.approx(1 + a / len(pairs))
+        assert r["accepted_per_pos"] == [sum(x > j for _, x in pairs) for j in range(k)]
+    assert any(r and r["num_accepted_tokens"] for r in rs) and any(r and r["acceptance_rate"] < 1 for r in rs)
+    assert all(json.loads(json.dumps(e.to_dict()["spec"])) == e.spec for e in steps)   # JSON, as exported
 
 
 def _have_bundled() -> bool:

@@ -6,7 +6,7 @@ Per step the engine calls
                                 of each sampled request -> tokens to append (accepted drafts + 1);
   accept(seq, num_spec, toks)   in postprocess: accepted drafts' KV is valid (computed += accepted),
                                 rejected slots are dropped and blocks that only held them returned;
-  pop_step_stats()              the step's counters for StepEvent.spec;
+  pop_step_stats()              the step's counters for StepEvent.spec (totals, per position, per request);
   total_stats()                 cumulative counters for engine.stats().
 Metrics follow vLLM: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 
@@ -103,6 +103,7 @@ class Drafter:
         self._accept: dict[str, _Accept] = {}
         self.total = SpecStats(self.k)
         self._step: SpecStats | None = None
+        self._step_requests: dict[str, tuple[int, int]] = {}     # this step: request id -> (drafted, accepted)
         self._requests: OrderedDict[str, SpecStats] = OrderedDict()
         self._q: dict[str, torch.Tensor] = {}      # request id -> [k, V] draft distributions (sampled drafts)
 
@@ -165,6 +166,7 @@ class Drafter:
         new_tokens: list[list[int]] = [[] for _ in sched.seqs]
         lp_rows: list = [None] * len(sched.seqs)
         step = self._step = SpecStats(self.k)
+        self._step_requests = {}
         if not groups:
             return new_tokens, lp_rows
         assert r == logits.shape[0], f"verify: {r} logit rows expected, got {logits.shape[0]}"
@@ -206,6 +208,7 @@ class Drafter:
                 if st is not None:
                     st.update(k, a)
             if k:
+                self._step_requests[seq.request_id] = (k, a)
                 rs = self._requests.get(seq.request_id)
                 if rs is None:
                     rs = self._requests[seq.request_id] = SpecStats(self.k)
@@ -223,11 +226,17 @@ class Drafter:
 
     # ---- metrics -------------------------------------------------------------------------------
     def pop_step_stats(self) -> dict | None:
+        """The step's counters for StepEvent.spec, with vLLM's derived rates and, per verified request,
+        its draft length and accepted count (`requests`: {request_id: [num_draft_tokens, num_accepted]})."""
         s, self._step = self._step, None
+        reqs, self._step_requests = self._step_requests, {}
         if s is None:
             return None
         return dict(num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
-                    num_accepted_tokens=s.num_accepted_tokens, accepted_per_pos=list(s.accepted_per_pos))
+                    num_accepted_tokens=s.num_accepted_tokens, accepted_per_pos=list(s.accepted_per_pos),
+                    acceptance_rate=acceptance_rate(s.num_accepted_tokens, s.num_draft_tokens),
+                    mean_acceptance_length=mean_acceptance_length(s.num_accepted_tokens, s.num_drafts),
+                    requests={r: [k, a] for r, (k, a) in reqs.items()})
 
     def total_stats(self) -> dict:
         t = self.total
