@@ -1,9 +1,9 @@
 """kvscope app: a Gradio playground and live inspector over the engine, in one process.
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model PATH|dummy:NAME] [--device auto|cpu|cuda]
-                  [--set FIELD=VALUE ...] [--api-only]
+                  [--set FIELD=VALUE ...] [--api-only] [--api-key KEY] [--request-timeout S]
 
-Structure (one-way flow, DESIGN.md):
+Structure (one-way flow):
   EngineHost   owns the EngineLoop (engine on its own thread), the inspector Recorder subscribed to its
                events, the current load run and compare job, and ONE producer thread that turns the
                latest snapshot into serialised Plotly figures about twice a second.
@@ -93,6 +93,8 @@ class EngineHost:
         self._active: dict[str, Any] = {}   # session -> playground stream
         self.want_step_axis_until = 0.0     # build the step-axis timeline only while someone looks at it
         self._ids = 0
+        self.api_options: dict = {}         # register() kwargs for the serving API (api_key, timeouts, ...)
+        self.self_url: str | None = None    # this process's base URL once it serves (the HTTP load target)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, inspect: bool = True) -> "EngineHost":
@@ -442,6 +444,27 @@ def make_load_spec(preset_name, num_requests, rate, all_at_once, burstiness, max
     return spec
 
 
+def make_http_runner(host: "EngineHost", spec: L.LoadSpec, slo: M.SLO | None, url, model, key):
+    """The load generator's HTTP target: `url` empty = this process's own OpenAI-compatible API."""
+    from inspector.http_load import HttpLoadRunner, HttpTarget
+    url = str(url or "").strip()
+    self_target = not url
+    if self_target:
+        if not host.self_url:
+            raise ValueError("HTTP base URL: this app is not serving the HTTP API here; enter a server's URL")
+        url = host.self_url
+    key = str(key or "").strip() or (host.api_options.get("api_key") if self_target else None)
+    try:
+        target = HttpTarget(url, model=str(model or "").strip() or None, api_key=key)
+        # records of this server's own requests come from the engine's events; a remote server's only
+        # from the wire, so those feed the inspector's latency panel
+        return HttpLoadRunner(target, spec, slo=slo, on_record=None if self_target else host.recorder.record_output)
+    except ValueError:
+        raise
+    except Exception as e:   # connection refused, DNS, timeouts: a clear message, never a crash
+        raise ValueError(f"HTTP base URL: could not reach {url}: {type(e).__name__}: {e}") from None
+
+
 def make_slo(ttft, tpot, e2el) -> M.SLO:
     return M.SLO(ttft_ms=_num(ttft, "TTFT SLO (ms)", lo=0, lo_exclusive=True, allow_none=True) or None,
                  tpot_ms=_num(tpot, "TPOT SLO (ms)", lo=0, lo_exclusive=True, allow_none=True) or None,
@@ -469,12 +492,15 @@ def config_field_specs() -> list[tuple[str, str, Any]]:
     out = []
     for f in dataclasses.fields(EngineConfig):
         d = f.default if f.default is not dataclasses.MISSING else None
+        ann = str(f.type).replace(" ", "")          # e.g. "int|None" (fields added later are typed too)
         if f.name in _CHOICES:
             kind = "choice"
-        elif f.name in _OPTIONAL_INT:
+        elif f.name in _OPTIONAL_INT or (d is None and ann.startswith("int")):
             kind = "opt_int"
-        elif f.name in _OPTIONAL_STR:
+        elif f.name in _OPTIONAL_STR or (d is None and ann.startswith("str")):
             kind = "opt_str"
+        elif d is None and ann.startswith("float"):
+            kind = "opt_float"
         elif isinstance(d, bool):
             kind = "bool"
         elif isinstance(d, int):
@@ -499,6 +525,8 @@ def config_from_form(names: list[str], values: list) -> EngineConfig:
         elif kind == "opt_int":
             x = _num(v, name, integer=True, allow_none=True)
             kw[name] = None if x in (None, 0) else x
+        elif kind == "opt_float":
+            kw[name] = _num(v, name, allow_none=True)
         elif kind == "int":
             kw[name] = _num(v, name, integer=True)
         elif kind == "float":
@@ -513,11 +541,12 @@ def config_from_form(names: list[str], values: list) -> EngineConfig:
 def config_form_values(cfg: EngineConfig, names: list[str]) -> list:
     out = []
     d = cfg.to_dict()
+    kinds = {n: k for n, k, _ in config_field_specs()}
     for n in names:
         v = d[n]
         if n == "speculative_method":
             v = v or "off"
-        elif n in _OPTIONAL_STR:
+        elif kinds.get(n) == "opt_str":
             v = v or ""
         out.append(v)
     return out
@@ -787,7 +816,8 @@ def build_ui(host: EngineHost):
         # ------------------------------------------------------------------ Load
         with gr.Tab("Load", id="load"):
             gr.Markdown("Simulated users drive the engine in-process through the same `submit()` API the playground "
-                        "uses. Arrivals are gamma distributed (shape = burstiness, scale = 1 / (rate · burstiness); "
+                        "uses, or — target **HTTP** — send the same workload as streaming `/v1/completions` to this "
+                        "server's OpenAI-compatible API or any other (e.g. vLLM), timing TTFT/ITL over the wire. Arrivals are gamma distributed (shape = burstiness, scale = 1 / (rate · burstiness); "
                         "1 = Poisson) as in `vllm bench serve`. Prompts are random token ids of the chosen lengths; "
                         "outputs are greedy with EOS ignored, so lengths are exact.")
             info0 = L.EngineInfo()
@@ -823,6 +853,14 @@ def build_ui(host: EngineHost):
                     slo_e2el = gr.Number(value=None, label="E2EL SLO (ms)")
                     fresh = gr.Checkbox(value=True, label="clear the inspector's history at start")
             with gr.Row():
+                target = gr.Radio(["in-process engine", "HTTP (OpenAI-compatible)"], value="in-process engine",
+                                  label="target", scale=2, elem_id="kv-target",
+                                  info="HTTP sends streaming /v1/completions with token-id prompts")
+                t_url = gr.Textbox(value="", label="HTTP base URL (empty = this server)", scale=2,
+                                   placeholder="http://127.0.0.1:8000/v1", elem_id="kv-target-url")
+                t_model = gr.Textbox(value="", label="model (empty = the server's first)", scale=1)
+                t_key = gr.Textbox(value="", label="API key (optional)", type="password", scale=1)
+            with gr.Row():
                 start_btn = gr.Button("Start load", variant="primary", elem_id="kv-start-load")
                 stop_btn = gr.Button("Stop load", variant="stop", elem_id="kv-stop-load")
             load_msg = gr.Markdown(elem_id="kv-load-msg")
@@ -851,26 +889,34 @@ def build_ui(host: EngineHost):
             preset_dd.change(preset_fn, preset_dd, [preset_md, *load_knobs], api_name="preset", queue=False)
 
             def start_fn(name, *args):
-                knobs, (t1, t2, t3, fr) = args[:len(load_knobs)], args[len(load_knobs):]
+                knobs = args[:len(load_knobs)]
+                t1, t2, t3, fr, *tgt = args[len(load_knobs):]
+                tgt_kind, url, model, key = (list(tgt) + ["in-process engine", "", "", ""][len(tgt):])[:4]
+                http = str(tgt_kind or "").startswith("HTTP")
                 try:
                     loop = host.require_loop()
                     if host.load is not None and not host.load.done:
                         raise ValueError("a load is already running; stop it first")
                     if host.compare is not None and not host.compare.done.is_set():
                         raise ValueError("a comparison is running; wait for it or stop it")
-                    spec = make_load_spec(name, *knobs, max_model_len=max_len())
+                    spec = make_load_spec(name, *knobs, max_model_len=None if http else max_len())
                     slo = make_slo(t1, t2, t3)
+                    if http:
+                        runner = make_http_runner(host, spec, slo, url, model, key)
+                    else:
+                        runner = L.LoadRunner(loop, spec, recorder=host.recorder, slo=slo)
                     if fr:
                         host.recorder.clear()
-                    runner = L.LoadRunner(loop, spec, recorder=host.recorder, slo=slo)
                 except (ValueError, EngineUnavailable) as e:
                     return f"⚠️ {e}", gr.skip(), gr.skip(), gr.skip()
                 host.load = runner.start()
-                return (f"Started **{spec.name}**: {spec.num_requests} requests, "
+                where = f" → HTTP {runner.target.v1} (model {runner.model})" if http else ""
+                return (f"Started **{spec.name}**{where}: {spec.num_requests} requests, "
                         f"{'all at once' if math.isinf(spec.rate) else f'{spec.rate:g} req/s'}, burstiness "
                         f"{spec.burstiness:g}, seed {spec.seed}.", progress_html(runner.progress()), "", None)
 
-            start_btn.click(start_fn, [preset_dd, *load_knobs, slo_ttft, slo_tpot, slo_e2el, fresh],
+            start_btn.click(start_fn, [preset_dd, *load_knobs, slo_ttft, slo_tpot, slo_e2el, fresh, target, t_url,
+                                       t_model, t_key],
                             [load_msg, prog, summ_md, summ], api_name="start_load", concurrency_limit=4)
 
             def stop_load_fn():
@@ -1057,7 +1103,7 @@ def build_ui(host: EngineHost):
                                             info=info)
                         elif kind in ("int", "opt_int"):
                             c = gr.Number(value=val, precision=0, label=name, info=info)
-                        elif kind == "float":
+                        elif kind in ("float", "opt_float"):
                             c = gr.Number(value=val, label=name, info=info)
                         else:
                             c = gr.Textbox(value=val, label=name, info=info)
@@ -1247,7 +1293,7 @@ def add_serving_api(app, host: EngineHost) -> bool:
     reg = getattr(api_server, "register", None)
     if reg is None:
         return False
-    reg(app, lambda: host.require_loop())
+    reg(app, lambda: host.require_loop(), **host.api_options)
     return True
 
 
@@ -1304,7 +1350,9 @@ class ServerHandle:
 def serve_in_thread(host: EngineHost, port: int = 0, bind: str = "127.0.0.1") -> ServerHandle:
     """Build the app around a started EngineHost and serve it on a background thread."""
     app, _ = create_app(host)
-    return ServerHandle(app, bind, port).start()
+    srv = ServerHandle(app, bind, port).start()
+    host.self_url = srv.url.rstrip("/")
+    return srv
 
 
 def parse_args(argv=None):
@@ -1316,6 +1364,11 @@ def parse_args(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="any EngineConfig field, e.g. --set num_kv_blocks=256 (repeatable)")
     ap.add_argument("--api-only", action="store_true", help="serve only the HTTP serving API (no UI)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise)")
+    ap.add_argument("--served-model-name", default=None, help="the model id API clients send (default: the model's)")
+    ap.add_argument("--request-timeout", type=float, default=600.0,
+                    help="API: seconds before a request is aborted with 504 (0: never)")
+    ap.add_argument("--max-body-bytes", type=int, default=4 << 20, help="API: larger request bodies get 413")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
 
@@ -1336,7 +1389,7 @@ def config_from_args(args) -> EngineConfig:
             kw[k] = v.lower() in ("1", "true", "yes", "on")
         elif kind in ("int", "opt_int"):
             kw[k] = int(v)
-        elif kind == "float":
+        elif kind in ("float", "opt_float"):
             kw[k] = float(v)
         else:
             kw[k] = v
@@ -1346,12 +1399,25 @@ def config_from_args(args) -> EngineConfig:
         raise SystemExit(str(e))
 
 
+def api_options_from_args(args) -> dict:
+    """register() keyword arguments of the serving API from app.py's flags."""
+    if args.request_timeout < 0:
+        raise SystemExit(f"--request-timeout: must be >= 0 seconds (got {args.request_timeout})")
+    if args.max_body_bytes < 1024:
+        raise SystemExit(f"--max-body-bytes: must be >= 1024 (got {args.max_body_bytes})")
+    return dict(api_key=args.api_key or None, served_model_name=args.served_model_name,
+                request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes)
+
+
 def main(argv=None) -> None:
     import uvicorn
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)     # the HTTP load target: no line per request
     host = EngineHost(cfg)
+    host.api_options = api_options_from_args(args)
+    host.self_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"
     log.info("loading the engine (%s)…", cfg.model or "bundled SmolLM2-135M-Instruct")
     host.start(inspect=not args.api_only)
     app, _ = create_app(host, api_only=args.api_only)

@@ -171,7 +171,8 @@ class HttpLoadRunner:
                         elapsed_s=(now - self._t_start) if self._t_start else 0.0,
                         fraction=(self._finished + self._failed) / total if total else 1.0,
                         done=self._done.is_set(), stopped=self._stop.is_set(), errors=list(self.errors[-5:]),
-                        target=self.target.v1, http_status=dict(self.status_counts))
+                        target=self.target.v1,
+                        http_status={str(k): v for k, v in self.status_counts.items()})   # JSON-safe keys
 
     def summary(self) -> dict:
         if self._summary is not None:

@@ -55,6 +55,7 @@ def test_records_match_the_workload(srv, loop):
     assert s["TTFT"]["n"] == 8 and s["ITL"]["n"] == sum(r.output_len - 1 for r in recs)
     assert M.summary_table(s)["Metric"].iloc[0] == "TTFT (ms)"
     assert "8/8 finished" in format_progress(runner.progress())
+    assert runner.progress()["http_status"] == {"200": 8}       # JSON-safe (the app sends it to browsers)
     wait_free(loop)
 
 

@@ -449,3 +449,41 @@ def test_cli_defaults_and_engine_flags():
             cfg.gpu_memory_utilization) == ("dummy:tiny", 4, False, 256, 0.5)
     assert engine_config_from_args(ap.parse_args(["--max-waiting-requests", "none"])).max_waiting_requests is None
     assert server_kwargs(a)["api_key"] == "k" and server_kwargs(a)["request_timeout"] == 600.0
+
+
+def test_metrics_prefix_cache_preemption_and_spec_counters():
+    """Engine counters on /metrics equal the engine's own: prefix-cache queries/hits, preemptions and the
+    speculative-decoding counters (ngram drafter; a small pool forces preemption)."""
+    lp = EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=12, block_size=16, max_model_len=160,
+                                 max_num_seqs=4, speculative_method="ngram", num_speculative_tokens=3)).start()
+    try:
+        with ServerThread(build_app(lp)) as s:
+            c = OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=120)
+            rep = [7, 8, 9, 10] * 12                              # 48 repetitive tokens: the ngram drafter proposes
+            c.completions.create(model=MODEL, prompt=rep, max_tokens=8, temperature=0, extra_body=NO_EOS)
+            c.completions.create(model=MODEL, prompt=rep, max_tokens=8, temperature=0, extra_body=NO_EOS)
+
+            async def crowd():                                    # 4 x (48 + 60) tokens > 11 usable blocks x 16
+                ac = AsyncOpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=120)
+                try:
+                    return await asyncio.gather(*(ac.completions.create(
+                        model=MODEL, prompt=[100 + i] + rep[1:], max_tokens=60, temperature=0, extra_body=NO_EOS)
+                        for i in range(4)))
+                finally:
+                    await ac.close()
+            assert all(r.usage.completion_tokens == 60 for r in asyncio.run(crowd()))
+            wait_all_free(lp)
+            m = _scrape(s.url)
+            eng = lp.engine
+            assert _get(m, "kvscope:prefix_cache_queries_total") == eng.block_manager.total_queries > 0
+            assert _get(m, "kvscope:prefix_cache_hits_total") == eng.block_manager.total_hits >= 32   # 2nd request
+            assert _get(m, "kvscope:num_preemptions_total") == eng.scheduler.num_preemptions > 0
+            st = eng.drafter.total_stats()
+            assert _get(m, "kvscope:spec_decode_num_drafts_total") == st["spec_decode_num_drafts"] > 0
+            assert _get(m, "kvscope:spec_decode_num_draft_tokens_total") == st["spec_decode_num_draft_tokens"] > 0
+            acc = _get(m, "kvscope:spec_decode_num_accepted_tokens_total")
+            assert acc == st["spec_decode_num_accepted_tokens"] <= st["spec_decode_num_draft_tokens"]
+            assert _get(m, "kvscope:spec_decode_num_accepted_tokens_per_pos_total") == acc
+            assert _get(m, "kvscope:generation_tokens_total") == 8 + 8 + 4 * 60
+    finally:
+        lp.shutdown()

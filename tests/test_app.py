@@ -64,7 +64,8 @@ def client(server):
 def load_args(n=N_LOAD, rate=20.0, all_at_once=False, seed=7, o_len=OUT_LEN, p_min=16, p_max=48, **kw):
     a = dict(name="Steady Poisson", n=n, rate=rate, all_at_once=all_at_once, burstiness=1.0, conc=0, p_kind="uniform",
              p_min=p_min, p_max=p_max, o_kind="fixed", o_min=o_len, o_max=o_len, shared=0, turns=1, think=0.0,
-             seed=seed, temp=0.0, ieos=True, slo_ttft=10_000, slo_tpot=None, slo_e2el=None, fresh=True)
+             seed=seed, temp=0.0, ieos=True, slo_ttft=10_000, slo_tpot=None, slo_e2el=None, fresh=True,
+             target="in-process engine", url="", model="", key="")
     a.update(kw)
     return list(a.values())
 
@@ -76,10 +77,13 @@ def test_binds_localhost_and_has_no_share_link(server):
 
 
 def test_serving_api_lives_beside_the_ui(server):
-    r = httpx.post(server + "v1/completions", json={"model": "dummy:tiny", "prompt": "hi", "max_tokens": 3}, timeout=30)
-    if r.status_code == 404:
-        pytest.skip("serving API not present in this build")
+    """One port serves the Gradio UI at / and the OpenAI-compatible API, /health and /metrics beside it."""
+    r = httpx.post(server + "v1/completions", json={"model": "dummy:tiny", "prompt": "hi", "max_tokens": 3,
+                                                    "ignore_eos": True}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(server + "health").json()["status"] == "ok"
+    assert "kvscope:num_requests_running" in httpx.get(server + "metrics").text
+    assert "gradio" in httpx.get(server).text.lower()
 
 
 def test_stream_a_prompt(client):
@@ -117,8 +121,12 @@ def test_seeded_load_metrics_block_map_and_timeline(client):
     msg = client.predict(*load_args(), api_name="/start_load")[0]
     assert msg.startswith("Started"), msg
     owned = None
+    slowest = 0.0
     deadline = time.time() + 120
     while time.time() < deadline:
+        t0 = time.perf_counter()                       # the UI stays responsive while the engine is loaded
+        assert httpx.get(client.src.rstrip("/") + "/healthz", timeout=10).json()["state"] == "ready"
+        slowest = max(slowest, time.perf_counter() - t0)
         rep = client.predict(api_name="/load_report")
         if owned is None:
             ins = client.predict("", "time", api_name="/inspector")
@@ -129,6 +137,7 @@ def test_seeded_load_metrics_block_map_and_timeline(client):
             break
         time.sleep(0.1)
     p, s = rep["progress"], rep["summary"]
+    assert slowest < 3.0, f"the app took {slowest:.2f} s to answer while load ran"
     assert p["finished"] == N_LOAD and p["failed"] == 0
     assert s["completed"] == N_LOAD and s["output_tokens"] == N_LOAD * OUT_LEN
     for m in ("TTFT", "TPOT", "ITL", "E2EL"):
@@ -221,3 +230,64 @@ def test_stop_cancels_the_request_and_frees_its_blocks(client):
     assert not [k for k in ins["kv"]["block_tables"] if k.startswith("completion-")]
     req = [r for r in ins["requests"] if r["request_id"].startswith("completion-")][-1]
     assert req["status"] == "aborted"
+
+
+def test_load_over_http_to_this_server(client, server):
+    """Target HTTP, URL empty: the same seeded workload goes over the wire to this app's own /v1 API; the
+    summary is measured client-side, and the engine (block map / timeline / /metrics) served it."""
+    before = httpx.get(server + "metrics").text
+    gen0 = sum(float(x.split()[-1]) for x in before.splitlines() if x.startswith("kvscope:generation_tokens_total"))
+    msg = client.predict(*load_args(n=6, o_len=8, target="HTTP (OpenAI-compatible)"), api_name="/start_load")[0]
+    assert msg.startswith("Started") and "/v1" in msg, msg
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        rep = client.predict(api_name="/load_report")
+        if rep["progress"]["done"]:
+            break
+        time.sleep(0.2)
+    s = rep["summary"]
+    assert s["completed"] == 6 and s["failed"] == 0 and s["output_tokens"] == 6 * 8, s
+    assert s["http_status"] == {"200": 6} and s["target"] == server + "v1"
+    assert s["TTFT"]["n"] == 6 and s["ITL"]["n"] == 6 * 7
+    after = httpx.get(server + "metrics").text
+    gen1 = sum(float(x.split()[-1]) for x in after.splitlines() if x.startswith("kvscope:generation_tokens_total"))
+    assert gen1 - gen0 == 6 * 8                                  # the engine generated exactly those tokens
+    ins = client.predict("", "time", api_name="/inspector")
+    assert sum(1 for r in ins["requests"] if r["status"] == "finished") >= 6      # the timeline saw them
+    bad = client.predict(*load_args(target="HTTP (OpenAI-compatible)", url="ftp://nowhere"), api_name="/start_load")[0]
+    assert "⚠️" in bad and "base URL" in bad, bad
+    bad = client.predict(*load_args(target="HTTP (OpenAI-compatible)", url="http://127.0.0.1:9"),
+                         api_name="/start_load")[0]
+    assert "⚠️" in bad and "could not reach" in bad, bad
+
+
+def test_api_only_with_api_key():
+    """`python app.py --api-only --api-key K`: the API without the UI, /v1/* guarded (401 without the key)."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GRADIO_ANALYTICS_ENABLED="False")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--model", "dummy:tiny", "--device", "cpu",
+                             "--port", str(port), "--api-only", "--api-key", "k3y", "--set", "num_kv_blocks=32"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, f"app.py --api-only exited with {proc.returncode}"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(url + "/").status_code == 404            # no UI
+        assert httpx.get(url + "/healthz").status_code == 404
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -92,3 +92,10 @@ def test_cli_args():
     assert args.host == "127.0.0.1"
     with pytest.raises(SystemExit):
         A.config_from_args(A.parse_args(["--set", "bogus=1"]))
+    assert A.api_options_from_args(args) == dict(api_key=None, served_model_name=None, request_timeout=600.0,
+                                                 max_body_bytes=4 << 20)
+    opts = A.api_options_from_args(A.parse_args(["--api-only", "--api-key", "k", "--request-timeout", "0",
+                                                 "--max-body-bytes", "8192"]))
+    assert opts == dict(api_key="k", served_model_name=None, request_timeout=None, max_body_bytes=8192)
+    with pytest.raises(SystemExit):
+        A.api_options_from_args(A.parse_args(["--max-body-bytes", "10"]))
