@@ -34,6 +34,8 @@ class EngineConfig:
     enable_cuda_graphs: bool = True     # decode-only steps on cuda
     cuda_graph_max_batch: int = 256
     enable_step_timings: bool = True    # per-region forward timings in step events
+    num_scheduler_steps: int | None = None  # decode iterations per host round trip when the batch is
+    #                                         decode-only (multi-step); None: 8 on cuda, 1 on cpu
     # speculative decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
@@ -74,6 +76,9 @@ class EngineConfig:
         need(self.draft_layers >= 1, "draft_layers", "must be >= 1")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
              "max_waiting_requests", "must be None or >= 1")
+        need(self.num_scheduler_steps is None or (isinstance(self.num_scheduler_steps, int)
+                                                   and 1 <= self.num_scheduler_steps <= 64),
+             "num_scheduler_steps", "must be None or an int in [1, 64]")
         need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
         need(self.speculative_method != "draft" or self.draft_model is not None,
              "draft_model", "is required when speculative_method='draft'")

@@ -54,6 +54,7 @@ class StepEvent:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per region: schedule, prepare,
     #   embedding, attention, mlp, norms, lm_head, sampling, forward (whole model), postprocess
     cuda_graph: bool = False         # decode step replayed from a captured CUDA graph
+    num_decode_steps: int = 1        # > 1: a multi-step decode (each request computed this many tokens)
     spec: dict | None = None         # {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
     #                                   "accepted_per_pos": list[int]} when speculative decoding ran
     kind: str = "step"

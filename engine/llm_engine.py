@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from . import multi_step
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer, check_stop_strings, streamable_len
@@ -52,6 +53,7 @@ class LLMEngine:
         self.kernels = config.kernels if config.kernels != "auto" else \
             ("triton" if self.device.type == "cuda" else "torch")
         self.ops = get_ops(self.kernels)
+        self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
         torch.manual_seed(config.seed)
 
         hf_cfg, weights, tok_folder = resolve(config.model)
@@ -227,6 +229,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running)
+        K = multi_step.plan(self) if self.num_scheduler_steps > 1 else 1
+        if K > 1:
+            return self._multi_step(K, observe, timer, t0)
         sched = self.scheduler.schedule()
         t_sched = time.perf_counter()
         now = t_sched
@@ -269,6 +274,25 @@ class LLMEngine:
             self.block_manager.pop_step_stats()
         return outputs
 
+    def _multi_step(self, K: int, observe: bool, timer, t0: float) -> list[RequestOutput]:
+        """K decode iterations in one host round trip (see multi_step.py); then one step's bookkeeping."""
+        sched = multi_step.schedule(self, K)
+        t_sched = time.perf_counter()
+        if observe:
+            sched.phases = ["decode"] * len(sched.seqs)
+            sched.total_lens = [seq.num_tokens for seq in sched.seqs]
+        tokens, t_fwd, t_sample, graphed = multi_step.execute(self, sched, K)
+        outputs, finished = self._postprocess(sched, [True] * len(sched.seqs), tokens, [None] * len(sched.seqs))
+        t_end = time.perf_counter()
+        self.step_index += 1
+        if observe:
+            timings = {"schedule": t_sched - t0, "forward": t_fwd - t_sched, "sampling": t_sample - t_fwd,
+                       "postprocess": t_end - t_sample, **timer.collect()}
+            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=graphed, num_decode_steps=K)
+        else:
+            self.block_manager.pop_step_stats()
+        return outputs
+
     def _sample(self, sched: SchedulerOutput, sample_mask: list[bool], logits: torch.Tensor):
         rows, seqs = [], []
         for seq, m in zip(sched.seqs, sample_mask):
@@ -277,7 +301,7 @@ class LLMEngine:
                 rows.append(self._sample_row(seq))
         if not rows:
             return [[] for _ in sched.seqs], [None] * len(sched.seqs)
-        tokens, logprobs = sample(logits, rows, self.generator)
+        tokens, logprobs = sample(logits, rows, self.generator, fused=self.kernels == "triton")
         out_tokens, out_lp = [], []
         j = 0
         for m in sample_mask:
@@ -401,7 +425,7 @@ class LLMEngine:
         return "decode" if not self.config.enable_kv_cache and start == 0 and n == seq.num_tokens else "prefill"
 
     def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str],
-                   timings: dict, cuda_graph: bool = False):
+                   timings: dict, cuda_graph: bool = False, num_decode_steps: int = 1):
         scheduled = []
         n_pre = n_dec = 0
         for seq, n, start, k, phase, total in zip(sched.seqs, sched.num_new_tokens, sched.computed_before,
@@ -418,7 +442,8 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             preempted=[s.request_id for s in sched.preempted], finished=finished,
             kv_usage=self.block_manager.usage, num_blocks=self.num_blocks,
-            timings=timings, cuda_graph=cuda_graph, spec=spec, **self.block_manager.pop_step_stats()))
+            timings=timings, cuda_graph=cuda_graph, num_decode_steps=num_decode_steps, spec=spec,
+            **self.block_manager.pop_step_stats()))
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> dict:

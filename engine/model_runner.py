@@ -107,6 +107,10 @@ class ModelRunner:
                 logits_indices=torch.tensor([q - 1], device=dev), q_lens=[q], seq_lens_cpu=[n],
                 max_seqlen_q=q, max_seqlen_k=n, block_size=bs)
             self.execute(torch.ones(q, dtype=torch.int64, device=dev), md)
+        if dev.type == "cuda" and self.model.ops.name == "triton":
+            from .kernels.paged_attention import warmup_variants
+            layer = self.model.model.layers[0].self_attn
+            warmup_variants(layer.k_cache, layer.v_cache, self.mcfg.num_heads, self.max_model_len)
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()

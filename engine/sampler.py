@@ -5,11 +5,16 @@ on batch composition or preemption. Unseeded requests use the engine's generator
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
 from .sampling_params import SamplingParams
+
+
+_philox_rng = random.Random(0)
+_philox_seeds = iter(lambda: _philox_rng.getrandbits(31), -1)  # one Philox seed per fused draw
 
 
 @dataclass
@@ -70,9 +75,15 @@ def _seeded_generator(seed: int, position: int, device: torch.device) -> torch.G
 
 
 def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool],
-                  generator: torch.Generator | None) -> torch.Tensor:
-    """Temperature only, no seeds: one batched exponential race (same law as multinomial) over all rows."""
+                  generator: torch.Generator | None, fused: bool = False) -> torch.Tensor:
+    """Temperature only, no seeds: one batched draw from softmax(logits / T) per row, argmax for greedy rows.
+    fused (Triton on CUDA): one Gumbel-max pass over the logits; else an exponential race (same law)."""
     dev = logits.device
+    if fused and dev.type == "cuda":
+        from .kernels.sampling import gumbel_sample
+        temp = torch.tensor([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
+                            dtype=torch.float32).to(dev, non_blocking=True)
+        return gumbel_sample(logits, temp, next(_philox_seeds))
     temp = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
     probs = (logits / temp[:, None]).softmax(-1)                       # [B, V]
     if dev.type == "cpu":                                              # cheaper than an exponential per entry
@@ -85,8 +96,8 @@ def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool
     return sampled
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None
-           ) -> tuple[list[int], torch.Tensor | None]:
+def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None,
+           fused: bool = False) -> tuple[list[int], torch.Tensor | None]:
     """logits [B, V] float32 -> (token ids, raw log-probs [B, V] when any row asked for logprobs)."""
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
@@ -103,7 +114,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         return logits.argmax(-1).tolist(), raw_logprobs
     if not any(r.params.seed is not None or r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0
                for r in rows):
-        return _sample_plain(logits, rows, greedy, generator).tolist(), raw_logprobs
+        return _sample_plain(logits, rows, greedy, generator, fused).tolist(), raw_logprobs
     tokens = logits.argmax(-1)
     sample_idx = [i for i, g in enumerate(greedy) if not g]
     sub_rows = [rows[i] for i in sample_idx]

@@ -50,7 +50,8 @@ def test_reference_is_meaningful(reference):
     dict(enable_prefix_caching=False),
     dict(enable_kv_cache=False),                                   # recompute the whole prefix every step
     dict(block_size=8, max_num_seqs=2),
-], ids=["batched", "chunked16", "nochunk", "static", "noprefix", "nocache", "bs8-seqs2"])
+    dict(num_scheduler_steps=4),                                   # multi-step decode once all are greedy
+], ids=["batched", "chunked16", "nochunk", "static", "noprefix", "nocache", "bs8-seqs2", "multistep4"])
 def test_same_outputs_under_switches(smollm2_engine_factory, prompts, params, reference, cfg):
     eng = smollm2_engine_factory(**cfg)
     outs = run(eng, prompts, params)
@@ -117,3 +118,26 @@ def test_request_metrics(smollm2_engine_factory, prompts):
         assert len(m.token_times) == 16 and m.token_times == sorted(m.token_times)
         assert o.ttft > 0 and o.tpot > 0
         assert abs(o.tpot - (m.last_token_time - m.first_token_time) / 15) < 1e-9
+
+
+def test_multi_step_decode_matches_single_step(smollm2_engine_factory, prompts):
+    """K decode iterations per host round trip: same tokens, stops mid-run honoured, every block back."""
+    lens = [5, 16, 9, 13]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    ref_eng = smollm2_engine_factory()
+    ref = run(ref_eng, prompts, params)
+    stop = ref[3].text[6:9]
+    params[3] = SamplingParams(temperature=0, max_tokens=13, stop=[stop])
+    ref[3] = run(ref_eng, [prompts[3]], [params[3]])[0]
+    for cfg in (dict(num_scheduler_steps=4), dict(num_scheduler_steps=3, num_kv_blocks=10,
+                                                    enable_prefix_caching=False)):
+        eng = smollm2_engine_factory(**cfg)
+        steps = []
+        eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        outs = run(eng, prompts, params)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+        assert [o.text for o in outs] == [r.text for r in ref] and outs[3].finish_reason == "stop"
+        multi = [e for e in steps if e.num_decode_steps > 1]
+        assert multi and all(e.num_decode_tokens == e.num_decode_steps * len(e.scheduled) for e in multi)
+        assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+        assert all(rc == 0 for rc in eng.block_manager.pool.ref_counts[1:])

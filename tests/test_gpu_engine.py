@@ -42,3 +42,10 @@ def test_triton_and_graphs_match_torch(dtype, tol):
             assert (a - b).abs().max().item() < tol * max(1.0, b.abs().max().item())
         if dtype == "float32":
             assert tokens == ref_tokens
+
+
+def test_multi_step_matches_single_step():
+    one, _ = run_capture("float32", num_scheduler_steps=1)
+    eight, logs = run_capture("float32", num_scheduler_steps=8)
+    assert eight == one
+    assert sum(g for g, _ in logs) > 10

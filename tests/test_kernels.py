@@ -242,3 +242,39 @@ def test_decode_cuda_graph():
         g.replay()
         ref = paged_attention_decode_ref(q_s.double(), kc.double(), vc.double(), bt_s, lens_s, scale)
         assert rel_err(out_s, ref) < TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------- fused sampling
+
+def test_gumbel_sample_greedy_rows_are_argmax():
+    from engine.kernels.sampling import gumbel_sample, gumbel_sample_ref
+    V = 50_000 if GPU else 300                              # several BLOCK-wide chunks either way
+    logits = rand(6, V) * 3
+    logits[2, 7] = logits[2, V - 1] = logits[2].max() + 1   # a tie: the first index wins, as in torch
+    temp = torch.tensor([0.0, 0.7, 0.0, 1.3, 0.0, 0.0], device=DEV)
+    out = gumbel_sample(logits, temp, seed=11)
+    greedy = temp <= 0
+    assert torch.equal(out[greedy], logits.argmax(-1)[greedy])
+    assert torch.equal(gumbel_sample_ref(logits, temp)[greedy], out[greedy])
+    assert ((out >= 0) & (out < V)).all()
+
+
+def test_gumbel_sample_matches_softmax_law():
+    """Chi-square of many draws against softmax(logits / T), the law of the torch reference."""
+    from scipy.stats import chisquare
+
+    from engine.kernels.sampling import gumbel_sample
+    V, T = (1000, 0.8)
+    n_rows, n_draws = (4096, 8) if GPU else (160, 2)
+    logits = (torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5)[:8 if not GPU else V].to(DEV)
+    V = logits.numel()
+    rows = logits.expand(n_rows, V).contiguous()
+    counts = torch.zeros(V, dtype=torch.float64)
+    for seed in range(n_draws):
+        tok = gumbel_sample(rows, torch.full((n_rows,), T, device=DEV), seed=seed)
+        counts += torch.bincount(tok.cpu(), minlength=V).double()
+    expected = (logits.double().cpu() / T).softmax(-1) * counts.sum()
+    big = expected >= 5                                     # pool the rare tokens into one bin
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).numpy()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]).numpy()
+    assert chisquare(obs, exp).pvalue > 1e-3

@@ -63,7 +63,7 @@ def _attn_range(acc, m_i, l_i, q, k_base, v_base, bt_ptr, lo, hi, seq_len, row_p
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])   # run-time sizes: no recompile per value
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, num_seqs, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -122,7 +122,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, qk_scale,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -335,6 +335,42 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, S,
                        _decode_config(G, D, q.dtype, q.device), out)
     return out
+
+
+def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_seqlen_k: int) -> int:
+    """Compile every kernel variant a real step can pick (prefill tile heights with and without decodes
+    apart, decode split counts with and without varlen rows) on the null block 0, so no step pays a JIT
+    compile mid-run. Returns the number of launches."""
+    dev, dt = k_cache.device, k_cache.dtype
+    bs, Hk, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    n = 64
+    bt = torch.zeros(2, -(-n // bs), dtype=torch.int32, device=dev)
+    splits, s = [], 1
+    while s <= min(DECODE_MAX_SPLITS, max(1, max_seqlen_k // DECODE_MIN_SPLIT_TOKENS)):
+        splits.append(s)
+        s *= 2
+    launches = 0
+    for q_len in (64, 16, 8, 4, 2):                          # every prefill tile height (BLOCK_M)
+        for with_decode in (False, True):
+            q_lens = [q_len, 1] if with_decode else [q_len]
+            B, T = len(q_lens), sum(q_lens)
+            md = AttentionMetadata(
+                positions=torch.zeros(T, dtype=torch.int64, device=dev), slot_mapping=torch.zeros(T, dtype=torch.int64, device=dev),
+                cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev),
+                seq_lens=torch.full((B,), n, dtype=torch.int32, device=dev), block_tables=bt[:B],
+                logits_indices=torch.zeros(0, dtype=torch.int64, device=dev), q_lens=q_lens, seq_lens_cpu=[n] * B,
+                max_seqlen_q=q_len, max_seqlen_k=n, block_size=bs)
+            q = torch.randn(T, num_heads, D, dtype=dt, device=dev)
+            for S in (splits if with_decode else [None]):
+                paged_attention(q, k_cache, v_cache, md, 1.0, config={"decode_splits": S} if S else None)
+                launches += 1
+    for B in (1, 2):                                         # decode-only (eager), every split count
+        q = torch.randn(B, num_heads, D, dtype=dt, device=dev)
+        for S in splits:
+            paged_attention_decode(q, k_cache, v_cache, bt[:B], torch.full((B,), n, dtype=torch.int32, device=dev),
+                                   1.0, n, num_splits=S)
+            launches += 1
+    return launches
 
 
 # ---------------------------------------------------------------- reference
