@@ -20,7 +20,8 @@ from benchmarks.common import print_table  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 CONFIGS = {"default": {}, "nochunk": dict(enable_chunked_prefill=False), "budget4k": dict(max_num_batched_tokens=4096),
-           "nographs": dict(enable_cuda_graphs=False)}
+           "nographs": dict(enable_cuda_graphs=False), "single": dict(num_scheduler_steps=1),
+           "multi4": dict(num_scheduler_steps=4), "multi16": dict(num_scheduler_steps=16)}
 
 
 def main():
@@ -62,6 +63,8 @@ def main():
         agg = defaultdict(lambda: defaultdict(float))
         for e in events:
             kind = "graph decode" if e.cuda_graph else ("eager decode" if e.num_prefill_tokens == 0 else "mixed/prefill")
+            if e.num_decode_steps > 1:
+                kind = f"{kind} x{e.num_decode_steps}"
             a = agg[kind]
             a["steps"] += 1
             a["ms"] += (e.end - e.start) * 1e3
