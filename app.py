@@ -663,7 +663,8 @@ def build_ui(host: EngineHost):
                                             interactive=False, max_height=300, wrap=True)
                 with gr.Column(scale=2):
                     with gr.Accordion("Sampling", open=True):
-                        temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature (0 = greedy)")
+                        temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="temperature (0 = greedy)",
+                                                elem_id="kv-temperature")
                         top_p = gr.Slider(0.01, 1, value=0.95, step=0.01, label="top-p")
                         top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
                         min_p = gr.Slider(0, 1, value=0.0, step=0.01, label="min-p")
@@ -672,7 +673,8 @@ def build_ui(host: EngineHost):
                         rep_pen = gr.Slider(0.5, 2, value=1.0, step=0.01, label="repetition penalty")
                         pres_pen = gr.Slider(-2, 2, value=0.0, step=0.05, label="presence penalty")
                         freq_pen = gr.Slider(-2, 2, value=0.0, step=0.05, label="frequency penalty")
-                        seed = gr.Number(value=None, precision=0, label="seed (empty = random)")
+                        seed = gr.Textbox(value="", label="seed (empty = random)", placeholder="random", max_lines=1,
+                                          elem_id="kv-seed")   # a gr.Number would show and send 0
                         stop_str = gr.Textbox(label="stop strings (one per line)", lines=2)
                         ignore_eos = gr.Checkbox(value=False, label="ignore EOS")
                         with gr.Row():
@@ -848,9 +850,9 @@ def build_ui(host: EngineHost):
                     load_temp = gr.Number(value=0.0, label="temperature")
                     load_ieos = gr.Checkbox(value=True, label="ignore EOS (exact output lengths)")
                 with gr.Row():
-                    slo_ttft = gr.Number(value=None, label="TTFT SLO (ms, empty = none)")
-                    slo_tpot = gr.Number(value=None, label="TPOT SLO (ms)")
-                    slo_e2el = gr.Number(value=None, label="E2EL SLO (ms)")
+                    slo_ttft = gr.Number(value=None, label="TTFT SLO (ms, empty = none)", placeholder="none")
+                    slo_tpot = gr.Number(value=None, label="TPOT SLO (ms)", placeholder="none")
+                    slo_e2el = gr.Number(value=None, label="E2EL SLO (ms)", placeholder="none")
                     fresh = gr.Checkbox(value=True, label="clear the inspector's history at start")
             with gr.Row():
                 target = gr.Radio(["in-process engine", "HTTP (OpenAI-compatible)"], value="in-process engine",
@@ -1102,9 +1104,11 @@ def build_ui(host: EngineHost):
                             c = gr.Dropdown(_CHOICES[name], value=val, label=name, allow_custom_value=(name == "device"),
                                             info=info)
                         elif kind in ("int", "opt_int"):
-                            c = gr.Number(value=val, precision=0, label=name, info=info)
+                            c = gr.Number(value=val, precision=0, label=name, info=info,
+                                          placeholder="empty = default" if kind == "opt_int" else None)
                         elif kind in ("float", "opt_float"):
-                            c = gr.Number(value=val, label=name, info=info)
+                            c = gr.Number(value=val, label=name, info=info,
+                                          placeholder="empty = default" if kind == "opt_float" else None)
                         else:
                             c = gr.Textbox(value=val, label=name, info=info)
                         comps.append(c)

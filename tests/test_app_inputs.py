@@ -22,6 +22,10 @@ def test_sampling_params_parsed():
     p = sp(stop="###\nEND", seed=7, logprobs_on=True, logprobs_n=2, top_k=-1)
     assert p.stop == ["###", "END"] and p.seed == 7 and p.logprobs == 2 and p.top_k == 0
     assert sp().seed is None and sp().logprobs is None
+    # the playground's seed box is text: empty = random (None), "0" is a real seed
+    assert sp(seed="").seed is None and sp(seed=" 42 ").seed == 42 and sp(seed="0").seed == 0
+    with pytest.raises(ValueError, match="seed"):
+        sp(seed="abc")
 
 
 @pytest.mark.parametrize("kw,word", [

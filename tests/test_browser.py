@@ -68,7 +68,10 @@ def test_app_in_a_real_browser(url, shots):
         page.goto(url)
         page.wait_for_selector("#kv-send", timeout=60000)
 
-        # ---- Playground: send a prompt, watch it stream, see per-request stats
+        # ---- Playground: send a prompt (greedy), watch it stream, see per-request stats
+        temp = page.locator("#kv-temperature input[type=number]").first
+        temp.fill("0")
+        temp.press("Enter")
         page.fill("#kv-chat-input textarea", "What is the capital of France?")
         page.click("#kv-send")
         page.wait_for_function("() => /(^|\\s)(length|stop)(\\s|$)/m.test(document.querySelector('#kv-req-stats')"
@@ -77,6 +80,8 @@ def test_app_in_a_real_browser(url, shots):
         assert "TTFT" in stats and "chat-" in stats
         bubbles = page.locator("#kv-chatbot .message")
         assert bubbles.count() >= 2
+        if os.environ.get("KVSCOPE_BROWSER_MODEL") == "bundled":       # greedy SmolLM2 knows this one
+            assert "Paris" in page.inner_text("#kv-chatbot")
         page.screenshot(path=str(shots / "screenshot_playground.png"), full_page=True)
 
         # raw completion mode streams into its own box
@@ -95,6 +100,7 @@ def test_app_in_a_real_browser(url, shots):
         page.locator("#kv-pmax input").fill("96")
         page.locator("#kv-omin input").fill("48")
         page.locator("#kv-omax input").fill("96")
+        assert page.locator("#kv-target").get_by_text("HTTP (OpenAI-compatible)").count() == 1
         page.click("#kv-start-load")
         page.wait_for_function("() => (document.querySelector('#kv-load-msg')?.innerText || '').includes('Started')",
                                timeout=20000)
