@@ -163,6 +163,7 @@ def main():
         for name, sw in [("kernels=torch", dict(kernels="torch")), ("no cuda graphs", dict(enable_cuda_graphs=False)),
                          ("no chunked prefill", dict(enable_chunked_prefill=False)),
                          ("static batching", dict(scheduling="static")),
+                         ("num_scheduler_steps=1", dict(num_scheduler_steps=1)),
                          ("no prefix caching", dict(enable_prefix_caching=False))]:
             try:
                 dt, n = run_engine(prompts, outs, **sw)

@@ -135,6 +135,9 @@ class BlockManager:
             seq.block_table.append(self.pool.take())
 
     def free(self, seq: Sequence) -> None:
+        # blocks filled in a request's last step (finish, abort, preemption) are cached too: a request that
+        # finishes in the step that computed its prompt (max_tokens=1) would otherwise cache nothing
+        self.commit_computed(seq)
         for b in reversed(seq.block_table):      # tail blocks become least recently used last
             self.pool.release(b)
         seq.block_table = []
@@ -151,7 +154,9 @@ class BlockManager:
         """After a step: publish the hashes of seq's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # (computed may run past the known tokens when a multi-step / speculative run stopped early:
+        #  only blocks whose every token is in token_ids are published)
+        n_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         if n_full <= seq.num_committed_blocks:
             return
         self._update_hashes(seq, n_full * self.block_size)

@@ -213,7 +213,9 @@ class Drafter:
                 if rs is None:
                     rs = self._requests[seq.request_id] = SpecStats(self.k)
                     if len(self._requests) > _MAX_REQUEST_STATS:
-                        self._requests.popitem(last=False)
+                        self._requests.popitem(last=False)     # least recently drafted for
+                else:
+                    self._requests.move_to_end(seq.request_id)
                 rs.add(k, a)
         return new_tokens, lp_rows
 
