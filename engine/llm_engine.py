@@ -343,6 +343,8 @@ class LLMEngine:
             m.last_token_time = now
             m.token_times.append(now)
             added = []
+            stop_str = None
+            per_token = len(toks) > 1 and bool(seq.params.stop)   # find the token that completes a stop string
             for t_i, tok in enumerate(toks):
                 seq.append_token(tok)
                 added.append(tok)
@@ -352,8 +354,12 @@ class LLMEngine:
                 reason = self._check_stop_token(seq, tok)
                 if reason:
                     break
-            new_text = self.detok.update(seq)
-            stop_str = check_stop_strings(seq, new_text)
+                if per_token:
+                    stop_str = check_stop_strings(seq, self.detok.update(seq))
+                    if stop_str is not None:
+                        break
+            if stop_str is None:
+                stop_str = check_stop_strings(seq, self.detok.update(seq))
             if stop_str is not None:
                 seq.stop_reason = stop_str
                 reason = "stop"
