@@ -1,0 +1,48 @@
+"""Where does a batch-1 decode step go? Llama-3.2-1B shape, bf16, one 128-token prompt: profiles one
+(multi-)step of the decode with torch.profiler and prints its kernels per decode iteration, against the
+HBM floor (weight + KV bytes / measured copy bandwidth).
+
+    python benchmarks/profile_decode.py [--steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_gpu import MODEL, copy_bandwidth, model_bytes  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.models.presets import preset_config  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8, help="num_scheduler_steps")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    weights, kv = model_bytes(preset_config("llama-3.2-1b"))
+    llm = LLM(MODEL, max_model_len=4096, max_num_seqs=8, num_scheduler_steps=args.steps)
+    eng = llm.engine
+    eng.add_request(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    for i in range(6):
+        eng.step()
+    eng.profile_step()
+    eng.step()
+    iters = args.steps
+    floor_us = (weights + kv * 200) / bw * 1e6
+    print(f"HBM floor per token {floor_us:.0f} us (copy {bw / 1e9:.0f} GB/s); per decode iteration below "
+          f"(profiled step / {iters})")
+    total = 0.0
+    for r in eng.last_profile:
+        if r["name"].startswith(("aten::", "cuda", "Activity", "ProfilerStep")) or not r["device_time_ms"]:
+            continue
+        us = r["device_time_ms"] * 1e3 / iters
+        total += us
+        print(f"{us:9.1f} us  x{r['count'] // iters:<4} {r['name'][:100]}")
+    print(f"device total {total:.0f} us per iteration ({100 * floor_us / total:.0f}% of the floor)")
+
+
+if __name__ == "__main__":
+    main()
