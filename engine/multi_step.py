@@ -101,7 +101,7 @@ def execute(engine, sched: SchedulerOutput, K: int) -> tuple[list[list[int]], fl
     toks = []
     for md in mds:
         logits = engine.runner.execute(ids, md)                              # [B, V]
-        ids = logits.argmax(-1) if all(greedy) else _sample_plain(logits, rows, greedy, engine.generator, fused)
+        ids = logits.argmax(-1) if all(greedy) and not fused else _sample_plain(logits, rows, greedy, engine.generator, fused)
         toks.append(ids)
     t_launched = time.perf_counter()
     out = torch.stack(toks, 1).tolist()                                      # [B, K]: the one sync

@@ -110,7 +110,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         logits = logits.clone()
         _apply_penalties(logits, rows)
     greedy = [r.params.greedy for r in rows]
-    if all(greedy):
+    if all(greedy) and not (fused and logits.is_cuda):   # the fused kernel's argmax beats torch's at any size
         return logits.argmax(-1).tolist(), raw_logprobs
     if not any(r.params.seed is not None or r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0
                for r in rows):
