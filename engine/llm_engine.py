@@ -54,6 +54,7 @@ class LLMEngine:
             ("triton" if self.device.type == "cuda" else "torch")
         self.ops = get_ops(self.kernels)
         self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
+        self._inflight: multi_step.InFlight | None = None      # a launched multi-step block
         torch.manual_seed(config.seed)
 
         hf_cfg, weights, tok_folder = resolve(config.model)
@@ -229,9 +230,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running)
-        K = multi_step.plan(self) if self.num_scheduler_steps > 1 else 1
-        if K > 1:
-            return self._multi_step(K, observe, timer, t0)
+        if self._inflight is not None and all(s.is_finished for s in self._inflight.sched.seqs):
+            self._inflight = None               # every request of the in-flight block ended (aborts, stops)
+        K = multi_step.plan(self) if self._inflight is None and self.num_scheduler_steps > 1 else 1
+        if K > 1 or self._inflight is not None:
+            return self._multi_step(K, observe, timer)
         sched = self.scheduler.schedule()
         t_sched = time.perf_counter()
         now = t_sched
@@ -274,21 +277,30 @@ class LLMEngine:
             self.block_manager.pop_step_stats()
         return outputs
 
-    def _multi_step(self, K: int, observe: bool, timer, t0: float) -> list[RequestOutput]:
-        """K decode iterations in one host round trip (see multi_step.py); then one step's bookkeeping."""
-        sched = multi_step.schedule(self, K)
-        t_sched = time.perf_counter()
+    def _multi_step(self, K: int, observe: bool, timer) -> list[RequestOutput]:
+        """Pipelined multi-step decode (see multi_step.py): launch the next block behind the in-flight one,
+        then wait for the in-flight block's tokens and do its bookkeeping as one step."""
+        if self._inflight is None:
+            self._inflight = multi_step.launch(self, K)
+        prev, self._inflight = self._inflight, None
+        K_next = multi_step.plan(self, ahead=prev)
+        if K_next > 1:
+            self._inflight = multi_step.launch(self, K_next, ahead=prev)
+        t_wait = time.perf_counter()
+        tokens = prev.tokens.tolist()                                        # [B, K]: the one sync
+        t_sample = time.perf_counter()
+        sched = prev.sched
         if observe:
             sched.phases = ["decode"] * len(sched.seqs)
             sched.total_lens = [seq.num_tokens for seq in sched.seqs]
-        tokens, t_fwd, t_sample, graphed = multi_step.execute(self, sched, K)
         outputs, finished = self._postprocess(sched, [True] * len(sched.seqs), tokens, [None] * len(sched.seqs))
         t_end = time.perf_counter()
         self.step_index += 1
         if observe:
-            timings = {"schedule": t_sched - t0, "forward": t_fwd - t_sched, "sampling": t_sample - t_fwd,
-                       "postprocess": t_end - t_sample, **timer.collect()}
-            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=graphed, num_decode_steps=K)
+            timings = {"schedule": prev.t_scheduled - prev.t_start, "forward": prev.t_launched - prev.t_scheduled,
+                       "sampling": t_sample - t_wait, "postprocess": t_end - t_sample, **timer.collect()}
+            self._emit_step(sched, prev.t_start, t_end, finished, timings, cuda_graph=prev.graphed,
+                            num_decode_steps=prev.K)
         else:
             self.block_manager.pop_step_stats()
         return outputs
@@ -477,6 +489,7 @@ class LLMEngine:
         for seq in list(self.seqs.values()):
             self.abort_request(seq.request_id)
         self.runner.graphs = None
+        self._inflight = None
         self.drafter = None                     # a draft model and its KV pool go with it
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)

@@ -14,6 +14,7 @@ only, unseeded, no penalties, logprobs or min_tokens ban). Otherwise the engine 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,14 +25,27 @@ from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
 
+@dataclass
+class InFlight:
+    """A launched multi-step block whose tokens are still on the device."""
+    sched: SchedulerOutput
+    K: int
+    tokens: torch.Tensor            # [B, K] int64 on the device
+    graphed: bool
+    t_start: float
+    t_scheduled: float
+    t_launched: float
+
+
 def _plain(seq: Sequence) -> bool:
     p = seq.params
     return (not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
             and (p.greedy or (p.seed is None and p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0)))
 
 
-def plan(engine) -> int:
-    """How many decode iterations the next step may run (1: take a normal step)."""
+def plan(engine, ahead: InFlight | None = None) -> int:
+    """How many decode iterations the next block may run (1: take a normal step). With `ahead`, the block
+    would follow that in-flight one, whose K tokens per request are not known on the host yet."""
     K = engine.num_scheduler_steps
     sch = engine.scheduler
     if K <= 1 or engine.drafter is not None or not engine.config.enable_kv_cache or not sch.running:
@@ -40,31 +54,39 @@ def plan(engine) -> int:
         return 1                                    # admit the newcomers with a normal step
     if len(sch.running) > engine.config.max_num_batched_tokens:
         return 1
+    extra = ahead.K if ahead else 0
+    inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
     room = engine.max_model_len
     for seq in sch.running:
-        if seq.num_computed_tokens != seq.num_tokens - 1 or not _plain(seq):
+        if inflight is not None:
+            if id(seq) not in inflight:
+                return 1
+        elif seq.num_computed_tokens != seq.num_tokens - 1:
             return 1
-        room = min(room, engine.max_model_len - seq.num_tokens + 1)
+        if not _plain(seq):
+            return 1
+        room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
     K = min(K, room)
     bm = engine.block_manager
-    need = sum(bm.blocks_needed(s, s.num_computed_tokens + K) for s in sch.running)
+    need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in sch.running)
     return K if K > 1 and need <= bm.pool.num_free else 1
 
 
-def schedule(engine, K: int) -> SchedulerOutput:
-    """Every running request computes K tokens (1 known + K - 1 sampled on the way); blocks taken now."""
+def schedule(engine, K: int, extra: int = 0) -> SchedulerOutput:
+    """Every running request computes K tokens (1 known + K - 1 sampled on the way), after `extra` tokens
+    still in flight; blocks for all of them are taken now."""
     out = SchedulerOutput()
     for seq in engine.scheduler.running:
-        engine.block_manager.allocate(seq, K)
+        engine.block_manager.allocate(seq, extra + K)
         out.seqs.append(seq)
         out.num_new_tokens.append(K)
         out.num_spec_tokens.append(0)
-        out.computed_before.append(seq.num_computed_tokens)
+        out.computed_before.append(seq.num_computed_tokens + extra)
     return out
 
 
-def prepare(runner, sched: SchedulerOutput, K: int) -> tuple[torch.Tensor, list[AttentionMetadata]]:
-    """-> first iteration's input ids [B] and one metadata per iteration (views of [K, B] tensors)."""
+def prepare(runner, sched: SchedulerOutput, K: int) -> list[AttentionMetadata]:
+    """One metadata per iteration (views of [K, B] tensors packed once on the host)."""
     seqs, bs, dev = sched.seqs, runner.block_size, runner.device
     B = len(seqs)
     start = np.asarray(sched.computed_before, dtype=np.int64)                # [B]
@@ -88,21 +110,30 @@ def prepare(runner, sched: SchedulerOutput, K: int) -> tuple[torch.Tensor, list[
             positions=pos_d[j], slot_mapping=slots_d[j], cu_seqlens_q=cu_q, seq_lens=lens_d[j],
             block_tables=tables_d, logits_indices=logits_idx, q_lens=[1] * B, seq_lens_cpu=lens,
             max_seqlen_q=1, max_seqlen_k=max(lens), block_size=bs))
-    ids = torch.tensor([s.token_ids[c] for s, c in zip(seqs, sched.computed_before)], dtype=torch.int64)
-    return ids.to(dev, non_blocking=True), mds
+    return mds
 
 
-def execute(engine, sched: SchedulerOutput, K: int) -> tuple[list[list[int]], float, float, bool]:
-    """Run K iterations; -> (K tokens per request, time launches ended, time tokens arrived, graphed)."""
+def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
+    """Schedule and launch K iterations without a host sync. After an in-flight block, the first input
+    ids are that block's last sampled tokens, gathered on the device."""
+    t0 = time.perf_counter()
+    sched = schedule(engine, K, ahead.K if ahead else 0)
+    t_sched = time.perf_counter()
+    dev = engine.runner.device
+    if ahead is None:
+        ids = torch.tensor([s.token_ids[c] for s, c in zip(sched.seqs, sched.computed_before)],
+                           dtype=torch.int64).to(dev, non_blocking=True)
+    else:
+        row = {id(s): i for i, s in enumerate(ahead.sched.seqs)}
+        idx = torch.tensor([row[id(s)] for s in sched.seqs], dtype=torch.int64).to(dev, non_blocking=True)
+        ids = ahead.tokens[:, -1].index_select(0, idx)
     rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
     greedy = [r.params.greedy for r in rows]
     fused = engine.kernels == "triton"
-    ids, mds = prepare(engine.runner, sched, K)
+    mds = prepare(engine.runner, sched, K)
     toks = []
     for md in mds:
         logits = engine.runner.execute(ids, md)                              # [B, V]
         ids = logits.argmax(-1) if all(greedy) and not fused else _sample_plain(logits, rows, greedy, engine.generator, fused)
         toks.append(ids)
-    t_launched = time.perf_counter()
-    out = torch.stack(toks, 1).tolist()                                      # [B, K]: the one sync
-    return out, t_launched, time.perf_counter(), mds[0].graphed
+    return InFlight(sched, K, torch.stack(toks, 1), mds[0].graphed, t0, t_sched, time.perf_counter())

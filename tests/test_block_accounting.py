@@ -33,12 +33,13 @@ def check_invariants(eng):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), prefix=st.booleans(), chunked=st.booleans(),
-       blocks=st.integers(12, 40), budget=st.sampled_from([8, 32, 256]))
-def test_random_workload_frees_every_block(tiny_factory, seed, prefix, chunked, blocks, budget):
+       blocks=st.integers(12, 40), budget=st.sampled_from([8, 32, 256]), multi=st.sampled_from([1, 3]))
+def test_random_workload_frees_every_block(tiny_factory, seed, prefix, chunked, blocks, budget, multi):
     rng = random.Random(seed)
     eng = tiny_factory(num_kv_blocks=blocks, block_size=4, enable_prefix_caching=prefix,
                        enable_chunked_prefill=chunked, max_num_batched_tokens=budget if chunked else 256,
-                       max_num_seqs=rng.randint(1, 8), max_model_len=min(blocks - 1, 63) * 4)
+                       max_num_seqs=rng.randint(1, 8), max_model_len=min(blocks - 1, 63) * 4,
+                       num_scheduler_steps=multi)   # multi-step blocks pipelined behind each other
     shared = [rng.randrange(49152) for _ in range(rng.randint(0, 20))]
     live = []
     for step in range(60):
