@@ -296,6 +296,8 @@ def block_table_spec(kv: dict | None, request_id: str | None, height: int = 200)
     ref = kv.get("ref_counts") or []
     cached = kv.get("cached") or []
     bs = kv.get("block_size", 16)
+    # the leading blocks a prefix-cache hit gave it at admission (recorder adds num_cached_tokens to kv)
+    n_hit = min(len(table), int(((kv.get("num_cached_tokens") or {}).get(request_id) or 0)) // bs)
     cols = min(32, len(table))
     rows = math.ceil(len(table) / cols)
     z = np.full(rows * cols, np.nan)
@@ -305,17 +307,18 @@ def block_table_spec(kv: dict | None, request_id: str | None, height: int = 200)
         r = ref[b] if b < len(ref) else 1
         c = bool(cached[b]) if b < len(cached) else False
         z[i] = 2 if r > 1 else (1 if c else 0)
-        text[i] = str(b)
+        text[i] = f"{b}*" if i < n_hit else str(b)
         hover[i] = (f"logical {i} (tokens {i * bs}–{(i + 1) * bs - 1}) → physical {b}<br>ref {r}"
-                    f"{' · shared' if r > 1 else ''}{' · cached (full, hashed)' if c else ''}")
+                    f"{' · shared' if r > 1 else ''}{' · cached (full, hashed)' if c else ''}"
+                    f"{' · from the prefix cache (hit at admission)' if i < n_hit else ''}")
     zg = z.reshape(rows, cols)
     data = [dict(type="heatmap", z=[_lst(r) for r in zg], text=[text[i * cols:(i + 1) * cols] for i in range(rows)],
                  customdata=[hover[i * cols:(i + 1) * cols] for i in range(rows)], texttemplate="%{text}",
                  hovertemplate="%{customdata}<extra></extra>", zmin=-0.5, zmax=2.5, showscale=False,
                  xgap=2, ygap=2, colorscale=_discrete_colorscale([owner_color(request_id), CACHED_COLOR, SHARED_COLOR]))]
     lay = _layout(f"{title}: {request_id}", max(height, 130 + 28 * rows), "blocktable",
-                  f"{len(table)} blocks · cell = physical block id · row r, column c = logical block r·{cols}+c · "
-                  "colours: private / cached (full, hashed) / shared",
+                  f"{len(table)} blocks · {n_hit} from the prefix cache (*) · cell = physical block id · "
+                  f"row r, column c = logical block r·{cols}+c · colours: private / cached (full, hashed) / shared",
                   xaxis=_axis(title=dict(text="logical block"), dtick=1 if cols <= 16 else 4),
                   yaxis=dict(visible=False, autorange="reversed"))
     return {"data": data, "layout": lay}
@@ -594,7 +597,8 @@ def _nice(width: float) -> float:
 
 
 def throughput_spec(snap: Snapshot, height: int = 340, max_bins: int = 120) -> dict:
-    """Prompt / generation tok/s over time (binned from step events), KV usage and running / waiting."""
+    """Prompt / generation tok/s over time (binned from step events), KV usage, prefix-cache hit rate per
+    bin (cached / queried prompt tokens of the requests admitted in it) and running / waiting."""
     title = "Throughput and KV usage"
     steps = snap.steps
     if not steps:
@@ -608,6 +612,9 @@ def throughput_spec(snap: Snapshot, height: int = 340, max_bins: int = 120) -> d
     nb = int(idx.max()) + 1
     prompt = np.bincount(idx, weights=[s.num_prefill_tokens for s in steps], minlength=nb)
     gen = np.bincount(idx, weights=[step_output_tokens(s) for s in steps], minlength=nb)
+    queries = np.bincount(idx, weights=[s.prefix_cache_queries for s in steps], minlength=nb)
+    hits = np.bincount(idx, weights=[s.prefix_cache_hits for s in steps], minlength=nb)
+    hit_pct = np.where(queries > 0, 100 * hits / np.maximum(queries, 1), np.nan)   # gaps where nothing arrived
     xb = start + (np.arange(nb) + 0.5) * width
     tot = snap.totals
     lay = _layout(title, height, "throughput",
@@ -627,13 +634,16 @@ def throughput_spec(snap: Snapshot, height: int = 340, max_bins: int = 120) -> d
              line=dict(color="#F28E2B", width=1.5, shape="hvh"), xaxis=x1, yaxis=y1),
         dict(type="scatter", x=xs, y=[100 * s.kv_usage for s in sub], name="KV usage %", mode="lines",
              line=dict(color="#E15759", width=1.5), fill="tozeroy", fillcolor="rgba(225,87,89,0.12)", xaxis=x2, yaxis=y2),
+        dict(type="scatter", x=_lst(xb), y=_lst(hit_pct), name="prefix-cache hit %", mode="lines+markers",
+             line=dict(color="#59A14F", width=1.5), marker=dict(size=4), connectgaps=False, xaxis=x2, yaxis=y2,
+             hovertemplate="%{y:.0f}% of the prompt tokens admitted in this bin were cached<extra></extra>"),
         dict(type="scatter", x=xs, y=[s.num_running for s in sub], name="running", mode="lines",
              line=dict(color="#222", width=1, shape="hv"), xaxis=x2, yaxis=y2b),
         dict(type="scatter", x=xs, y=[s.num_waiting for s in sub], name="waiting", mode="lines",
              line=dict(color="#888", width=1, dash="dot", shape="hv"), xaxis=x2, yaxis=y2b),
     ]
     lay[_axname(y1, "y")].update(title=dict(text="tok/s"), rangemode="tozero")
-    lay[_axname(y2, "y")].update(title=dict(text="KV %"), range=[0, 105])
+    lay[_axname(y2, "y")].update(title=dict(text="KV % · hit %"), range=[0, 105])
     lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero", tickformat="d")
     lay[_axname(x2, "x")].update(title=dict(text="seconds since first event"))
     return {"data": data, "layout": lay}

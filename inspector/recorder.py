@@ -369,6 +369,8 @@ class Recorder:
             spec = {k: (list(v) if isinstance(v, (list, deque)) else v) for k, v in self._spec.items()}
             dropped = self._dropped
         tracks.sort(key=lambda r: (r.arrival if r.arrival is not None else now))
+        if kv is not None and "num_cached_tokens" not in kv:   # for the block table: which blocks were hits
+            kv["num_cached_tokens"] = {tr.request_id: tr.num_cached_tokens for tr in tracks if tr.num_cached_tokens}
         return Snapshot(version=version, t0=t0, now=now, steps=steps, requests=tracks, records=records,
                         totals=totals, spec=spec, kv=kv, dropped_events=dropped)
 

@@ -69,7 +69,9 @@ def test_block_map_highlight_and_block_table(snap):
     check(bt)
     (hm,) = traces(bt, "heatmap")
     cells = [c for row in hm["text"] for c in row if c]
-    assert cells == [str(b) for b in table]                    # logical order -> physical ids
+    assert [c.rstrip("*") for c in cells] == [str(b) for b in table]   # logical order -> physical ids
+    n_hit = kv.get("num_cached_tokens", {}).get(rid, 0) // kv["block_size"]
+    assert [c.endswith("*") for c in cells] == [i < n_hit for i in range(len(table))]   # * = prefix-cache hit
     assert "select a request" in F.block_table_spec(kv, None)["layout"]["annotations"][0]["text"]
     assert "holds no KV blocks" in F.block_table_spec(kv, "nope")["layout"]["annotations"][0]["text"]
 

@@ -21,8 +21,8 @@ QUESTIONS = ["When does the library open on Saturdays?", "How much is the late f
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def run(eng, prompts, events=None):
-    ids = [eng.add_request(p, GREEDY) for p in prompts]
+def run(eng, prompts, params=GREEDY):
+    ids = [eng.add_request(p, params) for p in prompts]
     outs = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -45,7 +45,7 @@ def shared_blocks(prompts):
     n = 0
     while all(p[n] == prompts[0][n] for p in prompts):
         n += 1
-    assert n >= 6 * 16, n                     # a long shared prefix: >= 6 full blocks
+    assert n >= 5 * 16, n                     # a long shared prefix: >= 5 full blocks
     return n // 16
 
 
@@ -83,33 +83,23 @@ def test_chunked_prefill(smollm2_engine_factory, prompts, reference, shared_bloc
     assert all(o.num_cached_tokens == shared_blocks * 16 for o in outs[1:])
 
 
-def test_forced_preemption(smollm2_engine_factory, prompts, reference, shared_blocks):
-    n_blocks = -(-(len(max(prompts, key=len)) + GREEDY.max_tokens) // 16) + 2
-    eng = smollm2_engine_factory(num_kv_blocks=n_blocks + 1)
+def test_forced_preemption(smollm2_engine_factory, prompts, shared_blocks):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)    # decodes cross a block boundary
+    ref_eng = smollm2_engine_factory(enable_prefix_caching=False)
+    ref = [o.token_ids for o in run(ref_eng, prompts[:2], sp)]
+    eng = smollm2_engine_factory(num_kv_blocks=10)             # 9 usable: two ~8-block requests sharing 5
     steps = []
     eng.events.subscribe(lambda e: isinstance(e, StepEvent) and steps.append(e))
-    outs = run(eng, prompts)
+    outs = run(eng, prompts[:2], sp)
     assert eng.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in outs] == reference
-    # a preempted request is re-admitted onto cached blocks (its own or the shared prefix)
+    assert [o.token_ids for o in outs] == ref
+    assert outs[1].num_cached_tokens == shared_blocks * 16
+    # the preempted request is re-admitted onto cached blocks (the shared prefix and its own)
     pre = {r for e in steps for r in e.preempted}
-    readmit = [e for e in steps if e.blocks_shared and any(s.request_id in pre and s.num_computed_before > 0
-                                                           for s in e.scheduled)]
-    assert readmit
+    readmit = [e for e in steps if e.blocks_shared and any(s.request_id in pre for s in e.scheduled)]
+    assert readmit and readmit[-1].blocks_shared >= shared_blocks
     pool = eng.block_manager.pool
     assert all(r == 0 for r in pool.ref_counts) and pool.num_free == eng.num_blocks - 1
-
-
-def test_blocks_of_the_final_step_are_cached():
-    # a request that finishes in the step that computed its prompt still publishes its full blocks
-    eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=64, block_size=4)
-    outs = []
-    for _ in range(2):
-        eng.add_request(list(range(100, 117)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        while eng.has_unfinished_requests():
-            outs += [o for o in eng.step() if o.finished]
-    assert [o.num_cached_tokens for o in outs] == [0, 16]
-    assert outs[0].token_ids == outs[1].token_ids
 
 
 # ---------------------------------------------------------------- counters, exact
@@ -218,7 +208,7 @@ def test_inspector_shows_cache_states_hits_and_hit_rate():
     eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=32, block_size=4)
     rec = Recorder().attach(eng.events)
     system = list(range(1000, 1012))                            # 3 full blocks
-    eng.add_request(system + [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.add_request(system + [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True))   # 4 full blocks
     while eng.has_unfinished_requests():
         eng.step()
     a = eng.add_request(system + [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))
@@ -245,7 +235,7 @@ def test_inspector_shows_cache_states_hits_and_hit_rate():
     ys = [y for y in hit["y"] if y is not None]
     assert ys and max(ys) > 0 and all(0 <= y <= 100 for y in ys)
     q, h = snap.totals["prefix_cache_queries"], snap.totals["prefix_cache_hits"]
-    assert (q, h) == (14 + 15 + 14, 24)
+    assert (q, h) == (16 + 15 + 14, 24)
 
 
 def json_text(spec):
