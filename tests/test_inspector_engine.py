@@ -76,9 +76,10 @@ def test_load_runner_drives_the_engine_and_block_map_reflects_it(loop, rec):
 
 
 def test_preemption_on_a_small_pool_shows_in_timeline_and_metrics(loop, rec):
-    # 8 sequences x (16 + 48) tokens = 512 > 23 usable blocks x 16 = 368 tokens
+    # each sequence grows to 16 + 160 tokens = 11 blocks of 23 usable: any 3 running at once overflow the
+    # pool, and 160 decode steps per request leave the load generator ample time to submit all 8
     spec = L.LoadSpec(num_requests=8, rate=math.inf, prompt_len=L.LengthDist("fixed", 16, 16),
-                      output_len=L.LengthDist("fixed", 48, 48), seed=5)
+                      output_len=L.LengthDist("fixed", 160, 160), seed=5)
     runner = L.LoadRunner(loop, spec, recorder=rec).start()
     assert runner.wait(120)
     s = runner.summary()
