@@ -1,4 +1,4 @@
-"""OpenAI-compatible request/response shapes (pydantic) and OpenAI-style errors.
+"""OpenAI-compatible request/response shapes (pydantic).
 
 Requests are parsed strictly (JSON types are not coerced: `"max_tokens": "10"` is an error), unknown
 fields are ignored (clients often send fields meant for other servers), and every error names the
@@ -13,66 +13,15 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS
+
+from .errors import APIError
 
 MAX_N = 64                 # choices per request
 MAX_PROMPTS = 256          # prompts in one /v1/completions request
 LOGPROB_FLOOR = -9999.0    # JSON has no -inf; masked tokens report this (as vLLM does)
-
-
-# --------------------------------------------------------------------------------------- errors
-class APIError(Exception):
-    """An error that becomes an OpenAI-style JSON error response."""
-
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def _loc(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc)
-
-
-def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming its field."""
-    errs = e.errors(include_url=False)
-    if not errs:
-        return APIError("invalid request body")
-    err = errs[0]
-    if err.get("type") == "json_invalid":
-        return APIError(f"malformed JSON body: {err.get('msg', '')}".rstrip(": "), code="invalid_json")
-    if not err.get("loc"):
-        return APIError("request body: must be a JSON object", code="invalid_body")
-    param = _loc(err["loc"])
-    msg = err.get("msg", "invalid value")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if err.get("type") == "missing":
-        return APIError(f"{param}: is required", param=param, code="missing_field")
-    got = err.get("input")
-    tail = "" if isinstance(got, dict) else f" (got {_short(got)})"
-    return APIError(f"{param}: {msg}{tail}", param=param, code="invalid_value")
-
-
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 80 else s[:77] + "..."
 
 
 # --------------------------------------------------------------------------------------- requests

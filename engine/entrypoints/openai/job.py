@@ -1,0 +1,178 @@
+"""The engine requests behind one HTTP request, followed on the event loop, and their SSE response.
+
+Outputs reach the event loop through `call_soon_threadsafe` (`RequestStream._aio`), so the event loop
+never waits on the engine loop's lock and one slow step never stalls other clients' streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from engine.async_engine import EngineLoop
+from engine.llm_engine import EngineOverloaded
+from engine.sampling_params import SamplingParams
+
+from .errors import APIError, engine_stopped, request_timeout
+
+if TYPE_CHECKING:
+    from .serving_engine import OpenAIServing
+
+log = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Tag:
+    """Stands in for an asyncio.Queue in RequestStream._aio: tags each item with its choice index."""
+
+    def __init__(self, q: asyncio.Queue, index: int):
+        self.q = q
+        self.index = index
+
+    def put_nowait(self, item) -> None:
+        self.q.put_nowait((self.index, item))
+
+
+class Job:
+    """The engine requests behind one HTTP request (n choices x prompts), followed on the event loop."""
+
+    def __init__(self, server: OpenAIServing, loop: EngineLoop, rids: list[str], streams: list,
+                 prompt_ids: list[list[int]], prompt_of: list[int], params: list[SamplingParams]):
+        self.server = server
+        self.loop = loop
+        self.model_name = server.model_name_of(loop)
+        self.rids = rids
+        self.streams = streams
+        self.prompt_ids = prompt_ids      # one per prompt
+        self.prompt_of = prompt_of        # choice index -> prompt index
+        self.params = params
+        self.finals: list = [None] * len(streams)
+        self.closed = [False] * len(streams)
+        self.deadline = (time.monotonic() + server.request_timeout) if server.request_timeout else None
+        self._q: asyncio.Queue | None = None
+        self._backlog: deque = deque()
+        self._skip: list[set[int]] = []
+        self._tasks: list[asyncio.Task] = []
+
+    # Attach to the streams without taking the engine loop's lock (which is held for a whole step):
+    # register our queue first, then snapshot what already arrived; an item that landed in between
+    # comes both ways and is dropped once by identity (the stream keeps every item alive).
+    def attach(self) -> None:
+        aloop = asyncio.get_running_loop()
+        self._q = asyncio.Queue()
+        for i, s in enumerate(self.streams):
+            if hasattr(s, "_aio") and hasattr(s, "_q"):
+                s._aio.append((aloop, _Tag(self._q, i)))
+                with s._q.mutex:
+                    seen = list(s._q.queue)
+                self._skip.append({id(x) for x in seen})
+                self._backlog.extend((i, x) for x in seen)
+            else:                          # any other stream type: its own async iterator
+                self._skip.append(set())
+                self._tasks.append(asyncio.create_task(self._pump(i, s)))
+
+    async def _pump(self, i: int, s) -> None:
+        try:
+            async for out in s:
+                self._q.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            self._q.put_nowait((i, e))
+
+    async def _next(self):
+        if self._backlog:
+            return self._backlog.popleft()
+        while True:
+            if self.deadline is None:
+                item = await self._q.get()
+            else:
+                left = self.deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(self._q.get(), max(left, 0.0))
+                except asyncio.TimeoutError:
+                    raise request_timeout(self.server.request_timeout)
+            i, x = item
+            if id(x) in self._skip[i]:
+                self._skip[i].discard(id(x))
+                continue
+            return item
+
+    async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, RequestOutput) in arrival order until every choice finished."""
+        while not all(self.closed):
+            i, x = await self._next()
+            if self.closed[i]:
+                continue
+            if isinstance(x, BaseException):
+                self.closed[i] = True
+                if isinstance(x, EngineOverloaded):
+                    raise self.server.overloaded(self.loop, str(x))
+                if getattr(self.loop, "_stop", False):     # the engine was shut down / rebuilt under us
+                    raise engine_stopped(x, self.server.retry_after_s)
+                raise APIError(f"engine error: {x}", 500, "server_error", code="engine_error")
+            if not hasattr(x, "finished"):    # the end-of-stream marker
+                continue
+            if x.finished:
+                self.closed[i] = True
+                self.finals[i] = x
+                self.server.metrics.observe(x, self.model_name)
+            yield i, x
+
+    def abort_unfinished(self) -> None:
+        """Abort every choice still running (no await: safe from finally blocks and cancelled scopes)."""
+        for t in self._tasks:
+            t.cancel()
+        todo = [rid for rid, c in zip(self.rids, self.closed) if not c]
+        if not todo:
+            return
+        for i, c in enumerate(self.closed):
+            self.closed[i] = True
+        self.server.metrics.count_aborted(self.model_name, len(todo))
+        loop = self.loop
+
+        def abort():
+            for rid in todo:
+                try:
+                    loop.abort(rid)
+                except Exception:  # noqa: BLE001
+                    log.exception("abort of %s failed", rid)
+        try:
+            asyncio.get_running_loop().run_in_executor(None, abort)
+        except RuntimeError:       # no running event loop (interpreter shutting down)
+            abort()
+
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_ids)
+
+    def cached_tokens(self) -> int:
+        seen, total = set(), 0
+        for i, f in enumerate(self.finals):
+            p = self.prompt_of[i]
+            if f is not None and p not in seen:
+                seen.add(p)
+                total += f.num_cached_tokens
+        return total
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that aborts the job's unfinished requests however the stream ends."""
+
+    def __init__(self, content, job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._job.abort_unfinished()

@@ -1,0 +1,96 @@
+"""`POST /v1/chat/completions`: a ChatCompletionRequest -> chat template -> the engine -> a chat
+completion or its SSE stream."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from .errors import APIError, value_error
+from .job import SSE_DONE, Job, SSEResponse, sse
+from .protocol import ChatCompletionRequest, chat_logprobs, usage_dict
+from .serving_engine import OpenAIServing
+
+
+class OpenAIServingChat:
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+
+    async def create_chat_completion(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await self.serving.read_json(request, ChatCompletionRequest)
+        req.check_unsupported()
+        loop = self.serving.current()
+        self.serving.check_model(req.model, loop)
+        try:
+            prompt = await run_in_threadpool(loop.engine.apply_chat_template, req.messages,
+                                             req.add_generation_prompt)
+        except ValueError as e:
+            raise value_error(e, {})
+        except Exception as e:  # noqa: BLE001 - a template that raises on these messages (e.g. role order)
+            raise APIError(f"messages: the chat template rejected them: {e}", param="messages")
+        job = await self.serving.submit(loop, [prompt], req, chat=True)
+        top_n = req.top_logprobs or 0
+        if req.stream:
+            return SSEResponse(self.chat_completion_stream_generator(req, job, top_n), job)
+        await self.serving.run_to_end(job, request)
+        choices = []
+        for i, out in enumerate(job.finals):
+            lp = None
+            if req.logprobs and out.logprobs is not None:
+                lp = chat_logprobs(out.logprobs[:len(out.token_ids)], top_n)
+            c = {"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
+                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+            if req.return_token_ids:
+                c["token_ids"] = list(out.token_ids)
+            choices.append(c)
+        body = {"id": f"chatcmpl-{job.id_base}", "object": "chat.completion", "created": int(time.time()),
+                "model": job.model_name, "choices": choices,
+                "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
+                                    job.cached_tokens())}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = job.prompt_ids[0]
+        return JSONResponse(body)
+
+    async def chat_completion_stream_generator(self, req: ChatCompletionRequest, job: Job, top_n: int) -> AsyncIterator[str]:
+        rid, created, model = f"chatcmpl-{job.id_base}", int(time.time()), job.model_name
+        k = len(job.streams)
+        ntok, started = [0] * k, [False] * k
+        gen = 0
+        try:
+            async for i, out in job.outputs():
+                new = list(out.delta_token_ids)
+                gen += len(new)
+                lp = None
+                if req.logprobs and out.logprobs is not None:
+                    lp = chat_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], top_n)
+                ntok[i] += len(new)
+                if not out.delta_text and not out.finished and lp is None and started[i] \
+                        and not (req.return_token_ids and new):
+                    continue
+                delta: dict[str, Any] = {}
+                if not started[i]:
+                    delta["role"] = "assistant"
+                    started[i] = True
+                if out.delta_text or "role" in delta:
+                    delta["content"] = out.delta_text
+                choice = {"index": i, "delta": delta, "logprobs": lp,
+                          "finish_reason": out.finish_reason if out.finished else None}
+                if out.finished:
+                    choice["stop_reason"] = out.stop_reason
+                if req.return_token_ids:
+                    choice["token_ids"] = new
+                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": [choice]}
+                if req.include_usage:
+                    chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
+                yield sse(chunk)
+            if req.include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [], "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
+        except APIError as e:
+            job.abort_unfinished()
+            yield sse(e.body())
+        yield SSE_DONE

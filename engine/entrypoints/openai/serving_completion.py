@@ -1,0 +1,98 @@
+"""`POST /v1/completions`: a CompletionRequest -> the engine -> a completion or its SSE stream."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.async_engine import EngineLoop
+
+from .errors import APIError
+from .job import SSE_DONE, Job, SSEResponse, sse
+from .protocol import CompletionRequest, completion_logprobs, usage_dict
+from .serving_engine import OpenAIServing
+
+
+class OpenAIServingCompletion:
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+
+    async def create_completion(self, request: Request) -> Response:
+        req: CompletionRequest = await self.serving.read_json(request, CompletionRequest)
+        req.check_unsupported()
+        loop = self.serving.current()
+        self.serving.check_model(req.model, loop)
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo: not supported together with logprobs (no prompt logprobs)", param="echo",
+                           code="unsupported")
+        job = await self.serving.submit(loop, req.prompt, req, chat=False)
+        echo = [self._echo_text(loop, p) for p in req.prompt] if req.echo else None
+        if req.stream:
+            return SSEResponse(self.completion_stream_generator(req, job, echo), job)
+        await self.serving.run_to_end(job, request)
+        choices = []
+        for i, out in enumerate(job.finals):
+            text = (echo[job.prompt_of[i]] if echo else "") + out.text
+            lp = None
+            if req.logprobs is not None and out.logprobs is not None:
+                lp = completion_logprobs(out.logprobs[:len(out.token_ids)], 0, req.logprobs)
+            c = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                 "stop_reason": out.stop_reason}
+            if req.return_token_ids:
+                c["token_ids"] = list(out.token_ids)
+            choices.append(c)
+        body = {"id": f"cmpl-{job.id_base}", "object": "text_completion", "created": int(time.time()),
+                "model": job.model_name, "choices": choices,
+                "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
+                                    job.cached_tokens())}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = job.prompt_ids[0] if len(job.prompt_ids) == 1 else job.prompt_ids
+        return JSONResponse(body)
+
+    @staticmethod
+    def _echo_text(loop: EngineLoop, p) -> str:
+        if isinstance(p, str):
+            return p
+        tok = loop.engine.tokenizer
+        return tok.decode(p, skip_special_tokens=False) if tok is not None else ""
+
+    async def completion_stream_generator(self, req: CompletionRequest, job: Job, echo) -> AsyncIterator[str]:
+        rid, created, model = f"cmpl-{job.id_base}", int(time.time()), job.model_name
+        k = len(job.streams)
+        ntok, nchar, started = [0] * k, [0] * k, [False] * k
+        gen = 0
+        try:
+            async for i, out in job.outputs():
+                new = list(out.delta_token_ids)
+                gen += len(new)
+                lp = None
+                if req.logprobs is not None and out.logprobs is not None:
+                    lp = completion_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], nchar[i], req.logprobs)
+                ntok[i] += len(new)
+                text = out.delta_text
+                if echo and not started[i]:
+                    text = echo[job.prompt_of[i]] + text
+                if not text and not out.finished and lp is None and not (req.return_token_ids and new):
+                    continue
+                started[i] = True
+                nchar[i] += len(out.delta_text)
+                choice = {"index": i, "text": text, "logprobs": lp,
+                          "finish_reason": out.finish_reason if out.finished else None}
+                if out.finished:
+                    choice["stop_reason"] = out.stop_reason
+                if req.return_token_ids:
+                    choice["token_ids"] = new
+                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [choice]}
+                if req.include_usage:
+                    chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
+                yield sse(chunk)
+            if req.include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
+        except APIError as e:
+            job.abort_unfinished()
+            yield sse(e.body())
+        yield SSE_DONE

@@ -1,0 +1,247 @@
+"""The state and steps every OpenAI endpoint shares: the engine behind the API (looked up per request),
+the model check, body parsing, sampling parameters, and the all-or-nothing submission of a request.
+
+Submitting (tokenization, the loop's lock, held while a step runs) happens on a worker thread, so the
+event loop never waits on the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from fastapi import Request
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from engine.async_engine import EngineLoop
+from engine.llm_engine import EngineOverloaded
+from engine.sampling_params import SamplingParams
+
+from .errors import APIError, engine_unavailable, server_overloaded, validation_error, value_error
+from .job import Job
+from .metrics import ServerMetrics
+
+
+class OpenAIServing:
+    """What every endpoint shares: the engine behind the API, body parsing, and the submission of a request."""
+
+    def __init__(self, get_loop: Callable[[], EngineLoop], api_key: str | None, served_model_name: str | None,
+                 request_timeout: float | None, max_body_bytes: int, retry_after_s: int,
+                 metrics: ServerMetrics | None):
+        self.get_loop = get_loop
+        self.api_key = api_key
+        self.served_model_name = served_model_name
+        self.request_timeout = request_timeout
+        self.max_body_bytes = max_body_bytes
+        self.retry_after_s = retry_after_s
+        self.metrics = metrics or ServerMetrics(self.loop_or_none, self.model_name_of)
+        self.created = int(time.time())
+        self._admit = threading.Lock()     # capacity check + submits of one request, atomically
+
+    # ---- the engine behind the API ------------------------------------------------------------
+    def loop_or_none(self) -> EngineLoop | None:
+        try:
+            return self.get_loop()
+        except Exception:  # noqa: BLE001 - no engine right now (starting, restarting, failed)
+            return None
+
+    def current(self) -> EngineLoop:
+        try:
+            loop = self.get_loop()
+        except Exception as e:  # noqa: BLE001
+            raise engine_unavailable(self.retry_after_s, e)
+        if loop is None or getattr(loop, "_stop", False):
+            raise engine_unavailable(self.retry_after_s)
+        return loop
+
+    def model_name_of(self, loop: EngineLoop | None) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        eng = getattr(loop, "engine", None)
+        return str(getattr(eng, "model_name", None) or "kvscope")
+
+    def healthy(self) -> tuple[bool, str]:
+        loop = self.loop_or_none()
+        if loop is None:
+            return False, "no engine (starting, restarting or failed)"
+        t = getattr(loop, "_thread", None)
+        if t is None or not t.is_alive() or getattr(loop, "_stop", False):
+            return False, "the engine loop is not running"
+        return True, "ok"
+
+    def overloaded(self, loop: EngineLoop, detail: str) -> APIError:
+        return server_overloaded(loop.engine.config.max_waiting_requests, self.retry_after_s, detail)
+
+    def check_model(self, model: str | None, loop: EngineLoop) -> None:
+        name = self.model_name_of(loop)
+        if model and model != name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{name}` "
+                           "(see GET /v1/models).", 404, "NotFoundError", param="model", code="model_not_found")
+
+    # ---- request parsing ----------------------------------------------------------------------
+    async def read_json(self, request: Request, model_cls):
+        limit = self.max_body_bytes
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                declared = int(cl)
+            except ValueError:
+                raise APIError("Content-Length: must be an integer", code="invalid_header")
+            if declared > limit:
+                raise APIError(f"request body is {declared} bytes; this server accepts at most {limit} bytes",
+                               413, code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(f"request body exceeds {limit} bytes", 413, code="body_too_large")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        if not body.strip():
+            raise APIError("request body: must be a JSON object (got an empty body)", code="invalid_body")
+        try:
+            return model_cls.model_validate_json(body)
+        except ValidationError as e:
+            raise validation_error(e)
+
+    @staticmethod
+    def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, seed=seed, logprobs=logprobs, stop=list(req.stop or []),
+                                  stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                                  min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+                                  include_stop_str_in_output=req.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        return SamplingParams(**kw)
+
+    # ---- submission (runs on a worker thread: it may tokenize and wait for the loop's lock) -----
+    def _submit(self, loop: EngineLoop, prompts: list, req, chat: bool) -> Job:
+        eng = loop.engine
+        limit_param = req.limit_param if chat else "max_tokens"
+        rename = {"logprobs": "top_logprobs" if chat else "logprobs", "prompt": "messages" if chat else "prompt",
+                  "max_tokens": limit_param}
+        prompt_ids: list[list[int]] = []
+        for p in prompts:
+            try:
+                ids = eng.tokenize(p) if isinstance(p, str) else list(p)
+            except ValueError as e:
+                raise value_error(e, rename)
+            if not ids:
+                what = "messages" if chat else "prompt"
+                raise APIError(f"{what}: must contain at least one token", param=what)
+            prompt_ids.append(ids)
+        if chat:
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            user_limit = req.output_limit
+        else:
+            logprobs = req.logprobs
+            user_limit = req.max_tokens if req.max_tokens is not None else 16
+        mml = eng.max_model_len
+        params, prompt_of = [], []
+        for pi, ids in enumerate(prompt_ids):
+            max_tokens = user_limit
+            if max_tokens is None:              # chat without a limit: whatever room the context leaves
+                max_tokens = min(mml, (eng.num_blocks - 1) * eng.block_size) - len(ids)
+                if max_tokens < 1:
+                    raise APIError(f"messages: the conversation is {len(ids)} tokens; it leaves no room for "
+                                   f"output in max_model_len {mml}", param="messages",
+                                   code="context_length_exceeded")
+            elif len(ids) < mml and len(ids) + max_tokens > mml:
+                raise APIError(f"{limit_param}: prompt ({len(ids)} tokens) + {limit_param} ({max_tokens}) = "
+                               f"{len(ids) + max_tokens} tokens exceeds this model's max_model_len ({mml}); "
+                               f"lower {limit_param} or shorten the prompt", param=limit_param,
+                               code="context_length_exceeded")
+            for k in range(req.n):
+                seed = None if req.seed is None else req.seed + k
+                try:
+                    params.append(self._sampling(req, max_tokens, logprobs, seed))
+                except ValueError as e:
+                    raise value_error(e, rename)
+                prompt_of.append(pi)
+        # validate every prompt before submitting any (a bad prompt must not leave others running)
+        for pi, ids in enumerate(prompt_ids):
+            first = prompt_of.index(pi)
+            try:
+                eng.make_sequence(ids, params[first], request_id="validate")
+            except ValueError as e:
+                raise value_error(e, rename)
+        # Accept the whole request or none of it. The capacity check and the submits are one critical
+        # section: EngineLoop.submit checks the queue and counts the new request in two separate lock
+        # sections, so concurrent submitters could all pass the check and the engine would then refuse
+        # the surplus after the 200 (and the stream) had begun.
+        limit = eng.config.max_waiting_requests
+        if limit is not None:                 # fail fast without queueing behind the lock
+            queued = len(eng.scheduler.waiting) + getattr(loop, "_pending_admissions", 0)
+            if queued + len(params) > limit:
+                raise self.overloaded(loop, f"{queued} queued + {len(params)} new > {limit}")
+        base = uuid.uuid4().hex
+        rids, streams = [], []
+        with self._admit:
+            if limit is not None:
+                queued = len(eng.scheduler.waiting) + getattr(loop, "_pending_admissions", 0)
+                if queued + len(params) > limit:
+                    raise self.overloaded(loop, f"{queued} queued + {len(params)} new > {limit}")
+            try:
+                for i, sp in enumerate(params):
+                    rid = f"{base}-{i}"
+                    streams.append(loop.submit(prompt_ids[prompt_of[i]], sp, request_id=rid))
+                    rids.append(rid)
+            except (ValueError, EngineOverloaded, RuntimeError) as e:
+                for rid in rids:
+                    loop.abort(rid)
+                if isinstance(e, EngineOverloaded):
+                    raise self.overloaded(loop, str(e))
+                if isinstance(e, ValueError):
+                    raise value_error(e, rename)
+                raise engine_unavailable(self.retry_after_s, e)
+        job = Job(self, loop, rids, streams, prompt_ids, prompt_of, params)
+        job.id_base = base
+        return job
+
+    async def submit(self, loop: EngineLoop, prompts: list, req, chat: bool) -> Job:
+        job = await run_in_threadpool(self._submit, loop, prompts, req, chat)
+        job.attach()
+        return job
+
+    async def run_to_end(self, job: Job, request: Request) -> None:
+        """Wait for every choice to finish; abort them if the client goes away or time runs out."""
+        async def drain():
+            async for _ in job.outputs():
+                pass
+
+        async def disconnected():
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        consumer = asyncio.ensure_future(drain())
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if consumer in done:
+                consumer.result()                 # re-raise timeouts / engine errors
+            else:
+                consumer.cancel()
+                raise APIError("client disconnected", 499, "client_closed_request")
+        finally:
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+            job.abort_unfinished()
+
+    # ---- /v1/models ---------------------------------------------------------------------------
+    def show_available_models(self) -> dict:
+        loop = self.current()
+        eng = loop.engine
+        name = self.model_name_of(loop)
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "kvscope",
+            "root": str(eng.config.model or name), "parent": None, "max_model_len": eng.max_model_len,
+            "vocab_size": int(getattr(getattr(eng, "model_config", None), "vocab_size", 0) or 0)}]}
