@@ -1,0 +1,205 @@
+"""UI inputs to engine objects: every bad value gets a clear message naming its field."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+from engine.config import EngineConfig
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from inspector import load as L
+from inspector import metrics as M
+
+if TYPE_CHECKING:
+    from webui.host import EngineHost
+
+MAX_PROMPT_CHARS = 200_000
+PLAYGROUND_MAX_TOKENS = 8192
+
+
+def parse_num(v, name: str, *, integer: bool = False, lo: float | None = None, hi: float | None = None,
+         allow_none: bool = False, lo_exclusive: bool = False):
+    """Parse a UI number with a clear message naming the field."""
+    if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, float) and math.isnan(v)):
+        if allow_none:
+            return None
+        raise ValueError(f"{name}: required")
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: must be a number (got {v!r})") from None
+    if math.isnan(x) or math.isinf(x):
+        raise ValueError(f"{name}: must be a finite number (got {v!r})")
+    if integer:
+        if x != int(x):
+            raise ValueError(f"{name}: must be a whole number (got {v!r})")
+        x = int(x)
+    if lo is not None and (x <= lo if lo_exclusive else x < lo):
+        raise ValueError(f"{name}: must be {'>' if lo_exclusive else '>='} {lo:g} (got {v!r})")
+    if hi is not None and x > hi:
+        raise ValueError(f"{name}: must be <= {hi:g} (got {v!r})")
+    return x
+
+
+def make_sampling_params(temperature, top_p, top_k, min_p, max_tokens, min_tokens, repetition_penalty,
+                         presence_penalty, frequency_penalty, seed, stop, ignore_eos, logprobs_on, logprobs_n,
+                         max_model_len: int | None = None) -> SamplingParams:
+    cap = min(PLAYGROUND_MAX_TOKENS, max_model_len or PLAYGROUND_MAX_TOKENS)
+    mt = parse_num(max_tokens, "max tokens", integer=True, lo=1)
+    if mt > cap:
+        raise ValueError(f"max tokens: {mt} is too many; at most {cap} here (the engine's max_model_len is "
+                         f"{max_model_len})")
+    stops = [s for s in (stop or "").replace("\\n", "\n").split("\n") if s] if isinstance(stop, str) else list(stop or [])
+    try:
+        return SamplingParams(
+            temperature=parse_num(temperature, "temperature", lo=0, hi=10), top_p=parse_num(top_p, "top-p", lo=0, hi=1, lo_exclusive=True),
+            top_k=parse_num(top_k, "top-k", integer=True, lo=-1), min_p=parse_num(min_p, "min-p", lo=0, hi=1),
+            max_tokens=mt, min_tokens=parse_num(min_tokens, "min tokens", integer=True, lo=0, hi=mt),
+            repetition_penalty=parse_num(repetition_penalty, "repetition penalty", lo=0, lo_exclusive=True, hi=10),
+            presence_penalty=parse_num(presence_penalty, "presence penalty", lo=-2, hi=2),
+            frequency_penalty=parse_num(frequency_penalty, "frequency penalty", lo=-2, hi=2),
+            seed=parse_num(seed, "seed", integer=True, lo=0, allow_none=True), stop=stops or None,
+            ignore_eos=bool(ignore_eos),
+            logprobs=(parse_num(logprobs_n, "logprobs top-n", integer=True, lo=0, hi=MAX_LOGPROBS) if logprobs_on else None))
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg.replace("SamplingParams.", "")) from None
+
+
+def make_load_spec(preset_name, num_requests, rate, all_at_once, burstiness, max_concurrency,
+                   p_kind, p_min, p_max, o_kind, o_min, o_max, shared_prefix, turns, think_time, seed,
+                   temperature, ignore_eos, max_model_len: int | None = None) -> L.LoadSpec:
+    n = parse_num(num_requests, "number of requests", integer=True, lo=1)
+    if n > L.MAX_REQUESTS:
+        raise ValueError(f"number of requests: too many simulated users ({n}); at most {L.MAX_REQUESTS}")
+    if all_at_once:
+        r = math.inf
+    else:
+        r = parse_num(rate, "rate (requests/s)", allow_none=True)
+        if r is None or r <= 0:
+            raise ValueError(f"rate: must be > 0 requests/s (got {rate!r}); tick 'all at once' for a burst")
+    conc = parse_num(max_concurrency, "max concurrency", integer=True, lo=0, allow_none=True)
+    spec = L.LoadSpec(
+        name=str(preset_name or "custom"), num_requests=n, rate=r,
+        burstiness=parse_num(burstiness, "burstiness", lo=0, lo_exclusive=True, hi=100),
+        max_concurrency=(conc or None),
+        prompt_len=L.LengthDist(str(p_kind), parse_num(p_min, "prompt min tokens", integer=True, lo=1),
+                                parse_num(p_max, "prompt max tokens", integer=True, lo=1)),
+        output_len=L.LengthDist(str(o_kind), parse_num(o_min, "output min tokens", integer=True, lo=1),
+                                parse_num(o_max, "output max tokens", integer=True, lo=1)),
+        seed=parse_num(seed, "seed", integer=True, lo=0),
+        shared_prefix_len=parse_num(shared_prefix, "shared prefix tokens", integer=True, lo=0, allow_none=True) or 0,
+        num_turns=parse_num(turns, "turns per user", integer=True, lo=1, hi=64, allow_none=True) or 1,
+        think_time_s=parse_num(think_time, "think time (s)", lo=0, hi=600, allow_none=True) or 0.0,
+        temperature=parse_num(temperature, "temperature", lo=0, hi=10, allow_none=True) or 0.0,
+        ignore_eos=bool(ignore_eos))
+    spec.validate(max_model_len)
+    return spec
+
+
+def make_http_runner(host: "EngineHost", spec: L.LoadSpec, slo: M.SLO | None, url, model, key):
+    """The load generator's HTTP target: `url` empty = this process's own OpenAI-compatible API."""
+    from inspector.http_load import HttpLoadRunner, HttpTarget
+    url = str(url or "").strip()
+    self_target = not url
+    if self_target:
+        if not host.self_url:
+            raise ValueError("HTTP base URL: this app is not serving the HTTP API here; enter a server's URL")
+        url = host.self_url
+    key = str(key or "").strip() or (host.api_options.get("api_key") if self_target else None)
+    try:
+        target = HttpTarget(url, model=str(model or "").strip() or None, api_key=key)
+        # records of this server's own requests come from the engine's events; a remote server's only
+        # from the wire, so those feed the inspector's latency panel
+        return HttpLoadRunner(target, spec, slo=slo, on_record=None if self_target else host.recorder.record_output)
+    except ValueError:
+        raise
+    except Exception as e:   # connection refused, DNS, timeouts: a clear message, never a crash
+        raise ValueError(f"HTTP base URL: could not reach {url}: {type(e).__name__}: {e}") from None
+
+
+def make_slo(ttft, tpot, e2el) -> M.SLO:
+    return M.SLO(ttft_ms=parse_num(ttft, "TTFT SLO (ms)", lo=0, lo_exclusive=True, allow_none=True) or None,
+                 tpot_ms=parse_num(tpot, "TPOT SLO (ms)", lo=0, lo_exclusive=True, allow_none=True) or None,
+                 e2el_ms=parse_num(e2el, "E2EL SLO (ms)", lo=0, lo_exclusive=True, allow_none=True) or None)
+
+
+# engine settings form: every EngineConfig field, typed
+CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "float16", "bfloat16"],
+            "scheduling": ["continuous", "static"], "kernels": ["auto", "torch", "triton"],
+            "speculative_method": ["off", "ngram", "draft", "self"]}
+_OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
+_OPTIONAL_STR = {"model", "draft_model"}
+FIELD_HELP = {
+    "model": "HF folder, dummy:<preset> (random weights), or empty for the bundled SmolLM2-135M-Instruct",
+    "num_kv_blocks": "0 or empty: derived from the memory budget", "max_model_len": "0 or empty: the model's (≤ 8192)",
+    "max_waiting_requests": "0 or empty: unbounded queue", "enable_kv_cache": "off = recompute the prefix every step",
+    "scheduling": "static: a batch runs until all its requests finish",
+    "gpu_memory_utilization": "fraction of free GPU memory for weights + KV",
+    "cpu_kv_cache_gib": "KV pool size on CPU", "enable_step_timings": "per-region timings in step events",
+}
+
+
+def config_field_specs() -> list[tuple[str, str, Any]]:
+    """(name, kind, default) for every EngineConfig field; kind in bool/choice/int/opt_int/float/str/opt_str."""
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        d = f.default if f.default is not dataclasses.MISSING else None
+        ann = str(f.type).replace(" ", "")          # e.g. "int|None" (fields added later are typed too)
+        if f.name in CHOICES:
+            kind = "choice"
+        elif f.name in _OPTIONAL_INT or (d is None and ann.startswith("int")):
+            kind = "opt_int"
+        elif f.name in _OPTIONAL_STR or (d is None and ann.startswith("str")):
+            kind = "opt_str"
+        elif d is None and ann.startswith("float"):
+            kind = "opt_float"
+        elif isinstance(d, bool):
+            kind = "bool"
+        elif isinstance(d, int):
+            kind = "int"
+        elif isinstance(d, float):
+            kind = "float"
+        else:
+            kind = "str"
+        out.append((f.name, kind, d))
+    return out
+
+
+def config_from_form(names: list[str], values: list) -> EngineConfig:
+    kinds = {n: k for n, k, _ in config_field_specs()}
+    kw = {}
+    for name, v in zip(names, values):
+        kind = kinds[name]
+        if kind == "bool":
+            kw[name] = bool(v)
+        elif kind == "choice":
+            kw[name] = None if (name == "speculative_method" and v in ("off", "", None)) else str(v)
+        elif kind == "opt_int":
+            x = parse_num(v, name, integer=True, allow_none=True)
+            kw[name] = None if x in (None, 0) else x
+        elif kind == "opt_float":
+            kw[name] = parse_num(v, name, allow_none=True)
+        elif kind == "int":
+            kw[name] = parse_num(v, name, integer=True)
+        elif kind == "float":
+            kw[name] = parse_num(v, name)
+        elif kind == "opt_str":
+            kw[name] = (str(v).strip() or None) if v is not None else None
+        else:
+            kw[name] = str(v)
+    return EngineConfig(**kw)
+
+
+def config_form_values(cfg: EngineConfig, names: list[str]) -> list:
+    out = []
+    d = cfg.to_dict()
+    kinds = {n: k for n, k, _ in config_field_specs()}
+    for n in names:
+        v = d[n]
+        if n == "speculative_method":
+            v = v or "off"
+        elif kinds.get(n) == "opt_str":
+            v = v or ""
+        out.append(v)
+    return out
