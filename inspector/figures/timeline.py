@@ -1,0 +1,94 @@
+"""Scheduler timeline: per-request Gantt of waiting / prefill / decode / preempted spans, and the per-step
+batch composition below it."""
+from __future__ import annotations
+
+from inspector.figures.layout import _axname, _fig, _grid, _layout, empty_spec
+from inspector.figures.style import PHASE_COLORS
+from inspector.recorder import Snapshot
+
+
+def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, max_steps: int = 400,
+                  height: int | None = None) -> dict:
+    """Gantt of the latest requests (waiting / prefill / decode / preempted spans) over time or engine
+    steps, and below it the per-step batch composition (prefill vs decode tokens, running / waiting)."""
+    by_step = axis == "step"
+    reqs = [r for r in snap.requests if r.spans][-max_requests:]
+    title = "Scheduler timeline"
+    if not reqs and not snap.steps:
+        return empty_spec(title, "no requests yet — send a prompt or start a load", height or 420, "timeline")
+    t0 = snap.t0
+    n_all = sum(1 for r in snap.requests if r.spans)
+    steps = snap.steps[-max_steps:]
+    h = height or int(min(900, max(440, 220 + 16 * len(reqs))))
+    lay = _layout(title, h, f"timeline-{axis}",
+                  f"latest {len(reqs)} of {n_all} requests · last {len(steps)} steps · "
+                  "waiting / prefill (chunks) / decode / preempted", margin=dict(l=90, r=50, t=70, b=40),
+                  barmode="stack", bargap=0.15)
+    refs = _grid(lay, rows=[0.72, 0.28], cols=[1.0], vspace=0.05, share_x=True, secondary=((2, 1),))
+    (x1, y1), (x2, y2), y2b = refs[(1, 1)], refs[(2, 1)], refs[(2, 1, "y2")]
+    data: list[dict] = []
+    for phase in ("waiting", "prefill", "decode", "preempted"):
+        ys, xs, bases, hov = [], [], [], []
+        for r in reqs:
+            for sp in r.spans:
+                if sp.phase != phase:
+                    continue
+                a, b = (sp.step_start, sp.step_end) if by_step else (sp.start - t0, sp.end - t0)
+                if b - a <= 0 and phase in ("waiting", "preempted"):
+                    continue
+                ys.append(r.request_id)
+                bases.append(a)
+                xs.append(max(b - a, 0.05 if by_step else 1e-4))
+                extra = f" · {sp.num_tokens} tok" if sp.num_tokens else ""
+                note = f" ({sp.note})" if sp.note else ""
+                hov.append(f"{r.request_id} · {phase}{note}{extra}<br>{sp.start - t0:.3f}–{sp.end - t0:.3f} s "
+                           f"({(sp.end - sp.start) * 1e3:.1f} ms) · steps {sp.step_start:.0f}–{sp.step_end:.0f}")
+        data.append(dict(type="bar", orientation="h", y=ys, x=xs, base=bases, name=phase, hovertext=hov,
+                         hoverinfo="text", marker=dict(color=PHASE_COLORS[phase], line=dict(width=0)),
+                         xaxis=x1, yaxis=y1, legendgroup=phase, width=0.8))
+    ends = [r for r in reqs if r.finished is not None]
+    if ends:
+        data.append(dict(type="scatter", mode="markers", showlegend=False, xaxis=x1, yaxis=y1,
+                         y=[r.request_id for r in ends],
+                         x=[(max((s.step_end for s in r.spans), default=0.0) if by_step else r.finished - t0) for r in ends],
+                         marker=dict(symbol=["x-thin" if r.status != "finished" else "line-ns" for r in ends], size=9,
+                                     color="#333", line=dict(width=2, color="#333")),
+                         hovertext=[f"{r.request_id}: {r.status} ({r.finish_reason or ''}) · {r.output_len} tokens"
+                                    + (f" · {r.num_preemptions} preemptions" if r.num_preemptions else "") for r in ends],
+                         hoverinfo="text"))
+    if steps:
+        if by_step:
+            x = [s.step + 0.5 for s in steps]
+            w = [1.0] * len(steps)
+        else:
+            x = [(s.start + s.end) / 2 - t0 for s in steps]
+            w = [max(1e-4, s.end - s.start) for s in steps]
+        hov = [f"step {s.step}: {len(s.scheduled)} seqs, {s.num_prefill_tokens}+{s.num_decode_tokens} tok, "
+               f"{(s.end - s.start) * 1e3:.1f} ms{' (graph)' if s.cuda_graph else ''}"
+               + (f"<br>preempted {', '.join(s.preempted[:4])}" if s.preempted else "") for s in steps]
+        data.append(dict(type="bar", x=x, y=[s.num_prefill_tokens for s in steps], width=w, name="prefill tokens",
+                         marker=dict(color=PHASE_COLORS["prefill"], line=dict(width=0)), hovertext=hov,
+                         hoverinfo="text", showlegend=False, xaxis=x2, yaxis=y2))
+        data.append(dict(type="bar", x=x, y=[s.num_decode_tokens for s in steps], width=w, name="decode tokens",
+                         marker=dict(color=PHASE_COLORS["decode"], line=dict(width=0)), hovertext=hov,
+                         hoverinfo="text", showlegend=False, xaxis=x2, yaxis=y2))
+        data.append(dict(type="scatter", x=x, y=[s.num_running for s in steps], mode="lines", name="running",
+                         line=dict(color="#222", width=1.5, shape="hv"), xaxis=x2, yaxis=y2b))
+        data.append(dict(type="scatter", x=x, y=[s.num_waiting for s in steps], mode="lines", name="waiting (queue)",
+                         line=dict(color="#888", width=1.5, dash="dot", shape="hv"), xaxis=x2, yaxis=y2b))
+        pre = [(xx, s) for xx, s in zip(x, steps) if s.preempted]
+        if pre:
+            data.append(dict(type="scatter", mode="markers", name="preemption", xaxis=x2, yaxis=y2,
+                             x=[p[0] for p in pre], y=[p[1].num_prefill_tokens + p[1].num_decode_tokens for p in pre],
+                             marker=dict(symbol="triangle-down", color=PHASE_COLORS["preempted"], size=10),
+                             hovertext=[f"step {p[1].step}: preempted {', '.join(p[1].preempted)}" for p in pre],
+                             hoverinfo="text"))
+    lay[_axname(y1, "y")].update(type="category", categoryorder="array",
+                                 categoryarray=[r.request_id for r in reversed(reqs)], tickfont=dict(size=9))
+    lay[_axname(y2, "y")].update(title=dict(text="tokens/step"))
+    lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero", tickformat="d")
+    lay[_axname(x2, "x")].update(title=dict(text="engine step" if by_step else "seconds since first event"))
+    return {"data": data, "layout": lay}
+
+
+timeline_figure = _fig(timeline_spec)

@@ -1,0 +1,28 @@
+"""Simulated users: arrival processes, workload presets, and a runner that drives an EngineLoop in-process.
+
+Arrivals follow `vllm bench serve`: inter-arrival times are gamma distributed with shape k = burstiness
+and scale 1 / (rate * k), so the mean rate is `rate` for every k; k = 1 is a Poisson process, k < 1 is
+burstier, k > 1 more regular. rate = inf sends everything at once.
+
+Prompts are random token ids (seeded, special tokens excluded) so their lengths are exact; outputs
+use greedy decoding with `ignore_eos` by default so their lengths are exact too.
+
+Modules, one concern each:
+
+- `arrivals`  gamma / Poisson arrival offsets (`arrival_times`)
+- `spec`      token-length distributions (`LengthDist`), the `LoadSpec` and its limits
+- `presets`   `EngineInfo` and the workload presets (`PRESETS`, `preset`)
+- `workload`  a spec turned into seeded requests (`LoadItem`, `build_workload`)
+- `runner`    `LoadRunner`, which drives the engine, and `format_progress`
+
+Everything is re-exported here, so `from inspector import load as L; L.LoadRunner(...)` works.
+"""
+from __future__ import annotations
+
+from inspector.load.arrivals import arrival_times  # noqa: F401
+from inspector.load.presets import (PRESETS, EngineInfo, _burst, _fit, _long, _memory_pressure,  # noqa: F401
+                                    _multi_turn, _shared_prefix, _short_chats, _steady, preset)
+from inspector.load.runner import LoadRunner, _run_ids, format_progress  # noqa: F401
+from inspector.load.spec import (LENGTH_KINDS, MAX_CONCURRENCY, MAX_RATE, MAX_REQUESTS, LengthDist,  # noqa: F401
+                                 LoadSpec)
+from inspector.load.workload import LoadItem, _token_pool, build_workload  # noqa: F401

@@ -1,0 +1,124 @@
+"""Workload presets (steady, burst, long prompts, short chats, memory pressure, shared prefix, multi-turn),
+sized from the engine's limits (`EngineInfo`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from inspector.load.spec import LengthDist, LoadSpec
+
+
+@dataclass
+class EngineInfo:
+    num_blocks: int = 512
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    vocab_size: int = 32000
+
+    @classmethod
+    def from_loop(cls, loop) -> "EngineInfo":
+        eng = loop.engine
+        cfg = eng.config
+        mml = getattr(eng, "max_model_len", None) or cfg.max_model_len or 2048
+        tok = getattr(eng, "tokenizer", None)
+        vocab = getattr(tok, "vocab_size", None) or 32000
+        mv = getattr(getattr(eng, "model_config", None), "vocab_size", None)
+        if mv:
+            vocab = min(vocab, mv)
+        return cls(num_blocks=int(getattr(eng, "num_blocks", 512)), block_size=int(getattr(eng, "block_size", cfg.block_size)),
+                   max_model_len=int(mml), max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   max_num_seqs=cfg.max_num_seqs, enable_chunked_prefill=cfg.enable_chunked_prefill,
+                   vocab_size=int(vocab))
+
+
+def _fit(d: LengthDist, cap: int) -> LengthDist:
+    cap = max(1, int(cap))
+    return LengthDist(d.kind, max(1, min(d.low, cap)), max(1, min(d.high, cap)))
+
+
+def _steady(info: EngineInfo) -> LoadSpec:
+    return LoadSpec("Steady Poisson", 32, 4.0, 1.0, None, LengthDist("uniform", 64, 256), LengthDist("uniform", 32, 128),
+                    description="Poisson arrivals (burstiness 1) at a steady rate: the everyday serving case.")
+
+
+def _burst(info: EngineInfo) -> LoadSpec:
+    return LoadSpec("One burst", 32, math.inf, 1.0, None, LengthDist("uniform", 64, 256), LengthDist("uniform", 32, 128),
+                    description="Every request arrives at once: watch the waiting queue drain and the batch fill.")
+
+
+def _long(info: EngineInfo) -> LoadSpec:
+    out = LengthDist("uniform", 16, 32)
+    budget = info.max_num_batched_tokens
+    hi = int(budget * 1.5) if info.enable_chunked_prefill else budget
+    hi = max(2, min(hi, info.max_model_len - out.high - 1))
+    lo = max(1, min(int(budget * 0.75), hi))
+    return LoadSpec("Long prompts (chunked prefill)", 6, 0.5, 1.0, None, LengthDist("uniform", lo, hi), out,
+                    description=f"Prompts of {lo}–{hi} tokens against a {budget}-token step budget: prefills are "
+                                "split into chunks that share steps with other requests' decodes.")
+
+
+def _short_chats(info: EngineInfo) -> LoadSpec:
+    return LoadSpec("Many short chats", 96, 24.0, 0.5, 48, LengthDist("uniform", 16, 64), LengthDist("uniform", 8, 48),
+                    description="Many users with short prompts and replies, bursty arrivals (k = 0.5), at most 48 in flight.")
+
+
+def _memory_pressure(info: EngineInfo) -> LoadSpec:
+    capacity = info.num_blocks * info.block_size          # tokens the KV pool can hold
+    conc = max(2, min(16, info.max_num_seqs))
+    per = min(math.ceil(1.6 * capacity / conc), info.max_model_len - 1)
+    if per * conc < 1.3 * capacity:
+        conc = max(2, min(info.max_num_seqs, math.ceil(1.6 * capacity / max(per, 1))))
+    prompt = max(1, per // 4)
+    output = max(1, per - prompt)
+    n = conc + conc // 2
+    return LoadSpec("Memory pressure (preemption)", n, math.inf, 1.0, None,
+                    LengthDist("uniform", max(1, int(prompt * 0.9)), prompt), LengthDist("uniform", max(1, int(output * 0.9)), output),
+                    description=f"{n} requests of up to {per} tokens each against a pool of {capacity} tokens "
+                                f"({info.num_blocks} blocks × {info.block_size}): decodes outgrow the pool and the "
+                                "scheduler preempts. On a CPU, lower num_kv_blocks in Engine settings for a quick demo.")
+
+
+def _shared_prefix(info: EngineInfo) -> LoadSpec:
+    prefix = max(4 * info.block_size, 256)
+    prefix = min(prefix, max(0, info.max_model_len - 64 - 64 - 1))
+    return LoadSpec("Shared system prompt (prefix caching)", 32, 8.0, 1.0, None, LengthDist("uniform", 16, 64),
+                    LengthDist("uniform", 16, 64), shared_prefix_len=prefix,
+                    description=f"Every request starts with the same {prefix}-token system prompt: with prefix caching "
+                                "its blocks are computed once and shared (see the block map and the cache hit rate).")
+
+
+def _multi_turn(info: EngineInfo) -> LoadSpec:
+    return LoadSpec("Multi-turn chat", 32, 2.0, 1.0, None, LengthDist("uniform", 16, 64), LengthDist("uniform", 16, 48),
+                    num_turns=4, think_time_s=0.2,
+                    description="8 users × 4 turns: each turn resends the whole conversation, so earlier turns hit the "
+                                "prefix cache.")
+
+
+PRESETS: dict[str, Callable[[EngineInfo], LoadSpec]] = {
+    "Steady Poisson": _steady,
+    "One burst": _burst,
+    "Long prompts (chunked prefill)": _long,
+    "Many short chats": _short_chats,
+    "Memory pressure (preemption)": _memory_pressure,
+    "Shared system prompt (prefix caching)": _shared_prefix,
+    "Multi-turn chat": _multi_turn,
+}
+
+
+def preset(name: str, info: EngineInfo | None = None, **overrides) -> LoadSpec:
+    if name not in PRESETS:
+        raise ValueError(f"preset: unknown {name!r}; choose one of {list(PRESETS)}")
+    info = info or EngineInfo()
+    spec = PRESETS[name](info)
+    # keep presets inside the engine's limits
+    room = info.max_model_len - 1 - spec.shared_prefix_len
+    per_turn = max(2, room // max(1, spec.num_turns))
+    if spec.prompt_len.max + spec.output_len.max > per_turn:
+        out_cap = max(1, min(spec.output_len.max, per_turn // 2))
+        spec.output_len = _fit(spec.output_len, out_cap)
+        spec.prompt_len = _fit(spec.prompt_len, per_turn - spec.output_len.max)
+    return replace(spec, **overrides) if overrides else spec
