@@ -1,7 +1,7 @@
 """EngineConfig: one flat, validated dataclass holding every switch of the engine."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 _SCHEDULING = ("continuous", "static")
 _KERNELS = ("auto", "torch", "triton")
@@ -43,6 +43,7 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_layers: int = 8
+    speculative_adaptive: bool = False  # per-request draft length from the estimated acceptance
 
     def __post_init__(self):
         self.validate()

@@ -10,17 +10,18 @@ import torch
 from . import multi_step
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import Detokenizer, check_stop_strings, streamable_len
+from .detokenizer import Detokenizer
 from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
 from .kernels.ops import get_ops
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
-from .outputs import Logprob, RequestOutput
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
 from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
 from .timing import NullTimer, make_timer
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class LLMEngine:
+class LLMEngine(OutputProcessor):
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
@@ -234,7 +235,7 @@ class LLMEngine:
             self._inflight = None               # every request of the in-flight block ended (aborts, stops)
         K = multi_step.plan(self) if self._inflight is None and self.num_scheduler_steps > 1 else 1
         if K > 1 or self._inflight is not None:
-            return self._multi_step(K, observe, timer)
+            return multi_step.step(self, K, observe, timer)
         sched = self.scheduler.schedule()
         t_sched = time.perf_counter()
         now = t_sched
@@ -277,34 +278,6 @@ class LLMEngine:
             self.block_manager.pop_step_stats()
         return outputs
 
-    def _multi_step(self, K: int, observe: bool, timer) -> list[RequestOutput]:
-        """Pipelined multi-step decode (see multi_step.py): launch the next block behind the in-flight one,
-        then wait for the in-flight block's tokens and do its bookkeeping as one step."""
-        if self._inflight is None:
-            self._inflight = multi_step.launch(self, K)
-        prev, self._inflight = self._inflight, None
-        K_next = multi_step.plan(self, ahead=prev)
-        if K_next > 1:
-            self._inflight = multi_step.launch(self, K_next, ahead=prev)
-        t_wait = time.perf_counter()
-        tokens = prev.tokens.tolist()                                        # [B, K]: the one sync
-        t_sample = time.perf_counter()
-        sched = prev.sched
-        if observe:
-            sched.phases = ["decode"] * len(sched.seqs)
-            sched.total_lens = [seq.num_tokens for seq in sched.seqs]
-        outputs, finished = self._postprocess(sched, [True] * len(sched.seqs), tokens, [None] * len(sched.seqs))
-        t_end = time.perf_counter()
-        self.step_index += 1
-        if observe:
-            timings = {"schedule": prev.t_scheduled - prev.t_start, "forward": prev.t_launched - prev.t_scheduled,
-                       "sampling": t_sample - t_wait, "postprocess": t_end - t_sample, **timer.collect()}
-            self._emit_step(sched, prev.t_start, t_end, finished, timings, cuda_graph=prev.graphed,
-                            num_decode_steps=prev.K)
-        else:
-            self.block_manager.pop_step_stats()
-        return outputs
-
     def _sample(self, sched: SchedulerOutput, sample_mask: list[bool], logits: torch.Tensor):
         rows, seqs = [], []
         for seq, m in zip(sched.seqs, sample_mask):
@@ -334,94 +307,6 @@ class LLMEngine:
         if n_out < p.min_tokens:
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         return SampleRow(p, toks if p.needs_penalties else [], seq.num_prompt_tokens, n_out, banned)
-
-    def _postprocess(self, sched: SchedulerOutput, sample_mask, new_tokens: list[list[int]], lp_rows):
-        now = time.perf_counter()
-        outputs, finished = [], []
-        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
-            if seq.is_finished:  # aborted meanwhile
-                continue
-            seq.num_computed_tokens += n - sched.num_spec_tokens[i]
-            toks = new_tokens[i]
-            if not toks:
-                self.block_manager.commit_computed(seq)
-                continue
-            if self.drafter is not None:
-                self.drafter.accept(seq, sched.num_spec_tokens[i], toks)
-            m = seq.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-                self._emit_req("first_token", seq)
-            m.last_token_time = now
-            m.token_times.append(now)
-            added = []
-            stop_str = None
-            per_token = len(toks) > 1 and bool(seq.params.stop)   # find the token that completes a stop string
-            for t_i, tok in enumerate(toks):
-                seq.append_token(tok)
-                added.append(tok)
-                self.stats_total["generation_tokens"] += 1
-                if seq.logprobs is not None and lp_rows[i] is not None:
-                    seq.logprobs.append(self._logprob_entry(lp_rows[i][t_i], tok, seq.params.logprobs))
-                reason = self._check_stop_token(seq, tok)
-                if reason:
-                    break
-                if per_token:
-                    stop_str = check_stop_strings(seq, self.detok.update(seq))
-                    if stop_str is not None:
-                        break
-            if stop_str is None:
-                stop_str = check_stop_strings(seq, self.detok.update(seq))
-            if stop_str is not None:
-                seq.stop_reason = stop_str
-                reason = "stop"
-            if reason:
-                self.scheduler.finish(seq, reason)
-                m.finished_time = now
-                self.seqs.pop(seq.request_id, None)
-                self.stats_total["finished"] += 1
-                finished.append(seq.request_id)
-                self._emit_req("finished", seq, finish_reason=reason)
-            else:
-                if not self.config.enable_kv_cache:
-                    seq.num_computed_tokens = 0      # the baseline forgets its cache every step
-                else:
-                    self.block_manager.commit_computed(seq)
-            if seq.is_finished or not self.final_outputs_only:
-                outputs.append(self._make_output(seq, added))
-        return outputs, finished
-
-    def _check_stop_token(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                seq.stop_reason = tok
-                return "stop"
-            if tok in p.stop_token_ids:
-                seq.stop_reason = tok
-                return "stop"
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _logprob_entry(self, row: torch.Tensor, tok: int, n: int) -> list[Logprob]:
-        entry = [Logprob(tok, float(row[tok]), self.detok.decode_one(tok))]
-        if n:
-            vals, idx = row.topk(n)
-            entry += [Logprob(int(t), float(v), self.detok.decode_one(int(t))) for v, t in zip(vals, idx)]
-        return entry
-
-    def _make_output(self, seq: Sequence, added: list[int]) -> RequestOutput:
-        upto = streamable_len(seq)
-        delta = seq.text[seq.sent_text_len:upto]
-        seq.sent_text_len = max(seq.sent_text_len, upto)
-        out_ids = seq.output_token_ids
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text[:upto], token_ids=out_ids, delta_text=delta, delta_token_ids=list(added),
-            finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,
-            logprobs=seq.logprobs, stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens)
 
     # ---- events --------------------------------------------------------------------------------
     def _emit_req(self, kind: str, seq: Sequence, finish_reason: str | None = None, message: str | None = None):

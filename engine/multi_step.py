@@ -137,3 +137,32 @@ def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
         ids = logits.argmax(-1) if all(greedy) and not fused else _sample_plain(logits, rows, greedy, engine.generator, fused)
         toks.append(ids)
     return InFlight(sched, K, torch.stack(toks, 1), mds[0].graphed, t0, t_sched, time.perf_counter())
+
+
+def step(engine, K: int, observe: bool, timer) -> list:
+    """One engine step of pipelined multi-step decode: launch the next block behind the in-flight one, then
+    wait for the in-flight block's tokens and do its bookkeeping as one step."""
+    if engine._inflight is None:
+        engine._inflight = launch(engine, K)
+    prev, engine._inflight = engine._inflight, None
+    K_next = plan(engine, ahead=prev)
+    if K_next > 1:
+        engine._inflight = launch(engine, K_next, ahead=prev)
+    t_wait = time.perf_counter()
+    tokens = prev.tokens.tolist()                                        # [B, K]: the one sync
+    t_sample = time.perf_counter()
+    sched = prev.sched
+    if observe:
+        sched.phases = ["decode"] * len(sched.seqs)
+        sched.total_lens = [seq.num_tokens for seq in sched.seqs]
+    outputs, finished = engine._postprocess(sched, [True] * len(sched.seqs), tokens, [None] * len(sched.seqs))
+    t_end = time.perf_counter()
+    engine.step_index += 1
+    if observe:
+        timings = {"schedule": prev.t_scheduled - prev.t_start, "forward": prev.t_launched - prev.t_scheduled,
+                   "sampling": t_sample - t_wait, "postprocess": t_end - t_sample, **timer.collect()}
+        engine._emit_step(sched, prev.t_start, t_end, finished, timings, cuda_graph=prev.graphed,
+                          num_decode_steps=prev.K)
+    else:
+        engine.block_manager.pop_step_stats()
+    return outputs

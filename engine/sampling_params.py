@@ -1,7 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (validated on construction)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 

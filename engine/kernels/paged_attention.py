@@ -342,7 +342,7 @@ def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
     apart, decode split counts with and without varlen rows) on the null block 0, so no step pays a JIT
     compile mid-run. Returns the number of launches."""
     dev, dt = k_cache.device, k_cache.dtype
-    bs, Hk, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    bs, D = k_cache.shape[1], k_cache.shape[3]
     n = 64
     bt = torch.zeros(2, -(-n // bs), dtype=torch.int32, device=dev)
     splits, s = [], 1

@@ -10,7 +10,7 @@ Per step the engine calls
   total_stats()                 cumulative counters for engine.stats().
 Metrics follow vLLM: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 
-Adaptive draft length (`Drafter.adaptive`, off by default; on when EngineConfig has speculative_adaptive=True):
+Adaptive draft length (`Drafter.adaptive`: `EngineConfig.speculative_adaptive`, off by default):
 each request keeps a decayed estimate of its per-token acceptance probability a, and gets the draft length
 k <= num_speculative_tokens that maximises expected tokens per unit of work,
   (1 + a + a^2 + ... + a^k) / (1 + k * (draft_cost + verify_cost)),
@@ -99,7 +99,7 @@ class Drafter:
     def __init__(self, engine):
         self.engine = engine
         self.k = engine.config.num_speculative_tokens
-        self.adaptive = bool(getattr(engine.config, "speculative_adaptive", False))
+        self.adaptive = engine.config.speculative_adaptive
         self._accept: dict[str, _Accept] = {}
         self.total = SpecStats(self.k)
         self._step: SpecStats | None = None

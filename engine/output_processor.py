@@ -1,0 +1,104 @@
+"""Output processing of LLMEngine: a step's sampled tokens -> sequences (stop conditions, detokenization,
+logprobs, finishing and block commits) -> RequestOutputs."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .detokenizer import check_stop_strings, streamable_len
+from .outputs import Logprob, RequestOutput
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+
+class OutputProcessor:
+    """Mixed into LLMEngine; uses its scheduler, block manager, detokenizer, drafter and event emitters."""
+
+    def _postprocess(self, sched: SchedulerOutput, sample_mask, new_tokens: list[list[int]], lp_rows):
+        now = time.perf_counter()
+        outputs, finished = [], []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            if seq.is_finished:  # aborted meanwhile
+                continue
+            seq.num_computed_tokens += n - sched.num_spec_tokens[i]
+            toks = new_tokens[i]
+            if not toks:
+                self.block_manager.commit_computed(seq)
+                continue
+            if self.drafter is not None:
+                self.drafter.accept(seq, sched.num_spec_tokens[i], toks)
+            m = seq.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self._emit_req("first_token", seq)
+            m.last_token_time = now
+            m.token_times.append(now)
+            added = []
+            stop_str = None
+            per_token = len(toks) > 1 and bool(seq.params.stop)   # find the token that completes a stop string
+            for t_i, tok in enumerate(toks):
+                seq.append_token(tok)
+                added.append(tok)
+                self.stats_total["generation_tokens"] += 1
+                if seq.logprobs is not None and lp_rows[i] is not None:
+                    seq.logprobs.append(self._logprob_entry(lp_rows[i][t_i], tok, seq.params.logprobs))
+                reason = self._check_stop_token(seq, tok)
+                if reason:
+                    break
+                if per_token:
+                    stop_str = check_stop_strings(seq, self.detok.update(seq))
+                    if stop_str is not None:
+                        break
+            if stop_str is None:
+                stop_str = check_stop_strings(seq, self.detok.update(seq))
+            if stop_str is not None:
+                seq.stop_reason = stop_str
+                reason = "stop"
+            if reason:
+                self.scheduler.finish(seq, reason)
+                m.finished_time = now
+                self.seqs.pop(seq.request_id, None)
+                self.stats_total["finished"] += 1
+                finished.append(seq.request_id)
+                self._emit_req("finished", seq, finish_reason=reason)
+            else:
+                if not self.config.enable_kv_cache:
+                    seq.num_computed_tokens = 0      # the baseline forgets its cache every step
+                else:
+                    self.block_manager.commit_computed(seq)
+            if seq.is_finished or not self.final_outputs_only:
+                outputs.append(self._make_output(seq, added))
+        return outputs, finished
+
+    def _check_stop_token(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _logprob_entry(self, row: torch.Tensor, tok: int, n: int) -> list[Logprob]:
+        entry = [Logprob(tok, float(row[tok]), self.detok.decode_one(tok))]
+        if n:
+            vals, idx = row.topk(n)
+            entry += [Logprob(int(t), float(v), self.detok.decode_one(int(t))) for v, t in zip(vals, idx)]
+        return entry
+
+    def _make_output(self, seq: Sequence, added: list[int]) -> RequestOutput:
+        upto = streamable_len(seq)
+        delta = seq.text[seq.sent_text_len:upto]
+        seq.sent_text_len = max(seq.sent_text_len, upto)
+        out_ids = seq.output_token_ids
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text[:upto], token_ids=out_ids, delta_text=delta, delta_token_ids=list(added),
+            finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,
+            logprobs=seq.logprobs, stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens)
