@@ -202,3 +202,14 @@ def test_build_all_returns_plotly_figures(snap):
 def test_payloads_stay_small(snap):
     sizes = {k: len(F.to_json(v)) for k, v in F.build_specs(snap).items()}
     assert max(sizes.values()) < 200_000, sizes
+
+
+def test_timeline_names_multi_step_iterations():
+    from dataclasses import replace
+    run = simulate(num_requests=6, seed=3)
+    rec = Recorder()
+    run.feed(rec)
+    snap = rec.snapshot(kv=run.kv)
+    snap.steps[-1] = replace(snap.steps[-1], num_decode_steps=8)
+    hov = traces(F.timeline_spec(snap), "bar", "prefill tokens")[0]["hovertext"]
+    assert hov[-1].endswith("8 decode iterations") and "iterations" not in " ".join(hov[:-1])

@@ -65,6 +65,7 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
             w = [max(1e-4, s.end - s.start) for s in steps]
         hov = [f"step {s.step}: {len(s.scheduled)} seqs, {s.num_prefill_tokens}+{s.num_decode_tokens} tok, "
                f"{(s.end - s.start) * 1e3:.1f} ms{' (graph)' if s.cuda_graph else ''}"
+               + (f", {s.num_decode_steps} decode iterations" if getattr(s, "num_decode_steps", 1) > 1 else "")
                + (f"<br>preempted {', '.join(s.preempted[:4])}" if s.preempted else "") for s in steps]
         data.append(dict(type="bar", x=x, y=[s.num_prefill_tokens for s in steps], width=w, name="prefill tokens",
                          marker=dict(color=PHASE_COLORS["prefill"], line=dict(width=0)), hovertext=hov,
