@@ -47,11 +47,19 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     vc.index_copy_(0, slot_mapping, v)
 
 
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, Hk, D], block_ids [..., nb] -> [..., nb * bs, Hk, D] (index_select on whole blocks: a
+    plain row copy, ~2x faster on CPU than advanced indexing)."""
+    N, bs, Hk, D = cache.shape
+    rows = cache.view(N, bs * Hk * D).index_select(0, block_ids.reshape(-1).long())
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * bs, Hk, D)
+
+
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """cache [N, bs, Hk, D], block_table [nb] -> [length, Hk, D]."""
     bs = cache.shape[1]
     nb = (length + bs - 1) // bs
-    return cache[block_table[:nb].long()].flatten(0, 1)[:length]
+    return _gather_blocks(cache, block_table[:nb])[:length]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -93,8 +101,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         bs = k_cache.shape[1]
         nb = (max_len + bs - 1) // bs
         bt = bt[:, :nb].long()                                     # [Bd, nb]
-        k = k_cache[bt].flatten(1, 2)[:, :max_len]                 # [Bd, S, Hk, D]
-        v = v_cache[bt].flatten(1, 2)[:, :max_len]
+        k = _gather_blocks(k_cache, bt)[:, :max_len]               # [Bd, S, Hk, D]
+        v = _gather_blocks(v_cache, bt)[:, :max_len]
         mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None].long()  # [Bd, S]
         qd = q if tok_idx is None else q[tok_idx]                  # [Bd, H, D]
         o = F.scaled_dot_product_attention(
