@@ -51,7 +51,7 @@ class Span:
     step_start: float     # engine-step coordinates: step k occupies [k, k+1)
     step_end: float
     num_tokens: int = 0   # tokens computed in this span (prefill/decode)
-    note: str = ""        # e.g. "recompute" for a prefill after a preemption
+    note: str = ""        # "recompute" / "resumed from prefix cache" for the first span after a preemption
 
 
 @dataclass
@@ -302,8 +302,11 @@ class Recorder:
                 o.num_tokens += sr.num_tokens
             else:
                 self._close_open(tr)
-                note = "recompute" if (sr.phase == "prefill" and (was_preempted or tr.num_preemptions)
-                                       and sr.num_computed_before == 0) else ""
+                note = ""
+                if sr.phase == "prefill" and (was_preempted or (tr.num_preemptions and sr.num_computed_before == 0)):
+                    note = "recompute"                 # what the prefix cache no longer held is recomputed
+                elif was_preempted:
+                    note = "resumed from prefix cache"  # its own blocks were still cached: nothing to redo
                 tr._open = Span(sr.phase, ev.start, ev.end, float(s), s + 1.0, sr.num_tokens, note)
             tr._last_step = s
             if sr.phase == "decode" or sr.num_computed_before + sr.num_tokens >= sr.total_len:
