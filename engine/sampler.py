@@ -13,8 +13,16 @@ import torch
 from .sampling_params import SamplingParams
 
 
-_philox_rng = random.Random(0)
-_philox_seeds = iter(lambda: _philox_rng.getrandbits(31), -1)  # one Philox seed per fused draw
+_philox_rngs: dict[int, random.Random] = {}     # per engine seed: one Philox seed per fused draw
+
+
+def _philox_seed(generator: torch.Generator | None) -> int:
+    """Host-side seeds for the fused sampler, following the engine's seed without a device sync."""
+    key = generator.initial_seed() if generator is not None else 0
+    rng = _philox_rngs.get(key)
+    if rng is None:
+        rng = _philox_rngs[key] = random.Random(key)
+    return rng.getrandbits(31)
 
 
 @dataclass
@@ -83,7 +91,7 @@ def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool
         from .kernels.sampling import gumbel_sample
         temp = torch.tensor([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
                             dtype=torch.float32).to(dev, non_blocking=True)
-        return gumbel_sample(logits, temp, next(_philox_seeds))
+        return gumbel_sample(logits, temp, _philox_seed(generator))
     temp = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
     probs = (logits / temp[:, None]).softmax(-1)                       # [B, V]
     if dev.type == "cpu":                                              # cheaper than an exponential per entry
