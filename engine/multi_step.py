@@ -8,8 +8,9 @@ K more tokens are allocated up front. Sampling stays on the device, so the host 
 that accepted K speculative tokens: a request that stops early discards the rest.
 
 It applies only where it cannot change results: no drafter, KV cache on, every running request decoding,
-nothing waiting that could be admitted, and every request sampling "plainly" (greedy or temperature
-only, unseeded, no penalties, logprobs or min_tokens ban). Otherwise the engine takes a normal step.
+nothing waiting that could be admitted, and every request sampling on the device alone (greedy, or
+unseeded temperature / top-k / top-p / min-p; no penalties, logprobs or min_tokens ban). Otherwise the
+engine takes a normal step.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from .kernels.metadata import AttentionMetadata
-from .sampler import SampleRow, _sample_plain
+from .sampler import SampleRow, sample_unseeded
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -40,7 +41,7 @@ class InFlight:
 def _plain(seq: Sequence) -> bool:
     p = seq.params
     return (not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
-            and (p.greedy or (p.seed is None and p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0)))
+            and (p.greedy or p.seed is None))
 
 
 def plan(engine, ahead: InFlight | None = None) -> int:
@@ -134,7 +135,7 @@ def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
     toks = []
     for md in mds:
         logits = engine.runner.execute(ids, md)                              # [B, V]
-        ids = logits.argmax(-1) if all(greedy) and not fused else _sample_plain(logits, rows, greedy, engine.generator, fused)
+        ids = sample_unseeded(logits, rows, greedy, engine.generator, fused)
         toks.append(ids)
     return InFlight(sched, K, torch.stack(toks, 1), mds[0].graphed, t0, t_sched, time.perf_counter())
 

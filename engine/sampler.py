@@ -25,6 +25,11 @@ def _philox_seed(generator: torch.Generator | None) -> int:
     return rng.getrandbits(31)
 
 
+def _to_dev(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a device tensor without a stream sync (multi-step launches must not wait)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class SampleRow:
     params: SamplingParams
@@ -53,7 +58,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks; returns probabilities [B, V]."""
     dev = logits.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev).clamp_min(1e-5)
+    temp = _to_dev([r.params.temperature for r in rows], dev, torch.float32).clamp_min(1e-5)
     logits = logits / temp[:, None]
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -61,18 +66,18 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         V = logits.shape[-1]
-        k = torch.tensor([kk if kk > 0 else V for kk in top_k], device=dev)
+        k = _to_dev([kk if kk > 0 else V for kk in top_k], dev)
         ranks = torch.arange(V, device=dev)[None, :]
         mask = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
         cum = probs.cumsum(-1) - probs                      # mass strictly before each token
-        mask |= cum >= torch.tensor(top_p, device=dev)[:, None]
+        mask |= cum >= _to_dev(top_p, dev, torch.float32)[:, None]
         mask[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
     probs = logits.softmax(-1)
     if any(m > 0 for m in min_p):
-        mp = torch.tensor(min_p, device=dev)[:, None]
+        mp = _to_dev(min_p, dev, torch.float32)[:, None]
         probs = probs.masked_fill(probs < mp * probs.max(-1, keepdim=True).values, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
@@ -89,10 +94,9 @@ def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool
     dev = logits.device
     if fused and dev.type == "cuda":
         from .kernels.sampling import gumbel_sample
-        temp = torch.tensor([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)],
-                            dtype=torch.float32).to(dev, non_blocking=True)
+        temp = _to_dev([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)], dev, torch.float32)
         return gumbel_sample(logits, temp, _philox_seed(generator))
-    temp = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
+    temp = _to_dev([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], dev, torch.float32)
     probs = (logits / temp[:, None]).softmax(-1)                       # [B, V]
     if dev.type == "cpu":                                              # cheaper than an exponential per entry
         sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
@@ -100,8 +104,23 @@ def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool
         q = torch.empty_like(probs).exponential_(generator=generator)
         sampled = (probs / q).argmax(-1)
     if any(greedy):
-        sampled = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
+        sampled = torch.where(_to_dev(greedy, dev), logits.argmax(-1), sampled)
     return sampled
+
+
+def sample_unseeded(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool],
+                    generator: torch.Generator | None, fused: bool = False) -> torch.Tensor:
+    """Rows without a seed (bans and penalties already applied) -> token ids [B] on the device, no host sync."""
+    if all(greedy) and not (fused and logits.is_cuda):   # the fused kernel's argmax beats torch's at any size
+        return logits.argmax(-1)
+    if not any(r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0 for r in rows):
+        return _sample_plain(logits, rows, greedy, generator, fused)
+    tokens = logits.argmax(-1)
+    sample_idx = [i for i, g in enumerate(greedy) if not g]
+    probs = _filter(logits[sample_idx], [rows[i] for i in sample_idx])      # [S, V]
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    tokens[_to_dev(sample_idx, logits.device)] = (probs / q).argmax(-1)
+    return tokens
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None,
@@ -118,11 +137,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         logits = logits.clone()
         _apply_penalties(logits, rows)
     greedy = [r.params.greedy for r in rows]
-    if all(greedy) and not (fused and logits.is_cuda):   # the fused kernel's argmax beats torch's at any size
-        return logits.argmax(-1).tolist(), raw_logprobs
-    if not any(r.params.seed is not None or r.params.top_k > 0 or r.params.top_p < 1.0 or r.params.min_p > 0
-               for r in rows):
-        return _sample_plain(logits, rows, greedy, generator, fused).tolist(), raw_logprobs
+    if not any(r.params.seed is not None for r in rows):
+        return sample_unseeded(logits, rows, greedy, generator, fused).tolist(), raw_logprobs
     tokens = logits.argmax(-1)
     sample_idx = [i for i, g in enumerate(greedy) if not g]
     sub_rows = [rows[i] for i in sample_idx]

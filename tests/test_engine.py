@@ -141,3 +141,18 @@ def test_multi_step_decode_matches_single_step(smollm2_engine_factory, prompts):
         assert multi and all(e.num_decode_tokens == e.num_decode_steps * len(e.scheduled) for e in multi)
         assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
         assert all(rc == 0 for rc in eng.block_manager.pool.ref_counts[1:])
+
+
+def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
+    """Unseeded top-k / top-p / min-p sampling stays on the device, so it runs multi-step too."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, max_tokens=n, ignore_eos=True)
+              for n in (7, 12, 9, 16)]
+    eng = smollm2_engine_factory(num_scheduler_steps=4)
+    steps = []
+    eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+    outs = run(eng, prompts, params)
+    assert [len(o.token_ids) for o in outs] == [7, 12, 9, 16]
+    assert any(e.num_decode_steps > 1 for e in steps)
+    V = eng.model_config.vocab_size
+    assert all(0 <= t < V for o in outs for t in o.token_ids)
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
