@@ -54,6 +54,7 @@ class LLMEngine(OutputProcessor):
         self.kernels = config.kernels if config.kernels != "auto" else \
             ("triton" if self.device.type == "cuda" else "torch")
         self.ops = get_ops(self.kernels)
+        self.fused_sampling = self.kernels == "triton"             # the Triton Gumbel-max sampler on CUDA
         self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
         self._inflight: multi_step.InFlight | None = None      # a launched multi-step block
         torch.manual_seed(config.seed)
@@ -286,7 +287,7 @@ class LLMEngine(OutputProcessor):
                 rows.append(self._sample_row(seq))
         if not rows:
             return [[] for _ in sched.seqs], [None] * len(sched.seqs)
-        tokens, logprobs = sample(logits, rows, self.generator, fused=self.kernels == "triton")
+        tokens, logprobs = sample(logits, rows, self.generator, fused=self.fused_sampling)
         out_tokens, out_lp = [], []
         j = 0
         for m in sample_mask:

@@ -130,12 +130,11 @@ def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
         ids = ahead.tokens[:, -1].index_select(0, idx)
     rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
     greedy = [r.params.greedy for r in rows]
-    fused = engine.kernels == "triton"
     mds = prepare(engine.runner, sched, K)
     toks = []
     for md in mds:
         logits = engine.runner.execute(ids, md)                              # [B, V]
-        ids = sample_unseeded(logits, rows, greedy, engine.generator, fused)
+        ids = sample_unseeded(logits, rows, greedy, engine.generator, engine.fused_sampling)
         toks.append(ids)
     return InFlight(sched, K, torch.stack(toks, 1), mds[0].graphed, t0, t_sched, time.perf_counter())
 

@@ -136,20 +136,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     if any(r.params.needs_penalties for r in rows):
         logits = logits.clone()
         _apply_penalties(logits, rows)
-    greedy = [r.params.greedy for r in rows]
-    if not any(r.params.seed is not None for r in rows):
-        return sample_unseeded(logits, rows, greedy, generator, fused).tolist(), raw_logprobs
-    tokens = logits.argmax(-1)
-    sample_idx = [i for i, g in enumerate(greedy) if not g]
-    sub_rows = [rows[i] for i in sample_idx]
-    probs = _filter(logits[sample_idx], sub_rows)          # [S, V]
-    unseeded = [j for j, r in enumerate(sub_rows) if r.params.seed is None]
-    if unseeded:
-        q = torch.empty_like(probs[unseeded]).exponential_(generator=generator)
-        picked = (probs[unseeded] / q).argmax(-1)
-        tokens[torch.tensor([sample_idx[j] for j in unseeded], device=logits.device)] = picked
-    for j, r in enumerate(sub_rows):
-        if r.params.seed is not None:
-            g = _seeded_generator(r.params.seed, r.position, probs.device)
-            tokens[sample_idx[j]] = torch.multinomial(probs[j], 1, generator=g)[0]
+    seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not r.params.greedy]
+    # unseeded rows (seeded ones ride along as greedy placeholders, overwritten below)
+    tokens = sample_unseeded(logits, rows, [r.params.greedy or i in seeded for i, r in enumerate(rows)],
+                             generator, fused)
+    if seeded:
+        probs = _filter(logits[seeded], [rows[i] for i in seeded])           # [S, V]
+        for j, i in enumerate(seeded):
+            g = _seeded_generator(rows[i].params.seed, rows[i].position, probs.device)
+            tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
     return tokens.tolist(), raw_logprobs
