@@ -28,6 +28,30 @@ log = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
 
 
+async def sse_stream(job: "Job", req, rid: str, obj: str, choices: AsyncIterator[tuple[dict | None, int]]
+                     ) -> AsyncIterator[str]:
+    """The framing both streaming endpoints share: `choices` yields (choice or None, tokens generated so far);
+    each choice becomes one chunk (with running usage under `continuous_usage_stats`), then the final usage
+    chunk when `stream_options.include_usage`, an error object if the request failed, and `[DONE]`."""
+    from .protocol import usage_dict
+    head = {"id": rid, "object": obj, "created": int(time.time()), "model": job.model_name}
+    gen = 0
+    try:
+        async for choice, gen in choices:
+            if choice is None:
+                continue
+            chunk = {**head, "choices": [choice]}
+            if req.include_usage:
+                chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
+            yield sse(chunk)
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
+    except APIError as e:
+        job.abort_unfinished()
+        yield sse(e.body())
+    yield SSE_DONE
+
+
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, value_error
-from .job import SSE_DONE, Job, SSEResponse, sse
+from .job import Job, SSEResponse, sse_stream
 from .protocol import ChatCompletionRequest, chat_logprobs, usage_dict
 from .serving_engine import OpenAIServing
 
@@ -54,43 +54,36 @@ class OpenAIServingChat:
             body["prompt_token_ids"] = job.prompt_ids[0]
         return JSONResponse(body)
 
-    async def chat_completion_stream_generator(self, req: ChatCompletionRequest, job: Job, top_n: int) -> AsyncIterator[str]:
-        rid, created, model = f"chatcmpl-{job.id_base}", int(time.time()), job.model_name
+    def chat_completion_stream_generator(self, req: ChatCompletionRequest, job: Job, top_n: int) -> AsyncIterator[str]:
+        return sse_stream(job, req, f"chatcmpl-{job.id_base}", "chat.completion.chunk",
+                          self._stream_choices(req, job, top_n))
+
+    @staticmethod
+    async def _stream_choices(req: ChatCompletionRequest, job: Job, top_n: int) -> AsyncIterator[tuple[dict | None, int]]:
         k = len(job.streams)
         ntok, started = [0] * k, [False] * k
         gen = 0
-        try:
-            async for i, out in job.outputs():
-                new = list(out.delta_token_ids)
-                gen += len(new)
-                lp = None
-                if req.logprobs and out.logprobs is not None:
-                    lp = chat_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], top_n)
-                ntok[i] += len(new)
-                if not out.delta_text and not out.finished and lp is None and started[i] \
-                        and not (req.return_token_ids and new):
-                    continue
-                delta: dict[str, Any] = {}
-                if not started[i]:
-                    delta["role"] = "assistant"
-                    started[i] = True
-                if out.delta_text or "role" in delta:
-                    delta["content"] = out.delta_text
-                choice = {"index": i, "delta": delta, "logprobs": lp,
-                          "finish_reason": out.finish_reason if out.finished else None}
-                if out.finished:
-                    choice["stop_reason"] = out.stop_reason
-                if req.return_token_ids:
-                    choice["token_ids"] = new
-                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [choice]}
-                if req.include_usage:
-                    chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
-                yield sse(chunk)
-            if req.include_usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": [], "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
-        except APIError as e:
-            job.abort_unfinished()
-            yield sse(e.body())
-        yield SSE_DONE
+        async for i, out in job.outputs():
+            new = list(out.delta_token_ids)
+            gen += len(new)
+            lp = None
+            if req.logprobs and out.logprobs is not None:
+                lp = chat_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], top_n)
+            ntok[i] += len(new)
+            if not out.delta_text and not out.finished and lp is None and started[i] \
+                    and not (req.return_token_ids and new):
+                yield None, gen
+                continue
+            delta: dict[str, Any] = {}
+            if not started[i]:
+                delta["role"] = "assistant"
+                started[i] = True
+            if out.delta_text or "role" in delta:
+                delta["content"] = out.delta_text
+            choice = {"index": i, "delta": delta, "logprobs": lp,
+                      "finish_reason": out.finish_reason if out.finished else None}
+            if out.finished:
+                choice["stop_reason"] = out.stop_reason
+            if req.return_token_ids:
+                choice["token_ids"] = new
+            yield choice, gen

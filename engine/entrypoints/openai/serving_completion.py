@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_engine import EngineLoop
 
 from .errors import APIError
-from .job import SSE_DONE, Job, SSEResponse, sse
+from .job import Job, SSEResponse, sse_stream
 from .protocol import CompletionRequest, completion_logprobs, usage_dict
 from .serving_engine import OpenAIServing
 
@@ -58,41 +58,33 @@ class OpenAIServingCompletion:
         tok = loop.engine.tokenizer
         return tok.decode(p, skip_special_tokens=False) if tok is not None else ""
 
-    async def completion_stream_generator(self, req: CompletionRequest, job: Job, echo) -> AsyncIterator[str]:
-        rid, created, model = f"cmpl-{job.id_base}", int(time.time()), job.model_name
+    def completion_stream_generator(self, req: CompletionRequest, job: Job, echo) -> AsyncIterator[str]:
+        return sse_stream(job, req, f"cmpl-{job.id_base}", "text_completion", self._stream_choices(req, job, echo))
+
+    @staticmethod
+    async def _stream_choices(req: CompletionRequest, job: Job, echo) -> AsyncIterator[tuple[dict | None, int]]:
         k = len(job.streams)
         ntok, nchar, started = [0] * k, [0] * k, [False] * k
         gen = 0
-        try:
-            async for i, out in job.outputs():
-                new = list(out.delta_token_ids)
-                gen += len(new)
-                lp = None
-                if req.logprobs is not None and out.logprobs is not None:
-                    lp = completion_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], nchar[i], req.logprobs)
-                ntok[i] += len(new)
-                text = out.delta_text
-                if echo and not started[i]:
-                    text = echo[job.prompt_of[i]] + text
-                if not text and not out.finished and lp is None and not (req.return_token_ids and new):
-                    continue
-                started[i] = True
-                nchar[i] += len(out.delta_text)
-                choice = {"index": i, "text": text, "logprobs": lp,
-                          "finish_reason": out.finish_reason if out.finished else None}
-                if out.finished:
-                    choice["stop_reason"] = out.stop_reason
-                if req.return_token_ids:
-                    choice["token_ids"] = new
-                chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [choice]}
-                if req.include_usage:
-                    chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
-                yield sse(chunk)
-            if req.include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": usage_dict(job.prompt_tokens(), gen, job.cached_tokens())})
-        except APIError as e:
-            job.abort_unfinished()
-            yield sse(e.body())
-        yield SSE_DONE
+        async for i, out in job.outputs():
+            new = list(out.delta_token_ids)
+            gen += len(new)
+            lp = None
+            if req.logprobs is not None and out.logprobs is not None:
+                lp = completion_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], nchar[i], req.logprobs)
+            ntok[i] += len(new)
+            text = out.delta_text
+            if echo and not started[i]:
+                text = echo[job.prompt_of[i]] + text
+            if not text and not out.finished and lp is None and not (req.return_token_ids and new):
+                yield None, gen
+                continue
+            started[i] = True
+            nchar[i] += len(out.delta_text)
+            choice = {"index": i, "text": text, "logprobs": lp,
+                      "finish_reason": out.finish_reason if out.finished else None}
+            if out.finished:
+                choice["stop_reason"] = out.stop_reason
+            if req.return_token_ids:
+                choice["token_ids"] = new
+            yield choice, gen
