@@ -33,6 +33,7 @@ import httpx
 from engine.outputs import RequestMetrics
 from inspector import metrics as M
 from inspector.load import LoadItem, LoadSpec, build_workload
+from inspector.load.runner import RunState
 from inspector.recorder import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class _HttpError(Exception):
         self.status = status
 
 
-class HttpLoadRunner:
+class HttpLoadRunner(RunState):
     """Simulated users sending `spec` to an OpenAI-compatible server; LoadRunner's interface.
 
     `start()` returns at once (the requests run on an asyncio loop in a background thread);
@@ -118,19 +119,10 @@ class HttpLoadRunner:
         self.vocab_size = vocab_size or min(info.get("vocab_size") or DEFAULT_VOCAB, 1 << 20)
         spec.validate(self.max_model_len)
         self.prefix, self.items = build_workload(spec, self.vocab_size, special_ids)
-        self.records: list[RequestRecord] = []
-        self.errors: list[str] = []
+        self._init_state()
         self.status_counts: Counter = Counter()
-        self._lock = threading.Lock()
-        self._submitted = self._finished = self._failed = 0
-        self._t_start: float | None = None
-        self._t_end: float | None = None
-        self._stop = threading.Event()
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
-        self._summary: dict | None = None
 
     # ------------------------------------------------------------------ control (LoadRunner's surface)
     def start(self) -> "HttpLoadRunner":
@@ -149,30 +141,12 @@ class HttpLoadRunner:
             except RuntimeError:   # the loop closed meanwhile
                 pass
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
     def progress(self) -> dict:
+        p = super().progress()
         with self._lock:
-            total = len(self.items)
-            now = self._t_end or time.perf_counter()
-            return dict(run_id=self.run_id, name=self.spec.name, total=total, submitted=self._submitted,
-                        finished=self._finished, failed=self._failed,
-                        in_flight=max(0, self._submitted - self._finished - self._failed),
-                        not_sent=total - self._submitted,
-                        elapsed_s=(now - self._t_start) if self._t_start else 0.0,
-                        fraction=(self._finished + self._failed) / total if total else 1.0,
-                        done=self._done.is_set(), stopped=self._stop.is_set(), errors=list(self.errors[-5:]),
-                        target=self.target.v1,
-                        http_status={str(k): v for k, v in self.status_counts.items()})   # JSON-safe keys
+            p.update(target=self.target.v1,
+                     http_status={str(k): v for k, v in self.status_counts.items()})   # JSON-safe keys
+        return p
 
     def summary(self) -> dict:
         if self._summary is not None:

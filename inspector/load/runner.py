@@ -21,7 +21,47 @@ log = logging.getLogger(__name__)
 _run_ids = itertools.count(1)
 
 
-class LoadRunner:
+class RunState:
+    """What both load runners (in-process and HTTP) share: counters under one lock, start/end stamps,
+    stop/done events, and the progress report polled from any thread."""
+
+    def _init_state(self) -> None:
+        self.records: list[RequestRecord] = []
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._submitted = self._finished = self._failed = 0
+        self._t_start: float | None = None
+        self._t_end: float | None = None
+        self._thread: threading.Thread | None = None
+        self._summary: dict | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def progress(self) -> dict:
+        with self._lock:
+            total = len(self.items)
+            now = self._t_end or time.perf_counter()
+            return dict(run_id=self.run_id, name=self.spec.name, total=total, submitted=self._submitted,
+                        finished=self._finished, failed=self._failed,
+                        in_flight=max(0, self._submitted - self._finished - self._failed),
+                        not_sent=total - self._submitted,
+                        elapsed_s=(now - self._t_start) if self._t_start else 0.0,
+                        fraction=(self._finished + self._failed) / total if total else 1.0,
+                        done=self._done.is_set(), stopped=self._stop.is_set(), errors=list(self.errors[-5:]))
+
+
+class LoadRunner(RunState):
     """Simulated users driving `loop` (an EngineLoop: submit(prompt, params, request_id) -> stream).
 
     `start()` returns at once; `progress()` and `summary()` can be polled from any thread; `stop()`
@@ -50,20 +90,9 @@ class LoadRunner:
         spec.validate(self.max_model_len)
         self._sampling_factory = sampling_factory
         self.prefix, self.items = build_workload(spec, self.vocab_size, self.special_ids)
-        self.records: list[RequestRecord] = []
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
+        self._init_state()
         self._cond = threading.Condition(self._lock)
-        self._stop = threading.Event()
-        self._done = threading.Event()
         self._streams: dict[str, Any] = {}
-        self._submitted = 0
-        self._finished = 0
-        self._failed = 0
-        self._t_start: float | None = None
-        self._t_end: float | None = None
-        self._thread: threading.Thread | None = None
-        self._summary: dict | None = None
 
     # ------------------------------------------------------------------ control
     def start(self) -> "LoadRunner":
@@ -82,29 +111,6 @@ class LoadRunner:
                 s.cancel()
             except Exception:
                 log.exception("cancel failed")
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
-    def progress(self) -> dict:
-        with self._lock:
-            total = len(self.items)
-            now = self._t_end or time.perf_counter()
-            return dict(run_id=self.run_id, name=self.spec.name, total=total, submitted=self._submitted,
-                        finished=self._finished, failed=self._failed,
-                        in_flight=max(0, self._submitted - self._finished - self._failed),
-                        not_sent=total - self._submitted,
-                        elapsed_s=(now - self._t_start) if self._t_start else 0.0,
-                        fraction=(self._finished + self._failed) / total if total else 1.0,
-                        done=self._done.is_set(), stopped=self._stop.is_set(), errors=list(self.errors[-5:]))
 
     def summary(self) -> dict:
         if self._summary is not None:
