@@ -1,8 +1,11 @@
 """Bad input gets a clear ValueError naming the field and the limit, and the engine keeps serving."""
+import time
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import EngineLoop
+from engine.events import StepEvent
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,11 @@ def test_unknown_model_path():
 
 
 def test_loop_submit_stream_cancel_frees_blocks():
-    loop = EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64)).start()
+    loop = EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64))
+    # 10 ms per step (listeners run on the engine thread, which then yields the GIL): the 400 tokens would
+    # take 4 s, so the cancel below always lands first, however busy the machine
+    loop.engine.events.subscribe(lambda ev: time.sleep(0.01) if isinstance(ev, StepEvent) else None)
+    loop.start()
     try:
         with pytest.raises(ValueError, match="prompt: must not be empty"):
             loop.submit("", SamplingParams())
