@@ -71,8 +71,9 @@ def nano_workload(n: int, seed: int = 0):
 def bench_latency(bw: float, cfg: dict) -> list[dict]:
     weights, kv = model_bytes(cfg)
     rows = []
-    for graphs in (True, False):
-        llm = LLM(MODEL, max_model_len=4096, max_num_seqs=8, enable_cuda_graphs=graphs)
+    for name, sw in (("cuda graphs", {}), ("cuda graphs, gemv_max_tokens=0", dict(gemv_max_tokens=0)),
+                     ("eager", dict(enable_cuda_graphs=False))):
+        llm = LLM(MODEL, max_model_len=4096, max_num_seqs=8, **sw)
         prompt = list(range(1000, 1128))
         sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
         llm.generate([list(range(2000, 2128))], sp, use_tqdm=False)   # warm-up (another prompt: no cache hit)
@@ -84,7 +85,7 @@ def bench_latency(bw: float, cfg: dict) -> list[dict]:
         step = (m.last_token_time - m.first_token_time) / 255
         avg_ctx = 128 + 128
         floor = (weights + kv * avg_ctx) / bw
-        rows.append(dict(bench="latency b=1", config="cuda graphs" if graphs else "eager",
+        rows.append(dict(bench="latency b=1", config=name,
                          ms_per_token=whole * 1e3, ttft_ms=m.ttft * 1e3, decode_step_ms=step * 1e3, roofline_ms=floor * 1e3,
                          pct_roofline=100 * floor / step, tok_s=1 / whole))
         llm.engine.close()

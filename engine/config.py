@@ -36,6 +36,8 @@ class EngineConfig:
     enable_step_timings: bool = True    # per-region forward timings in step events
     num_scheduler_steps: int | None = None  # decode iterations per host round trip when the batch is
     #                                         decode-only (multi-step); None: 8 on cuda, 1 on cpu
+    gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
+    #                                         SiLU-mul, residual add inside); None: 8 with triton kernels, 0 = off
     # speculative decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
@@ -80,6 +82,9 @@ class EngineConfig:
         need(self.num_scheduler_steps is None or (isinstance(self.num_scheduler_steps, int)
                                                    and 1 <= self.num_scheduler_steps <= 64),
              "num_scheduler_steps", "must be None or an int in [1, 64]")
+        need(self.gemv_max_tokens is None or (isinstance(self.gemv_max_tokens, int)
+                                               and 0 <= self.gemv_max_tokens <= 16),
+             "gemv_max_tokens", "must be None or an int in [0, 16]")
         need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
         need(self.speculative_method != "draft" or self.draft_model is not None,
              "draft_model", "is required when speculative_method='draft'")

@@ -51,7 +51,8 @@ def test_reference_is_meaningful(reference):
     dict(enable_kv_cache=False),                                   # recompute the whole prefix every step
     dict(block_size=8, max_num_seqs=2),
     dict(num_scheduler_steps=4),                                   # multi-step decode once all are greedy
-], ids=["batched", "chunked16", "nochunk", "static", "noprefix", "nocache", "bs8-seqs2", "multistep4"])
+    dict(gemv_max_tokens=8),                                       # decode steps through the fused linears
+], ids=["batched", "chunked16", "nochunk", "static", "noprefix", "nocache", "bs8-seqs2", "multistep4", "gemv8"])
 def test_same_outputs_under_switches(smollm2_engine_factory, prompts, params, reference, cfg):
     eng = smollm2_engine_factory(**cfg)
     outs = run(eng, prompts, params)

@@ -91,6 +91,48 @@ def test_store_kvcache(dtype, T, Hk, D, bs):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hk,D,bs", [(1, 9, 3, 32, 4), (7, 9, 3, 64, 16)] + ([(8, 32, 8, 64, 16)] if GPU else []))
+def test_rope_and_store(dtype, T, H, Hk, D, bs):
+    """One launch = apply_rope + store_kvcache: q rotated in place, rotated k and v in the caches."""
+    q, k, v = _qkv(T, H, Hk, D, dtype)
+    positions = torch.randint(0, 500, (T,), device=DEV)
+    cos_sin = rand(512, D)
+    nblocks = (T + bs - 1) // bs + 3
+    slots = torch.randperm(nblocks * bs, device=DEV)[:T]
+    slots[T // 2] = -1                                       # padding: nothing stored
+    kc, vc = rand(nblocks, bs, Hk, D, dtype=dtype), rand(nblocks, bs, Hk, D, dtype=dtype)
+    q_ref, k_ref, kc_ref, vc_ref = q.double(), k.double(), kc.double(), vc.double()
+    torch_ops.rope_and_store(q_ref, k_ref, v.double(), positions, cos_sin.double(), kc_ref, vc_ref, slots)
+    tk.rope_and_store(q, k, v, positions, cos_sin, kc, vc, slots)
+    assert rel_err(q, q_ref) < TOL[dtype] and rel_err(kc, kc_ref) < TOL[dtype]
+    assert torch.equal(vc.double(), vc_ref)
+    untouched = torch.ones(nblocks * bs, dtype=torch.bool, device=DEV)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(kc.view(-1, Hk, D)[untouched].double(), kc_ref.view(-1, Hk, D)[untouched])
+
+
+GEMV_SHAPES = [(1, 40, 72), (3, 24, 100), (8, 17, 64)] + ([(1, 3072, 2048), (4, 2048, 8192), (2, 16384, 2048)] if GPU else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", GEMV_SHAPES)
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+def test_fused_linear(dtype, M, N, K, prologue):
+    """Small-batch linear with its fusions vs the unfused torch composition (float64); odd M, N, K."""
+    x = rand(M, 2 * K if prologue == "silu_mul" else K, dtype=dtype) * 2
+    w = rand(N, K, dtype=dtype) / K ** 0.5
+    nw = rand(K, dtype=dtype) + 1 if prologue == "rms_norm" else None
+    bias = rand(N, dtype=dtype) if prologue is None else None
+    residual = rand(M, N, dtype=dtype) if prologue != "rms_norm" else None
+    out = tk.fused_linear(x, w, bias, prologue=prologue, norm_weight=nw, eps=1e-5, residual=residual)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    ref = torch_ops.fused_linear(x.double(), w.double(), d(bias), prologue=prologue, norm_weight=d(nw), eps=1e-5,
+                                 residual=d(residual))
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_err(out, ref) < 2 * TOL[dtype], rel_err(out, ref)
+
+
 # ---------------------------------------------------------------- paged attention
 
 def make_batch(q_lens, seq_lens, H, Hk, D, bs, dtype, spare_blocks=3):
@@ -208,6 +250,7 @@ def test_decode_num_splits_static():
 def test_get_ops_triton():
     o = ops.get_ops("triton")
     assert o.paged_attention is tk.paged_attention and o.rms_norm is tk.rms_norm
+    assert o.fused_linear is tk.fused_linear and o.rope_and_store is tk.rope_and_store
 
 
 @gpu_only

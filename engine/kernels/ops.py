@@ -1,7 +1,8 @@
 """One dispatch layer between the model and its kernels: `get_ops("torch" | "triton")`.
 
 Both backends expose the same functions with the same signatures (see torch_ops.py for the contract):
-rms_norm, silu_and_mul, apply_rope, store_kvcache, paged_attention.
+rms_norm, silu_and_mul, apply_rope, store_kvcache, rope_and_store, paged_attention, fused_linear
+(a small-batch linear with RMSNorm / SiLU-mul prologue and residual epilogue).
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 
 from . import torch_ops
 
-_NAMES = ("rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "paged_attention")
+_NAMES = ("rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store", "paged_attention",
+          "fused_linear")
 
 
 def get_ops(backend: str) -> SimpleNamespace:

@@ -24,6 +24,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 prologue: str | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """prologue(x) @ weight.T (+ bias) (+ residual); prologue None, "rms_norm" (x [M, K], RMSNorm with
+    norm_weight) or "silu_mul" (x [M, 2K] = gate | up). The unfused composition the Triton GEMV fuses."""
+    if prologue == "rms_norm":
+        x = rms_norm(x, norm_weight, eps)[0]
+    elif prologue == "silu_mul":
+        x = silu_and_mul(x)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """apply_rope on q (in place) and k, then store k and v into the paged caches (k itself may stay unrotated)."""
+    apply_rope(q, k, positions, cos_sin)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin: torch.Tensor) -> None:
     """In place, neox/HF style (rotate halves). q [T, H, D], k [T, Hk, D], cos_sin [max_pos, D] (cos | sin)."""

@@ -1,9 +1,10 @@
-"""Triton backend: the same five functions as torch_ops (see there for the contract), plus the decode entry."""
+"""Triton backend: the same functions as torch_ops (see there for the contract), plus the decode entry."""
 from .activation import silu_and_mul
+from .gemv import fused_linear
 from .kv_store import store_kvcache
 from .paged_attention import decode_num_splits, paged_attention, paged_attention_decode
 from .rmsnorm import rms_norm
-from .rope import apply_rope
+from .rope import apply_rope, rope_and_store
 
-__all__ = ["rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "paged_attention",
-           "paged_attention_decode", "decode_num_splits"]
+__all__ = ["rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store", "paged_attention",
+           "fused_linear", "paged_attention_decode", "decode_num_splits"]

@@ -62,7 +62,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)                                 # [T, (H + 2Hk) * D]
+        return self.o_proj(self.attend(self.qkv_proj(x), md, cos_sin).reshape(T, self.h * self.d))
+
+    def attend(self, qkv: torch.Tensor, md: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (H + 2Hk) * D] -> attention output [T, H, D] (RoPE, KV stored into the paged cache)."""
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
         q = q.view(T, self.h, self.d)                          # [T, H, D]
         k = k.view(T, self.hk, self.d)                         # [T, Hk, D]
@@ -70,10 +74,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0].view(T, self.h, self.d)
             k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0].view(T, self.hk, self.d)
-        self.ops.apply_rope(q, k, md.positions, cos_sin)
-        self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.h * self.d))
+        self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping)
+        return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)  # [T, H, D]
 
 
 class MLP(nn.Module):
@@ -115,10 +117,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin", rope_cos_sin(cfg, max_pos), persistent=False)
         self.timer = NullTimer()
+        self.gemv_max_tokens = 0           # steps of at most this many tokens take forward_small_batch
+
 
     def forward(self, input_ids: torch.Tensor, md: AttentionMetadata,
                 num_layers: int | None = None) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]. num_layers < all: the first layers only (self-drafting)."""
+        if input_ids.shape[0] <= self.gemv_max_tokens:
+            return self.forward_small_batch(input_ids, md, num_layers)
         t, ops, m = self.timer, self.ops, self.model
         with t.region("embedding"):
             x = m.embed_tokens(input_ids)                      # [T, hidden]
@@ -135,6 +141,28 @@ class LlamaForCausalLM(nn.Module):
                 x = layer.mlp(x)
         with t.region("norms"):
             x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
+        return x
+
+    def forward_small_batch(self, input_ids: torch.Tensor, md: AttentionMetadata,
+                            num_layers: int | None = None) -> torch.Tensor:
+        """forward() for a few tokens (a decode step): norms, SiLU-mul and residual adds ride inside the
+        fused linears, so a layer is 4 linears + RoPE/KV store + attention. h is the residual stream."""
+        t, ops, m = self.timer, self.ops, self.model
+        with t.region("embedding"):
+            h = m.embed_tokens(input_ids)                      # [T, hidden]
+        for layer in m.layers[:num_layers]:
+            a, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            with t.region("attention"):
+                qkv = ops.fused_linear(h, a.qkv_proj.weight, a.qkv_proj.bias, prologue="rms_norm",
+                                       norm_weight=ln1.weight, eps=ln1.eps)
+                o = a.attend(qkv, md, self.cos_sin).reshape(h.shape[0], a.h * a.d)
+                h = ops.fused_linear(o, a.o_proj.weight, residual=h)
+            with t.region("mlp"):
+                gu = ops.fused_linear(h, mlp.gate_up_proj.weight, prologue="rms_norm", norm_weight=ln2.weight,
+                                      eps=ln2.eps)
+                h = ops.fused_linear(gu, mlp.down_proj.weight, prologue="silu_mul", residual=h)
+        with t.region("norms"):
+            x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

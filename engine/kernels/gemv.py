@@ -1,0 +1,103 @@
+"""Small-batch linear layers (a decode step of a few tokens) as one pass over the weight, with fusions.
+
+At batch 1 a decode step is a chain of GEMVs separated by tiny kernels (norms, activation, residual adds),
+each a launch plus a ramp. `fused_linear` reads the weight once and folds those neighbours in:
+- prologue "rms_norm": the input row is the residual stream; RMSNorm(x) * norm_weight is applied on the fly
+  (a first pass over the row, from L2, gets the row's rms);
+- prologue "silu_mul": the input is [gate | up] and silu(gate) * up is formed on the fly (the down projection);
+- epilogue residual: out = residual + x @ W.T, rounded like torch's bf16 add (the o and down projections).
+Rounding follows the unfused kernels (norm output and activation rounded to the input dtype).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import torch_ops
+
+PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2}
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
+                 stride_xm, stride_wn, stride_rm, stride_om, eps,
+                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    dt = x_ptr.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mm, nm = offs_m < M, offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1]
+    if PROLOGUE == 1:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_rows + offs_k[None, :], mask=mm[:, None] & (offs_k < K)[None, :], other=0.0)
+            xv = xv.to(tl.float32)
+            ss += tl.sum(xv * xv, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)[:, None]                                 # [BM, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        km = offs_k < K
+        xmask = mm[:, None] & km[None, :]
+        if PROLOGUE == 2:
+            g = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+            u = tl.load(x_rows + K + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)                # [BM, BK]
+        else:
+            a = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+            if PROLOGUE == 1:
+                nw = tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+                a = ((a * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)                  # [BM, BN, BK] -> [BM, BN]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(out_ptr.dtype.element_ty)
+    omask = mm[:, None] & nm[None, :]
+    if HAS_RES:
+        r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=omask, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=omask)
+
+
+def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M <= 8, K] x [N, K].T product."""
+    bm = triton.next_power_of_2(M)
+    bn = 16 if N >= 16 * 256 else 8
+    bk = max(32, min(triton.next_power_of_2(K), 4096 // bm // bn * 8))
+    return bn, bk, 4, 2
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 prologue: str | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 residual: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None
+                 ) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] for silu_mul) -> [M, N] = prologue(x) @ weight.T (+ bias) (+ residual).
+    weight [N, K] with contiguous rows; M is small (a decode step)."""
+    M = x.shape[0]
+    N, K = weight.shape
+    assert prologue in PROLOGUES and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert x.shape[-1] == (2 * K if prologue == "silu_mul" else K), (x.shape, weight.shape, prologue)
+    assert prologue != "rms_norm" or norm_weight is not None
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    if residual is not None:
+        assert residual.shape == (M, N) and residual.stride(-1) == 1
+    bn, bk, warps, stages = config or gemv_config(M, N, K)
+    _gemv_kernel[(triton.cdiv(N, bn),)](
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        residual if residual is not None else out, out, M, N, K,
+        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+        PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return out
+
+
+def fused_linear_ref(x, weight, bias=None, *, prologue=None, norm_weight=None, eps=1e-6, residual=None):
+    return torch_ops.fused_linear(x, weight, bias, prologue=prologue, norm_weight=norm_weight, eps=eps,
+                                  residual=residual)
