@@ -37,7 +37,7 @@ class EngineConfig:
     num_scheduler_steps: int | None = None  # decode iterations per host round trip when the batch is
     #                                         decode-only (multi-step); None: 8 on cuda, 1 on cpu
     gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
-    #                                         SiLU-mul, residual add inside); None: 8 with triton kernels, 0 = off
+    #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
     # speculative decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3

@@ -67,7 +67,7 @@ class LLMEngine(OutputProcessor):
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
                                  max_pos=self.max_model_len + spec_margin, seed=config.seed)
         self.model.gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
-            (8 if self.kernels == "triton" else 0)
+            (1 if self.kernels == "triton" else 0)
         self.tokenizer = load_tokenizer(tok_folder)
         self.num_blocks = self._derive_num_blocks(mcfg)
         self.block_size = config.block_size

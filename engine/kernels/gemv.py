@@ -2,11 +2,12 @@
 
 At batch 1 a decode step is a chain of GEMVs separated by tiny kernels (norms, activation, residual adds),
 each a launch plus a ramp. `fused_linear` reads the weight once and folds those neighbours in:
-- prologue "rms_norm": the input row is the residual stream; RMSNorm(x) * norm_weight is applied on the fly
-  (a first pass over the row, from L2, gets the row's rms);
+- prologue "rms_norm": the input row is the residual stream; RMSNorm(x) * norm_weight is applied on the fly:
+  (x * norm_weight) . w accumulates beside sum(x^2), and 1/rms scales the result (one pass; the normalised
+  row is not rounded to the input dtype as the unfused norm's output is);
 - prologue "silu_mul": the input is [gate | up] and silu(gate) * up is formed on the fly (the down projection);
 - epilogue residual: out = residual + x @ W.T, rounded like torch's bf16 add (the o and down projections).
-Rounding follows the unfused kernels (norm output and activation rounded to the input dtype).
+The activation is rounded to the input dtype like the unfused kernel's output.
 """
 from __future__ import annotations
 
@@ -30,15 +31,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
     mm, nm = offs_m < M, offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1]
-    if PROLOGUE == 1:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_rows + offs_k[None, :], mask=mm[:, None] & (offs_k < K)[None, :], other=0.0)
-            xv = xv.to(tl.float32)
-            ss += tl.sum(xv * xv, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)[:, None]                                 # [BM, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)                                 # rms_norm: sum of squares
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         km = offs_k < K
@@ -50,10 +44,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
         else:
             a = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
             if PROLOGUE == 1:
-                nw = tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
-                a = ((a * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+                ss += tl.sum(a * a, axis=1)
+                a = a * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)                  # [BM, BN, BK] -> [BM, BN]
+    if PROLOGUE == 1:
+        acc = acc * tl.rsqrt(ss / K + eps)[:, None]                             # the norm's 1/rms, applied last
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
     y = acc.to(out_ptr.dtype.element_ty)
@@ -64,12 +60,18 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=omask)
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) at M = 1 by weight shape, from benchmarks/sweep_gemv.py on an H200
+# (Llama-3.2-1B's projections); other shapes take the nearest class
+_M1_CONFIGS = {"narrow": (4, 1024, 4, 2), "wide": (8, 512, 2, 2), "deep": (4, 1024, 4, 1)}
+
+
 def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M <= 8, K] x [N, K].T product."""
+    """Launch config for an [M <= 16, K] x [N, K].T product; BLOCK_K shrinks as M grows (registers)."""
+    kind = "deep" if K >= 4096 else ("wide" if N >= 8192 else "narrow")
+    bn, bk, warps, stages = _M1_CONFIGS[kind]
     bm = triton.next_power_of_2(M)
-    bn = 16 if N >= 16 * 256 else 8
-    bk = max(32, min(triton.next_power_of_2(K), 4096 // bm // bn * 8))
-    return bn, bk, 4, 2
+    bk = max(32, min(bk, triton.next_power_of_2(K), 8192 // (bm * bn)))
+    return bn, bk, warps, stages
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
