@@ -71,7 +71,8 @@ def nano_workload(n: int, seed: int = 0):
 def bench_latency(bw: float, cfg: dict) -> list[dict]:
     weights, kv = model_bytes(cfg)
     rows = []
-    for name, sw in (("cuda graphs", {}), ("cuda graphs, gemv_max_tokens=0", dict(gemv_max_tokens=0)),
+    for name, sw in (("cuda graphs", {}), ("cuda graphs, enable_pdl=False", dict(enable_pdl=False)),
+                     ("cuda graphs, gemv_max_tokens=0", dict(gemv_max_tokens=0)),
                      ("eager", dict(enable_cuda_graphs=False))):
         llm = LLM(MODEL, max_model_len=4096, max_num_seqs=8, **sw)
         prompt = list(range(1000, 1128))

@@ -38,6 +38,8 @@ class EngineConfig:
     #                                         decode-only (multi-step); None: 8 on cuda, 1 on cpu
     gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
     #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
+    enable_pdl: bool = True             # those linears launch as programmatic dependents on Hopper+ (their
+    #                                         first weight tile is fetched while the previous kernel finishes)
     # speculative decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3

@@ -12,7 +12,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
-from .kernels.ops import get_ops
+from .kernels.ops import get_ops, pdl_supported
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
@@ -68,6 +68,7 @@ class LLMEngine(OutputProcessor):
                                  max_pos=self.max_model_len + spec_margin, seed=config.seed)
         self.model.gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
             (1 if self.kernels == "triton" else 0)
+        self.model.gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
         self.tokenizer = load_tokenizer(tok_folder)
         self.num_blocks = self._derive_num_blocks(mcfg)
         self.block_size = config.block_size

@@ -118,14 +118,15 @@ GEMV_SHAPES = [(1, 40, 72), (3, 24, 100), (8, 17, 64)] + ([(1, 3072, 2048), (4, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N,K", GEMV_SHAPES)
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
-def test_fused_linear(dtype, M, N, K, prologue):
+@pytest.mark.parametrize("pdl", [False] + ([True] if GPU and torch.cuda.get_device_capability()[0] >= 9 else []))
+def test_fused_linear(dtype, M, N, K, prologue, pdl):
     """Small-batch linear with its fusions vs the unfused torch composition (float64); odd M, N, K."""
     x = rand(M, 2 * K if prologue == "silu_mul" else K, dtype=dtype) * 2
     w = rand(N, K, dtype=dtype) / K ** 0.5
     nw = rand(K, dtype=dtype) + 1 if prologue == "rms_norm" else None
     bias = rand(N, dtype=dtype) if prologue is None else None
     residual = rand(M, N, dtype=dtype) if prologue != "rms_norm" else None
-    out = tk.fused_linear(x, w, bias, prologue=prologue, norm_weight=nw, eps=1e-5, residual=residual)
+    out = tk.fused_linear(x, w, bias, prologue=prologue, norm_weight=nw, eps=1e-5, residual=residual, pdl=pdl)
     d = lambda t: None if t is None else t.double()  # noqa: E731
     ref = torch_ops.fused_linear(x.double(), w.double(), d(bias), prologue=prologue, norm_weight=d(nw), eps=1e-5,
                                  residual=d(residual))

@@ -11,6 +11,8 @@ The activation is rounded to the input dtype like the unfused kernel's output.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,33 +23,47 @@ PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2}
 
 
 @triton.jit
+def _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One [BM, BK] tile of prologue(x) in fp32, and its rows' sums of squares (rms_norm; else zeros)."""
+    km = offs_k < K
+    xmask = mm[:, None] & km[None, :]
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 2:
+        g = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * u).to(x_rows.dtype.element_ty).to(tl.float32)
+    else:
+        a = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            sq = tl.sum(a * a, axis=1)
+            a = a * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+    return a, sq
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
                  stride_xm, stride_wn, stride_rm, stride_om, eps,
-                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                 PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    dt = x_ptr.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)                                 # rms_norm: sum of squares
-    for k0 in range(0, K, BLOCK_K):
+    offs_k = tl.arange(0, BLOCK_K)
+    # the weights never come from the previous kernel: under PDL the first tile is fetched while it finishes
+    w = tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & (offs_k < K)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                             # the previous kernel's outputs are now visible
+        tl.extra.cuda.gdc_launch_dependents()                # the next kernel may start prefetching its weights
+    a, ss = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
+    acc = tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)        # [BM, BN, BK] -> [BM, BN]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        km = offs_k < K
-        xmask = mm[:, None] & km[None, :]
-        if PROLOGUE == 2:
-            g = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)                # [BM, BK]
-        else:
-            a = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            if PROLOGUE == 1:
-                ss += tl.sum(a * a, axis=1)
-                a = a * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)                  # [BM, BN, BK] -> [BM, BN]
+        w = tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & (offs_k < K)[None, :], other=0.0)
+        a, sq = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
+        acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        ss += sq
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(ss / K + eps)[:, None]                             # the norm's 1/rms, applied last
     if HAS_BIAS:
@@ -58,6 +74,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
         r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=omask, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=omask)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, compiled Triton (not the interpreter)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -76,10 +98,11 @@ def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  prologue: str | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                 residual: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None
-                 ) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, pdl: bool = False,
+                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] for silu_mul) -> [M, N] = prologue(x) @ weight.T (+ bias) (+ residual).
-    weight [N, K] with contiguous rows; M is small (a decode step)."""
+    weight [N, K] with contiguous rows; M is small (a decode step). pdl: launch as a programmatic dependent
+    of the previous kernel (see pdl_supported), overlapping its tail with this kernel's first weight fetch."""
     M = x.shape[0]
     N, K = weight.shape
     assert prologue in PROLOGUES and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -95,11 +118,12 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, out, M, N, K,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-        PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None, USE_PDL=pdl,
+        BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}))
     return out
 
 
-def fused_linear_ref(x, weight, bias=None, *, prologue=None, norm_weight=None, eps=1e-6, residual=None):
+def fused_linear_ref(x, weight, bias=None, *, prologue=None, norm_weight=None, eps=1e-6, residual=None, pdl=False):
     return torch_ops.fused_linear(x, weight, bias, prologue=prologue, norm_weight=norm_weight, eps=eps,
                                   residual=residual)

@@ -14,6 +14,14 @@ _NAMES = ("rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_s
           "fused_linear")
 
 
+def pdl_supported(device) -> bool:
+    """Whether the Triton linears can launch as programmatic dependents here (Hopper+, compiled Triton)."""
+    if device.type != "cuda":
+        return False
+    from .gemv import pdl_supported as supported
+    return supported(device)
+
+
 def get_ops(backend: str) -> SimpleNamespace:
     if backend == "torch":
         mod = torch_ops

@@ -26,9 +26,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  prologue: str | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """prologue(x) @ weight.T (+ bias) (+ residual); prologue None, "rms_norm" (x [M, K], RMSNorm with
-    norm_weight) or "silu_mul" (x [M, 2K] = gate | up). The unfused composition the Triton GEMV fuses."""
+    norm_weight) or "silu_mul" (x [M, 2K] = gate | up). The unfused composition the Triton GEMV fuses
+    (pdl, a launch option of the Triton kernel, means nothing here)."""
     if prologue == "rms_norm":
         x = rms_norm(x, norm_weight, eps)[0]
     elif prologue == "silu_mul":

@@ -118,6 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin", rope_cos_sin(cfg, max_pos), persistent=False)
         self.timer = NullTimer()
         self.gemv_max_tokens = 0           # steps of at most this many tokens take forward_small_batch
+        self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
 
 
     def forward(self, input_ids: torch.Tensor, md: AttentionMetadata,
@@ -147,20 +148,20 @@ class LlamaForCausalLM(nn.Module):
                             num_layers: int | None = None) -> torch.Tensor:
         """forward() for a few tokens (a decode step): norms, SiLU-mul and residual adds ride inside the
         fused linears, so a layer is 4 linears + RoPE/KV store + attention. h is the residual stream."""
-        t, ops, m = self.timer, self.ops, self.model
+        t, ops, m, pdl = self.timer, self.ops, self.model, self.gemv_pdl
         with t.region("embedding"):
             h = m.embed_tokens(input_ids)                      # [T, hidden]
         for layer in m.layers[:num_layers]:
             a, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             with t.region("attention"):
                 qkv = ops.fused_linear(h, a.qkv_proj.weight, a.qkv_proj.bias, prologue="rms_norm",
-                                       norm_weight=ln1.weight, eps=ln1.eps)
+                                       norm_weight=ln1.weight, eps=ln1.eps, pdl=pdl)
                 o = a.attend(qkv, md, self.cos_sin).reshape(h.shape[0], a.h * a.d)
-                h = ops.fused_linear(o, a.o_proj.weight, residual=h)
+                h = ops.fused_linear(o, a.o_proj.weight, residual=h, pdl=pdl)
             with t.region("mlp"):
                 gu = ops.fused_linear(h, mlp.gate_up_proj.weight, prologue="rms_norm", norm_weight=ln2.weight,
-                                      eps=ln2.eps)
-                h = ops.fused_linear(gu, mlp.down_proj.weight, prologue="silu_mul", residual=h)
+                                      eps=ln2.eps, pdl=pdl)
+                h = ops.fused_linear(gu, mlp.down_proj.weight, prologue="silu_mul", residual=h, pdl=pdl)
         with t.region("norms"):
             x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)
         return x
