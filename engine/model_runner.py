@@ -110,7 +110,8 @@ class ModelRunner:
         if dev.type == "cuda" and self.model.ops.name == "triton":
             from .kernels.paged_attention import warmup_variants
             layer = self.model.model.layers[0].self_attn
-            warmup_variants(layer.k_cache, layer.v_cache, self.mcfg.num_heads, self.max_model_len)
+            warmup_variants(layer.k_cache, layer.v_cache, self.mcfg.num_heads, self.max_model_len,
+                            pdl=self.model.gemv_pdl)
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()

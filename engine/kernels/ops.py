@@ -2,7 +2,8 @@
 
 Both backends expose the same functions with the same signatures (see torch_ops.py for the contract):
 rms_norm, silu_and_mul, apply_rope, store_kvcache, rope_and_store, paged_attention, fused_linear
-(a small-batch linear with RMSNorm / SiLU-mul prologue and residual epilogue).
+(a small-batch linear with RMSNorm / SiLU-mul prologue and residual epilogue), fused_qkv_rope_store (the
+small-batch q/k/v linear with RoPE and the KV store in its epilogue).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 from . import torch_ops
 
 _NAMES = ("rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store", "paged_attention",
-          "fused_linear")
+          "fused_linear", "fused_qkv_rope_store")
 
 
 def pdl_supported(device) -> bool:

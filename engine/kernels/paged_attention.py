@@ -14,6 +14,7 @@ Two kernels share one inner loop (online softmax in fp32, exp2 with the scale fo
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -128,7 +129,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:                                              # launched early: wait for q and the new KV
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,7 +181,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
 
 @triton.jit
 def _reduce_kernel(part_ptr, lse_ptr, o_ptr, cu_q_ptr, stride_ob, stride_oh,
-                   NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if VARLEN:
@@ -247,9 +255,10 @@ def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) ->
 
 # ---------------------------------------------------------------- launchers
 
-def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out):
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out, pdl=False):
     """Grid (B, Hk, S). cu_q None: sequence b's query is row b; else rows come from cu_q and
-    sequences with q_len != 1 are skipped."""
+    sequences with q_len != 1 are skipped. pdl: both kernels launch as programmatic dependents."""
+    launch = {"launch_pdl": True} if pdl else {}
     H, D = q.shape[1], q.shape[2]
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hk
@@ -268,17 +277,19 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
-        NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype), USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     if S > 1:
         _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),
-                               NUM_SPLITS=S, D=D, BD=BD, VARLEN=varlen, num_warps=1 if BD * S <= 1024 else 4)
+                               NUM_SPLITS=S, D=D, BD=BD, VARLEN=varlen, USE_PDL=pdl,
+                               num_warps=1 if BD * S <= 1024 else 4, **launch)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seqlen_k_hint: int, out: torch.Tensor | None = None,
-                           num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, config: dict | None = None,
+                           pdl: bool = False) -> torch.Tensor:
     """One query per sequence. q [B, H, D] (any strides, D contiguous); block_tables [B, W] int32;
     seq_lens [B] int32 (0 allowed: padded rows give zeros). Returns [B, H, D].
     No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits."""
@@ -290,17 +301,18 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B:
         cfg = dict(_decode_config(H // Hk, D, q.dtype, q.device), **(config or {}))
         S = num_splits or decode_num_splits(B, Hk, max_seqlen_k_hint, q.device)
-        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out)
+        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out, pdl)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                    config: dict | None = None) -> torch.Tensor:
+                    config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """Causal attention of packed varlen queries over paged KV; same contract as torch_ops.paged_attention.
     q [T, H, D] (any strides, D contiguous) -> [T, H, D]. Decode-only batches take the split-K kernel;
     in mixed batches the decodes take it too (config: decodes_apart=False keeps them in the prefill
-    kernel, decode_splits=N forces their split count; other keys tune the prefill kernel)."""
+    kernel, decode_splits=N forces their split count; other keys tune the prefill kernel). pdl: decode-only
+    batches launch as programmatic dependents (Hopper+, compiled Triton)."""
     T, H, D = q.shape
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hk
@@ -309,7 +321,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     apart, dec_splits = cfg.pop("decodes_apart", True), cfg.pop("decode_splits", None)
     if md.max_seqlen_q == 1 and T == B and not cfg:
         return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      md.max_seqlen_k, out=out, num_splits=dec_splits)
+                                      md.max_seqlen_k, out=out, num_splits=dec_splits, pdl=pdl)
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
@@ -337,7 +349,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_seqlen_k: int) -> int:
+def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_seqlen_k: int,
+                    pdl: bool = False) -> int:
     """Compile every kernel variant a real step can pick (prefill tile heights with and without decodes
     apart, decode split counts with and without varlen rows) on the null block 0, so no step pays a JIT
     compile mid-run. Returns the number of launches."""
@@ -366,9 +379,9 @@ def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
                 launches += 1
     for B in (1, 2):                                         # decode-only (eager), every split count
         q = torch.randn(B, num_heads, D, dtype=dt, device=dev)
-        for S in splits:
+        for S, p in itertools.product(splits, (False, True) if pdl else (False,)):
             paged_attention_decode(q, k_cache, v_cache, bt[:B], torch.full((B,), n, dtype=torch.int32, device=dev),
-                                   1.0, n, num_splits=S)
+                                   1.0, n, num_splits=S, pdl=p)
             launches += 1
     return launches
 

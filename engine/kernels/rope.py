@@ -41,8 +41,11 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slo
                        stride_vt, stride_vh, stride_vd, stride_cs,
                        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, H, Hk,
                        HALF: tl.constexpr, BHALF: tl.constexpr, BH_Q: tl.constexpr, BH_K: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr):
     # one token: q rotated in place; k rotated and, with v, written straight into the paged caches
+    if USE_PDL:                                              # launched early: wait for q/k/v to be written
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_x = tl.arange(0, BHALF)
@@ -70,9 +73,10 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slo
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """RoPE on q in place; RoPE(k) and v into caches [num_blocks, block_size, Hk, D] at flat slots (negative:
-    skipped). k itself is left unrotated. One launch instead of apply_rope + store_kvcache."""
+    skipped). k itself is left unrotated. One launch instead of apply_rope + store_kvcache. pdl: launch as a
+    programmatic dependent of the previous kernel (Hopper+, compiled Triton only)."""
     T, H, D = q.shape
     Hk = k.shape[1]
     assert cos_sin.stride(-1) == 1 and D % 2 == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -86,10 +90,10 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                              *q.stride(), *k.stride(), *v.stride(), cos_sin.stride(0),
                              *k_cache.stride()[:3], *v_cache.stride()[:3], H, Hk,
                              HALF=half, BHALF=bhalf, BH_Q=bh_q, BH_K=bh_k, BLOCK_SIZE=k_cache.shape[1],
-                             num_warps=warps)
+                             USE_PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
 
 
-def rope_and_store_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def rope_and_store_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, pdl=False):
     torch_ops.rope_and_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
 

@@ -38,10 +38,25 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y if residual is None else residual + y
 
 
+def fused_qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         norm_weight: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+                         positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """RMSNorm(x) @ weight.T split into q, k, v; RoPE on q and k; k, v stored into the caches; -> q [M, H, D]."""
+    M = x.shape[0]
+    D = weight.shape[0] // (num_heads + 2 * num_kv_heads)
+    qkv = fused_linear(x, weight, bias, prologue="rms_norm", norm_weight=norm_weight, eps=eps)
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q, k, v = q.view(M, num_heads, D), k.view(M, num_kv_heads, D), v.view(M, num_kv_heads, D)
+    rope_and_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """apply_rope on q (in place) and k, then store k and v into the paged caches (k itself may stay unrotated)."""
+                   slot_mapping: torch.Tensor, pdl: bool = False) -> None:
+    """apply_rope on q (in place) and k, then store k and v into the paged caches (k itself may stay unrotated).
+    pdl (programmatic dependent launch, a Triton launch option) means nothing here, as in paged_attention."""
     apply_rope(q, k, positions, cos_sin)
     store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
@@ -85,7 +100,7 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+                    md: AttentionMetadata, scale: float, pdl: bool = False) -> torch.Tensor:
     """Causal attention of packed varlen queries over each sequence's paged KV.
 
     q [T, H, D]; caches [num_blocks, block_size, Hk, D] already hold this step's K/V. Returns [T, H, D].

@@ -3,8 +3,9 @@ from .activation import silu_and_mul
 from .gemv import fused_linear
 from .kv_store import store_kvcache
 from .paged_attention import decode_num_splits, paged_attention, paged_attention_decode
+from .qkv_rope import fused_qkv_rope_store
 from .rmsnorm import rms_norm
 from .rope import apply_rope, rope_and_store
 
 __all__ = ["rms_norm", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store", "paged_attention",
-           "fused_linear", "paged_attention_decode", "decode_num_splits"]
+           "fused_linear", "fused_qkv_rope_store", "paged_attention_decode", "decode_num_splits"]

@@ -64,8 +64,24 @@ class Attention(nn.Module):
         T = x.shape[0]
         return self.o_proj(self.attend(self.qkv_proj(x), md, cos_sin).reshape(T, self.h * self.d))
 
-    def attend(self, qkv: torch.Tensor, md: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
-        """qkv [T, (H + 2Hk) * D] -> attention output [T, H, D] (RoPE, KV stored into the paged cache)."""
+    def forward_small_batch(self, h: torch.Tensor, norm: RMSNorm, md: AttentionMetadata, cos_sin: torch.Tensor,
+                            pdl: bool) -> torch.Tensor:
+        """h [T, hidden] residual stream -> attention output [T, H * D]: RMSNorm, q/k/v, RoPE and the KV store
+        in one fused linear (two kernels with q/k norm), then attention."""
+        if self.qk_norm:                                        # the head norm sits between projection and RoPE
+            qkv = self.ops.fused_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, prologue="rms_norm",
+                                        norm_weight=norm.weight, eps=norm.eps, pdl=pdl)
+            return self.attend(qkv, md, cos_sin, pdl).reshape(h.shape[0], self.h * self.d)
+        q = self.ops.fused_qkv_rope_store(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps,
+                                          self.h, self.hk, md.positions, cos_sin, self.k_cache, self.v_cache,
+                                          md.slot_mapping, pdl=pdl)      # [T, H, D]
+        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)
+        return o.reshape(h.shape[0], self.h * self.d)
+
+    def attend(self, qkv: torch.Tensor, md: AttentionMetadata, cos_sin: torch.Tensor,
+               pdl: bool = False) -> torch.Tensor:
+        """qkv [T, (H + 2Hk) * D] -> attention output [T, H, D] (RoPE, KV stored into the paged cache).
+        pdl: the kernels launch as programmatic dependents (see kernels/gemv.py)."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
         q = q.view(T, self.h, self.d)                          # [T, H, D]
@@ -74,8 +90,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0].view(T, self.h, self.d)
             k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0].view(T, self.hk, self.d)
-        self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping)
-        return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)  # [T, H, D]
+        self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping,
+                                pdl=pdl)
+        return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)  # [T, H, D]
 
 
 class MLP(nn.Module):
@@ -146,17 +163,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_small_batch(self, input_ids: torch.Tensor, md: AttentionMetadata,
                             num_layers: int | None = None) -> torch.Tensor:
-        """forward() for a few tokens (a decode step): norms, SiLU-mul and residual adds ride inside the
-        fused linears, so a layer is 4 linears + RoPE/KV store + attention. h is the residual stream."""
+        """forward() for a few tokens (a decode step): norms, SiLU-mul, residual adds, RoPE and the KV store
+        ride inside the fused linears, so a layer is 4 linears + attention. h is the residual stream."""
         t, ops, m, pdl = self.timer, self.ops, self.model, self.gemv_pdl
         with t.region("embedding"):
             h = m.embed_tokens(input_ids)                      # [T, hidden]
         for layer in m.layers[:num_layers]:
             a, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             with t.region("attention"):
-                qkv = ops.fused_linear(h, a.qkv_proj.weight, a.qkv_proj.bias, prologue="rms_norm",
-                                       norm_weight=ln1.weight, eps=ln1.eps, pdl=pdl)
-                o = a.attend(qkv, md, self.cos_sin).reshape(h.shape[0], a.h * a.d)
+                o = a.forward_small_batch(h, ln1, md, self.cos_sin, pdl)    # [T, H * D]
                 h = ops.fused_linear(o, a.o_proj.weight, residual=h, pdl=pdl)
             with t.region("mlp"):
                 gu = ops.fused_linear(h, mlp.gate_up_proj.weight, prologue="rms_norm", norm_weight=ln2.weight,
