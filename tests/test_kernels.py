@@ -365,7 +365,12 @@ def test_small_batch_forward_matches_the_layered_path():
         eng = LLMEngine(model="dummy:tiny", device=str(DEV), dtype="float32", num_kv_blocks=32, enable_cuda_graphs=False, **cfg)
         assert eng.model.gemv_max_tokens == cfg["gemv_max_tokens"]
         seen, execute = [], eng.runner.execute
-        eng.runner.execute = lambda ids, md: seen.append((ids.numel(), execute(ids, md).cpu())) or seen[-1][1]
+
+        def spy(ids, md, seen=seen, execute=execute):
+            out = execute(ids, md)
+            seen.append((ids.numel(), out.cpu()))
+            return out                                       # the engine samples from the device tensor
+        eng.runner.execute = spy
         for p in ([5, 6, 7, 8, 9, 10, 11], [300, 200, 100]):
             eng.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         while eng.has_unfinished_requests():
