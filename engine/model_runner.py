@@ -108,7 +108,7 @@ class ModelRunner:
                 max_seqlen_q=q, max_seqlen_k=n, block_size=bs)
             self.execute(torch.ones(q, dtype=torch.int64, device=dev), md)
         if dev.type == "cuda" and self.model.ops.name == "triton":
-            from .kernels.paged_attention import warmup_variants
+            from .kernels.attention_warmup import warmup_variants
             layer = self.model.model.layers[0].self_attn
             warmup_variants(layer.k_cache, layer.v_cache, self.mcfg.num_heads, self.max_model_len,
                             pdl=self.model.gemv_pdl)

@@ -22,15 +22,22 @@ def _rotate(ptr, stride_h, stride_d, nheads, cos, sin, offs_x, HALF: tl.constexp
 
 
 @triton.jit
+def _cos_sin(cs_ptr, pos_ptr, t, stride_cs, offs_x, xm, HALF: tl.constexpr):
+    # token t's cos and sin rows, [1, BHALF] each, from the cat(cos, sin) table
+    row = cs_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_cs
+    cos = tl.load(row + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + HALF + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_qd,
                  stride_kt, stride_kh, stride_kd, stride_cs, H, Hk,
                  HALF: tl.constexpr, BHALF: tl.constexpr, BH_Q: tl.constexpr, BH_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_x = tl.arange(0, BHALF)
     xm = offs_x < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(cs_ptr, pos_ptr, t, stride_cs, offs_x, xm, HALF)
     _rotate(q_ptr + t * stride_qt, stride_qh, stride_qd, H, cos, sin, offs_x, HALF, BH_Q)
     _rotate(k_ptr + t * stride_kt, stride_kh, stride_kd, Hk, cos, sin, offs_x, HALF, BH_K)
 
@@ -47,11 +54,9 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slo
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_x = tl.arange(0, BHALF)
     xm = offs_x < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_x, mask=xm, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(cs_ptr, pos_ptr, t, stride_cs, offs_x, xm, HALF)
     _rotate(q_ptr + t * stride_qt, stride_qh, stride_qd, H, cos, sin, offs_x, HALF, BH_Q)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     nh = tl.where(slot >= 0, Hk, 0)                          # negative slot: padding token, nothing to store
