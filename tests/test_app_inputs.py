@@ -87,6 +87,10 @@ def test_engine_settings_form_covers_every_field_and_roundtrips():
     vals[names.index("block_size")] = 16
     vals[names.index("max_model_len")] = 0          # 0 / empty means "derive"
     assert A.config_from_form(names, vals).max_model_len is None
+    vals[names.index("gemv_max_tokens")] = 0        # ... except where 0 is a setting: fused linears off
+    assert A.config_from_form(names, vals).gemv_max_tokens == 0
+    vals[names.index("gemv_max_tokens")] = ""
+    assert A.config_from_form(names, vals).gemv_max_tokens is None
 
 
 def test_cli_args():

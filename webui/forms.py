@@ -130,6 +130,7 @@ CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "floa
             "speculative_method": ["off", "ngram", "draft", "self"]}
 _OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
 _OPTIONAL_STR = {"model", "draft_model"}
+_ZERO_IS_A_VALUE = {"gemv_max_tokens"}           # optional ints where 0 means "off", not "default"
 FIELD_HELP = {
     "model": "HF folder, dummy:<preset> (random weights), or empty for the bundled SmolLM2-135M-Instruct",
     "num_kv_blocks": "0 or empty: derived from the memory budget", "max_model_len": "0 or empty: the model's (≤ 8192)",
@@ -137,6 +138,8 @@ FIELD_HELP = {
     "scheduling": "static: a batch runs until all its requests finish",
     "gpu_memory_utilization": "fraction of free GPU memory for weights + KV",
     "cpu_kv_cache_gib": "KV pool size on CPU", "enable_step_timings": "per-region timings in step events",
+    "gemv_max_tokens": "empty: 1 with Triton kernels; 0 = off (cuBLAS linears, separate norm/activation kernels)",
+    "enable_pdl": "Hopper+: small-batch kernels launch as programmatic dependents",
 }
 
 
@@ -177,7 +180,7 @@ def config_from_form(names: list[str], values: list) -> EngineConfig:
             kw[name] = None if (name == "speculative_method" and v in ("off", "", None)) else str(v)
         elif kind == "opt_int":
             x = parse_num(v, name, integer=True, allow_none=True)
-            kw[name] = None if x in (None, 0) else x
+            kw[name] = None if x is None or (x == 0 and name not in _ZERO_IS_A_VALUE) else x
         elif kind == "opt_float":
             kw[name] = parse_num(v, name, allow_none=True)
         elif kind == "int":
