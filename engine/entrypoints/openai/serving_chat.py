@@ -2,16 +2,15 @@
 completion or its SSE stream."""
 from __future__ import annotations
 
-import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, value_error
 from .job import Job, SSEResponse, sse_stream
-from .protocol import ChatCompletionRequest, chat_logprobs, usage_dict
+from .protocol import ChatCompletionRequest, chat_logprobs
 from .serving_engine import OpenAIServing
 
 
@@ -20,10 +19,7 @@ class OpenAIServingChat:
         self.serving = serving
 
     async def create_chat_completion(self, request: Request) -> Response:
-        req: ChatCompletionRequest = await self.serving.read_json(request, ChatCompletionRequest)
-        req.check_unsupported()
-        loop = self.serving.current()
-        self.serving.check_model(req.model, loop)
+        req, loop = await self.serving.open_request(request, ChatCompletionRequest)
         try:
             prompt = await run_in_threadpool(loop.engine.apply_chat_template, req.messages,
                                              req.add_generation_prompt)
@@ -41,18 +37,10 @@ class OpenAIServingChat:
             lp = None
             if req.logprobs and out.logprobs is not None:
                 lp = chat_logprobs(out.logprobs[:len(out.token_ids)], top_n)
-            c = {"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                 "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
-            if req.return_token_ids:
-                c["token_ids"] = list(out.token_ids)
-            choices.append(c)
-        body = {"id": f"chatcmpl-{job.id_base}", "object": "chat.completion", "created": int(time.time()),
-                "model": job.model_name, "choices": choices,
-                "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
-                                    job.cached_tokens())}
-        if req.return_token_ids:
-            body["prompt_token_ids"] = job.prompt_ids[0]
-        return JSONResponse(body)
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+        return self.serving.final_response(job, req, f"chatcmpl-{job.id_base}", "chat.completion", choices,
+                                           job.prompt_ids[0])
 
     def chat_completion_stream_generator(self, req: ChatCompletionRequest, job: Job, top_n: int) -> AsyncIterator[str]:
         return sse_stream(job, req, f"chatcmpl-{job.id_base}", "chat.completion.chunk",

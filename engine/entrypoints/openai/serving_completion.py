@@ -1,17 +1,16 @@
 """`POST /v1/completions`: a CompletionRequest -> the engine -> a completion or its SSE stream."""
 from __future__ import annotations
 
-import time
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.async_engine import EngineLoop
 
 from .errors import APIError
 from .job import Job, SSEResponse, sse_stream
-from .protocol import CompletionRequest, completion_logprobs, usage_dict
+from .protocol import CompletionRequest, completion_logprobs
 from .serving_engine import OpenAIServing
 
 
@@ -20,10 +19,7 @@ class OpenAIServingCompletion:
         self.serving = serving
 
     async def create_completion(self, request: Request) -> Response:
-        req: CompletionRequest = await self.serving.read_json(request, CompletionRequest)
-        req.check_unsupported()
-        loop = self.serving.current()
-        self.serving.check_model(req.model, loop)
+        req, loop = await self.serving.open_request(request, CompletionRequest)
         if req.echo and req.logprobs is not None:
             raise APIError("echo: not supported together with logprobs (no prompt logprobs)", param="echo",
                            code="unsupported")
@@ -38,18 +34,10 @@ class OpenAIServingCompletion:
             lp = None
             if req.logprobs is not None and out.logprobs is not None:
                 lp = completion_logprobs(out.logprobs[:len(out.token_ids)], 0, req.logprobs)
-            c = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
-                 "stop_reason": out.stop_reason}
-            if req.return_token_ids:
-                c["token_ids"] = list(out.token_ids)
-            choices.append(c)
-        body = {"id": f"cmpl-{job.id_base}", "object": "text_completion", "created": int(time.time()),
-                "model": job.model_name, "choices": choices,
-                "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
-                                    job.cached_tokens())}
-        if req.return_token_ids:
-            body["prompt_token_ids"] = job.prompt_ids[0] if len(job.prompt_ids) == 1 else job.prompt_ids
-        return JSONResponse(body)
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                            "stop_reason": out.stop_reason})
+        return self.serving.final_response(job, req, f"cmpl-{job.id_base}", "text_completion", choices,
+                                           job.prompt_ids[0] if len(job.prompt_ids) == 1 else job.prompt_ids)
 
     @staticmethod
     def _echo_text(loop: EngineLoop, p) -> str:

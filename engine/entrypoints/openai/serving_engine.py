@@ -13,6 +13,7 @@ import uuid
 from typing import Any, Callable
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -23,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from .errors import APIError, engine_unavailable, server_overloaded, validation_error, value_error
 from .job import Job
 from .metrics import ServerMetrics
+from .protocol import usage_dict
 
 
 class OpenAIServing:
@@ -82,6 +84,14 @@ class OpenAIServing:
                            "(see GET /v1/models).", 404, "NotFoundError", param="model", code="model_not_found")
 
     # ---- request parsing ----------------------------------------------------------------------
+    async def open_request(self, request: Request, model_cls) -> tuple[Any, EngineLoop]:
+        """Parse and check a body, and pick the engine that will serve it (the model must be its model)."""
+        req = await self.read_json(request, model_cls)
+        req.check_unsupported()
+        loop = self.current()
+        self.check_model(req.model, loop)
+        return req, loop
+
     async def read_json(self, request: Request, model_cls):
         limit = self.max_body_bytes
         cl = request.headers.get("content-length")
@@ -235,6 +245,19 @@ class OpenAIServing:
             if not consumer.done():
                 consumer.cancel()
             job.abort_unfinished()
+
+    @staticmethod
+    def final_response(job: Job, req, id_: str, obj: str, choices: list[dict], prompt_token_ids) -> JSONResponse:
+        """The non-streaming body: choices (plus their token ids when asked), usage, prompt ids when asked."""
+        if req.return_token_ids:
+            for c, out in zip(choices, job.finals):
+                c["token_ids"] = list(out.token_ids)
+        body = {"id": id_, "object": obj, "created": int(time.time()), "model": job.model_name, "choices": choices,
+                "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
+                                    job.cached_tokens())}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_token_ids
+        return JSONResponse(body)
 
     # ---- /v1/models ---------------------------------------------------------------------------
     def show_available_models(self) -> dict:
