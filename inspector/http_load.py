@@ -148,22 +148,10 @@ class HttpLoadRunner(RunState):
                      http_status={str(k): v for k, v in self.status_counts.items()})   # JSON-safe keys
         return p
 
-    def summary(self) -> dict:
-        if self._summary is not None:
-            return self._summary
+    def _summary_extra(self) -> dict:
         with self._lock:
-            recs = list(self.records)
-        s = M.summarize(recs, slo=self.slo)
-        s["num_requests"] = len(self.items)
-        s["failed"] = self._failed
-        s["not_sent"] = len(self.items) - self._submitted
-        s["stopped"] = self._stop.is_set()
-        s["target"] = self.target.v1
-        s["model"] = self.model
-        s["http_status"] = {str(k): v for k, v in sorted(self.status_counts.items(), key=lambda kv: str(kv[0]))}
-        if self._done.is_set():
-            self._summary = s
-        return s
+            status = {str(k): v for k, v in sorted(self.status_counts.items(), key=lambda kv: str(kv[0]))}
+        return dict(target=self.target.v1, model=self.model, http_status=status)
 
     # ------------------------------------------------------------------ internals
     def _thread_main(self) -> None:

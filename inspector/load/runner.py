@@ -60,6 +60,22 @@ class RunState:
                         fraction=(self._finished + self._failed) / total if total else 1.0,
                         done=self._done.is_set(), stopped=self._stop.is_set(), errors=list(self.errors[-5:]))
 
+    def summary(self) -> dict:
+        """The run's metrics (metrics.summarize) and counts; frozen once the run is done."""
+        if self._summary is not None:
+            return self._summary
+        with self._lock:
+            recs = list(self.records)
+        s = M.summarize(recs, slo=self.slo)
+        s.update(num_requests=len(self.items), failed=self._failed, not_sent=len(self.items) - self._submitted,
+                 stopped=self._stop.is_set(), **self._summary_extra())
+        if self._done.is_set():
+            self._summary = s
+        return s
+
+    def _summary_extra(self) -> dict:
+        return {}
+
 
 class LoadRunner(RunState):
     """Simulated users driving `loop` (an EngineLoop: submit(prompt, params, request_id) -> stream).
@@ -111,20 +127,6 @@ class LoadRunner(RunState):
                 s.cancel()
             except Exception:
                 log.exception("cancel failed")
-
-    def summary(self) -> dict:
-        if self._summary is not None:
-            return self._summary
-        with self._lock:
-            recs = list(self.records)
-        s = M.summarize(recs, slo=self.slo)
-        s["num_requests"] = len(self.items)
-        s["failed"] = self._failed
-        s["not_sent"] = len(self.items) - self._submitted
-        s["stopped"] = self._stop.is_set()
-        if self._done.is_set():
-            self._summary = s
-        return s
 
     # ------------------------------------------------------------------ internals
     def _params(self, max_tokens: int):
