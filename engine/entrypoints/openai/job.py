@@ -200,3 +200,15 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._job.abort_unfinished()
+
+
+def stream_choice(index: int, out, logprobs, new_token_ids: list[int], return_token_ids: bool, **content) -> dict:
+    """One streamed choice: its content (`delta` or `text`), logprobs, finish_reason (stop_reason on the last
+    chunk) and, when asked, the chunk's token ids."""
+    choice = {"index": index, **content, "logprobs": logprobs,
+              "finish_reason": out.finish_reason if out.finished else None}
+    if out.finished:
+        choice["stop_reason"] = out.stop_reason
+    if return_token_ids:
+        choice["token_ids"] = new_token_ids
+    return choice

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, value_error
-from .job import Job, SSEResponse, sse_stream
+from .job import Job, SSEResponse, sse_stream, stream_choice
 from .protocol import ChatCompletionRequest, chat_logprobs
 from .serving_engine import OpenAIServing
 
@@ -68,10 +68,4 @@ class OpenAIServingChat:
                 started[i] = True
             if out.delta_text or "role" in delta:
                 delta["content"] = out.delta_text
-            choice = {"index": i, "delta": delta, "logprobs": lp,
-                      "finish_reason": out.finish_reason if out.finished else None}
-            if out.finished:
-                choice["stop_reason"] = out.stop_reason
-            if req.return_token_ids:
-                choice["token_ids"] = new
-            yield choice, gen
+            yield stream_choice(i, out, lp, new, req.return_token_ids, delta=delta), gen

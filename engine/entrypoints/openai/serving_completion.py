@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from engine.async_engine import EngineLoop
 
 from .errors import APIError
-from .job import Job, SSEResponse, sse_stream
+from .job import Job, SSEResponse, sse_stream, stream_choice
 from .protocol import CompletionRequest, completion_logprobs
 from .serving_engine import OpenAIServing
 
@@ -69,10 +69,4 @@ class OpenAIServingCompletion:
                 continue
             started[i] = True
             nchar[i] += len(out.delta_text)
-            choice = {"index": i, "text": text, "logprobs": lp,
-                      "finish_reason": out.finish_reason if out.finished else None}
-            if out.finished:
-                choice["stop_reason"] = out.stop_reason
-            if req.return_token_ids:
-                choice["token_ids"] = new
-            yield choice, gen
+            yield stream_choice(i, out, lp, new, req.return_token_ids, text=text), gen
