@@ -81,6 +81,10 @@ METHODS = {
     # adaptive draft length: a bad draft model's drafts get shortened / paused per request
     "draft-bad-adaptive": dict(speculative_method="draft", num_speculative_tokens=3, draft_model="draft",
                                adaptive=True),
+    # the small-batch path (fused linears) for drafts and for verify steps of up to 8 tokens
+    "self-gemv": dict(speculative_method="self", num_speculative_tokens=3, draft_layers=2, gemv_max_tokens=8),
+    "draft-bad-gemv": dict(speculative_method="draft", num_speculative_tokens=2, draft_model="draft",
+                           gemv_max_tokens=8),
 }
 SETUPS = {
     "alone": dict(n=1),
