@@ -13,7 +13,7 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
 from .kernels.ops import get_ops, pdl_supported
-from .model_runner import ModelRunner, kv_bytes_per_block
+from .model_runner import ModelRunner
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
 from .output_processor import OutputProcessor
@@ -22,6 +22,7 @@ from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .sizing import derive_max_model_len, derive_num_blocks
 from .timing import NullTimer, make_timer
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class LLMEngine(OutputProcessor):
         hf_cfg, weights, tok_folder = resolve(config.model)
         self.model_config = mcfg = ModelConfig.from_hf(hf_cfg)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.max_model_len = self._derive_max_model_len(mcfg)
+        self.max_model_len = derive_max_model_len(config, mcfg)
         spec_margin = config.num_speculative_tokens + 1 if config.speculative_method else 1
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
                                  max_pos=self.max_model_len + spec_margin, seed=config.seed)
@@ -70,7 +71,7 @@ class LLMEngine(OutputProcessor):
             (1 if self.kernels == "triton" else 0)
         self.model.gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
         self.tokenizer = load_tokenizer(tok_folder)
-        self.num_blocks = self._derive_num_blocks(mcfg)
+        self.num_blocks = derive_num_blocks(config, mcfg, self.device, self.dtype)
         self.block_size = config.block_size
         cap = (self.num_blocks - 1) * config.block_size
         if cap < self.max_model_len:
@@ -109,41 +110,6 @@ class LLMEngine(OutputProcessor):
             from .cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
             self.runner.graphs.capture()
-
-    # ---- construction helpers ------------------------------------------------------------------
-    def _derive_max_model_len(self, mcfg: ModelConfig) -> int:
-        cfg = self.config
-        if cfg.max_model_len is not None:
-            if cfg.max_model_len > mcfg.max_position_embeddings:
-                raise ValueError(f"EngineConfig.max_model_len: {cfg.max_model_len} exceeds the model's "
-                                 f"max_position_embeddings ({mcfg.max_position_embeddings})")
-            n = cfg.max_model_len
-        else:
-            n = min(mcfg.max_position_embeddings, 8192)
-        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < n:
-            if cfg.max_model_len is not None:
-                raise ValueError(f"EngineConfig.max_num_batched_tokens: {cfg.max_num_batched_tokens} < "
-                                 f"max_model_len ({n}) with chunked prefill off: a long prompt could never run")
-            n = cfg.max_num_batched_tokens
-        return n
-
-    def _derive_num_blocks(self, mcfg: ModelConfig) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(mcfg, cfg.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            reserve = cfg.max_num_batched_tokens * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 \
-                + cfg.max_num_seqs * mcfg.vocab_size * 4 * 3 + (1 << 30)
-            budget = int(free * cfg.gpu_memory_utilization) - reserve
-        else:
-            budget = int(cfg.cpu_kv_cache_gib * (1 << 30))
-        n = budget // per_block
-        if n < 2:
-            raise ValueError(f"EngineConfig: the KV memory budget ({budget / 2**20:.0f} MiB) holds fewer than "
-                             f"2 blocks of {per_block / 2**20:.2f} MiB")
-        return int(n)
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -1,0 +1,44 @@
+"""How big the engine is: the longest sequence it admits and the number of KV blocks in its pool."""
+from __future__ import annotations
+
+import torch
+
+from .config import EngineConfig
+from .model_runner import kv_bytes_per_block
+from .models.config import ModelConfig
+
+
+def derive_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+    """The longest sequence the engine admits: max_model_len, or the model's limit (capped at 8192)."""
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len: {cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({mcfg.max_position_embeddings})")
+        n = cfg.max_model_len
+    else:
+        n = min(mcfg.max_position_embeddings, 8192)
+    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < n:
+        if cfg.max_model_len is not None:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens: {cfg.max_num_batched_tokens} < "
+                             f"max_model_len ({n}) with chunked prefill off: a long prompt could never run")
+        n = cfg.max_num_batched_tokens
+    return n
+
+
+def derive_num_blocks(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """KV blocks in the pool: num_kv_blocks, or what the memory budget holds (free GPU memory, or the CPU size)."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        reserve = cfg.max_num_batched_tokens * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 \
+            + cfg.max_num_seqs * mcfg.vocab_size * 4 * 3 + (1 << 30)
+        budget = int(free * cfg.gpu_memory_utilization) - reserve
+    else:
+        budget = int(cfg.cpu_kv_cache_gib * (1 << 30))
+    n = budget // per_block
+    if n < 2:
+        raise ValueError(f"EngineConfig: the KV memory budget ({budget / 2**20:.0f} MiB) holds fewer than "
+                         f"2 blocks of {per_block / 2**20:.2f} MiB")
+    return int(n)
