@@ -134,8 +134,7 @@ def main():
             row["heuristic_cfg"] = gemv_config(M, N, K)
             rows.append(row)
             print(row, flush=True)
-        rows_sweep = sweep
-        rows.append(dict(shape=name, sweep=rows_sweep[:12]))
+        rows.append(dict(shape=name, sweep=sweep[:12]))
         del x, ws
         torch.cuda.empty_cache()
     out = dict(device=dev, ceilings=ceil, best=best, rows=rows, seconds=time.time() - t0)

@@ -174,9 +174,7 @@ class HttpLoadRunner(RunState):
         conc = spec.max_concurrency
         sem = asyncio.Semaphore(conc) if conc else None
         turns = max(1, spec.num_turns)
-        by_user: dict[int, list[LoadItem]] = {}
-        for it in self.items:
-            by_user.setdefault(it.user, []).append(it)
+        by_user = self.items_by_user()
         limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc or 64)
         timeout = httpx.Timeout(self.target.timeout_s, connect=30.0)
         t0 = self._t_start or time.perf_counter()

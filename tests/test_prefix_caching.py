@@ -11,6 +11,7 @@ from engine.block_manager import BlockManager
 from engine.events import RequestEvent, StepEvent
 from engine.sequence import Sequence
 from test_block_accounting import check_invariants
+from test_engine import run as run_all
 
 SYSTEM = ("You are Atlas, a meticulous assistant for a small public library. You answer questions about opening "
           "hours, borrowing rules, late fees, the children's reading programme, interlibrary loans and the "
@@ -22,13 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 def run(eng, prompts, params=GREEDY):
-    ids = [eng.add_request(p, params) for p in prompts]
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return [outs[i] for i in ids]
+    return run_all(eng, prompts, [params] * len(prompts))
 
 
 @pytest.fixture(scope="module")

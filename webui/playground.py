@@ -13,6 +13,14 @@ from webui.render import logprobs_rows, request_stats_md
 log = logging.getLogger("kvscope.app")
 
 
+def _check_text(field: str, text, empty_msg: str) -> None:
+    """A typed prompt or message: not blank, at most MAX_PROMPT_CHARS (the error names the field and limit)."""
+    if not text or not str(text).strip():
+        raise ValueError(f"{field}: {empty_msg}")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(f"{field}: too long ({len(text)} characters; at most {MAX_PROMPT_CHARS})")
+
+
 def playground_tab(host: EngineHost) -> None:
     with gr.Tab("Playground", id="playground"):
         with gr.Row():
@@ -90,10 +98,7 @@ def playground_tab(host: EngineHost) -> None:
         def chat_fn(message, history, system_prompt, *samp, request: gr.Request = None):
             history = list(history or [])
             try:
-                if not message or not str(message).strip():
-                    raise ValueError("message: please type a message first")
-                if len(message) > MAX_PROMPT_CHARS:
-                    raise ValueError(f"message: too long ({len(message)} characters; at most {MAX_PROMPT_CHARS})")
+                _check_text("message", message, "please type a message first")
                 params = make_sampling_params(*samp, max_model_len=max_model_len(host))
                 loop = host.require_loop()
                 msgs = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
@@ -118,10 +123,7 @@ def playground_tab(host: EngineHost) -> None:
 
         def complete_fn(prompt, *samp, request: gr.Request = None):
             try:
-                if not prompt or not str(prompt).strip():
-                    raise ValueError("prompt: please enter a prompt first")
-                if len(prompt) > MAX_PROMPT_CHARS:
-                    raise ValueError(f"prompt: too long ({len(prompt)} characters; at most {MAX_PROMPT_CHARS})")
+                _check_text("prompt", prompt, "please enter a prompt first")
                 params = make_sampling_params(*samp, max_model_len=max_model_len(host))
             except (ValueError, EngineUnavailable) as e:
                 raise gr.Error(str(e), duration=8)

@@ -60,6 +60,13 @@ class RunState:
                         fraction=(self._finished + self._failed) / total if total else 1.0,
                         done=self._done.is_set(), stopped=self._stop.is_set(), errors=list(self.errors[-5:]))
 
+    def items_by_user(self) -> dict[int, list[LoadItem]]:
+        """The workload per simulated user, turns in order (multi-turn chats resend each user's history)."""
+        by_user: dict[int, list[LoadItem]] = {}
+        for it in self.items:
+            by_user.setdefault(it.user, []).append(it)
+        return by_user
+
     def summary(self) -> dict:
         """The run's metrics (metrics.summarize) and counts; frozen once the run is done."""
         if self._summary is not None:
@@ -142,9 +149,7 @@ class LoadRunner(RunState):
         conc = spec.max_concurrency
         sem = threading.Semaphore(conc) if conc else None
         turns = max(1, spec.num_turns)
-        by_user: dict[int, list[LoadItem]] = {}
-        for it in self.items:
-            by_user.setdefault(it.user, []).append(it)
+        by_user = self.items_by_user()
         history: dict[int, list[int]] = {u: list(self.prefix) for u in by_user}
         heap: list[tuple[float, int, LoadItem]] = []
         t0 = self._t_start or time.perf_counter()
