@@ -136,7 +136,9 @@ def parse_args(argv=None):
 
 
 def config_from_args(args) -> EngineConfig:
-    kw: dict[str, Any] = {"model": args.model or None, "device": args.device}
+    # the app schedules by priority, so a person's Playground turn (priority -1) gets ahead of simulated
+    # users (0); --set scheduling_policy=fcfs restores the engine's default
+    kw: dict[str, Any] = {"model": args.model or None, "device": args.device, "scheduling_policy": "priority"}
     kinds = {n: k for n, k, _ in config_field_specs()}
     for item in args.set:
         if "=" not in item:

@@ -161,6 +161,8 @@ def main():
         rows.append(dict(bench="throughput", config="kvscope (defaults)", seconds=dt, out_tokens=n, tok_s=base,
                          roofline_ms=floor * 1e3, pct_roofline=100 * floor / dt))
         try:
+            if args.hf_requests <= 0:
+                raise RuntimeError("skipped (--hf-requests 0)")
             hf = bench_hf(prompts, args.hf_requests, args.hf_new_tokens)
             hf["ratio"] = base / hf["tok_s"]
             rows.append(hf)

@@ -1,13 +1,19 @@
 """Serving benchmark over HTTP, `vllm bench serve` style: seeded Poisson (gamma) arrivals of random
-token-id prompts sent as streaming /v1/completions to an OpenAI-compatible server; TTFT / TPOT / ITL /
-E2EL measured over the wire, plus the server's own engine-stamped TTFT/E2EL from its /metrics.
+token-id prompts sent as streaming /v1/completions to OpenAI-compatible servers; TTFT / TPOT / ITL /
+E2EL measured over the wire, plus a kvscope server's own engine-stamped TTFT/E2EL from its /metrics.
 
     # launch kvscope's server (bundled SmolLM2 on CPU) in a subprocess and benchmark it
     python benchmarks/bench_serve.py --device cpu --num-prompts 32 --request-rate 2
     # or point it at any running OpenAI-compatible server (kvscope, vLLM, ...)
     python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 --request-rate inf --max-concurrency 8
+    # side by side, one invocation: the serving suite (512 prompts at once; 400 at 24 req/s) against a
+    # running vLLM, a launched kvscope server and kvscope's offline LLM.generate on the same requests
+    python benchmarks/bench_serve.py --suite serving --model dummy:llama-3.2-1b --device cuda \
+        --target vllm=http://127.0.0.1:8002 --target kvscope=launch --target offline=offline
 
-Prints the table and writes benchmarks/results/serve_<name>.json.
+Targets run one after the other (`--launch NAME='shell command'` starts a server before NAME's runs and
+stops it after, so servers never share the GPU). Prints a table per run, then the side-by-side table,
+and writes benchmarks/results/serve_<name>.json.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from benchmarks.common import RESULTS, slug, write_json  # noqa: E402
+from benchmarks.common import RESULTS, print_table, slug, write_json  # noqa: E402
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress  # noqa: E402
 from inspector.load import LengthDist, LoadSpec  # noqa: E402
 
@@ -51,9 +57,25 @@ def parse_args(argv=None):
     ap.add_argument("--range-ratio", type=float, default=0.0,
                     help="lengths uniform in [len*(1-r), len*(1+r)]; 0 = fixed")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-size", type=int, default=32000,
+                    help="random prompt ids below this (the same prompts on every server)")
     ap.add_argument("--name", default=None, help="result file suffix (default: derived from the run)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
+    ap.add_argument("--suite", choices=sorted(SUITES), default=None,
+                    help="run these workloads (overrides --num-prompts/--request-rate/lengths)")
+    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL|launch[:ARGS]|offline",
+                    help="a server to benchmark (repeatable, run in order): a URL, 'launch' (kvscope's server, "
+                         "started here; 'launch:--a=1,--b=2' adds server arguments) or 'offline' (kvscope's "
+                         "LLM.generate on the same requests, in process)")
+    ap.add_argument("--pyspy", default=None, metavar="DIR",
+                    help="record a launched kvscope server with py-spy during each run (collapsed stacks in DIR)")
+    ap.add_argument("--launch", action="append", default=[], metavar="NAME=COMMAND",
+                    help="shell command that starts target NAME's server (stopped after its runs)")
     return ap.parse_args(argv)
+
+
+# The workloads of the serving issue: (name, num_prompts, request_rate, input_len, output_len, range_ratio)
+SUITES = {"serving": [("burst", 512, math.inf, 512, 256, 0.5), ("rate24", 400, 24.0, 512, 256, 0.5)]}
 
 
 # ------------------------------------------------------------------------------------------ server
@@ -174,78 +196,237 @@ def print_report(s: dict, wall: float, args, srv: dict) -> None:
     print("=" * w)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    proc = None
-    try:
-        if args.base_url:
-            url = args.base_url
-        else:
-            proc, url, _ = launch_server(args)
-        target = HttpTarget(url, model=args.model if args.base_url else None, api_key=args.api_key)
-        spec = LoadSpec(name="bench_serve", num_requests=args.num_prompts, rate=args.request_rate,
-                        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                        prompt_len=_lengths(args.input_len, args.range_ratio),
-                        output_len=_lengths(args.output_len, args.range_ratio), seed=args.seed,
-                        temperature=0.0, ignore_eos=True)
-        # warm-up: one short request, not counted
-        warm = HttpLoadRunner(target, LoadSpec(name="warmup", num_requests=1, rate=math.inf,
-                                               prompt_len=LengthDist("fixed", 16, 16),
-                                               output_len=LengthDist("fixed", 4, 4), seed=args.seed + 999))
-        warm.start().wait(120)
-        if warm.errors:
-            raise SystemExit(f"warm-up request failed: {warm.errors}")
-        before = scrape(url)
-        load_before = os.getloadavg()[0]
-        runner = HttpLoadRunner(target, spec)
-        print(f"benchmarking {runner.model} at {target.v1}: {args.num_prompts} prompts, rate "
-              f"{args.request_rate:g} req/s, burstiness {args.burstiness:g}, input {args.input_len}, "
-              f"output {args.output_len}, seed {args.seed}", flush=True)
-        t0 = time.perf_counter()
-        runner.start()
-        while not runner.wait(5.0):
-            print("  " + format_progress(runner.progress()), flush=True)
-            if time.perf_counter() - t0 > args.timeout:
-                runner.stop()
-                runner.wait(30)
-                break
-        wall = time.perf_counter() - t0
-        load_after = os.getloadavg()[0]
-        after = scrape(url)
-        s = runner.summary()
-        srv = server_side(before, after)
-        print_report(s, wall, args, srv)
-        print(f"machine load average (1 min): {load_before:.2f} before, {load_after:.2f} after, "
-              f"{os.cpu_count()} cores (other processes share these cores)")
-        if runner.errors:
-            print(f"{len(runner.errors)} errors, e.g. {runner.errors[:3]}")
-        cpu = "cpu"
+def workloads(args) -> list[argparse.Namespace]:
+    """The runs to make against every target: the suite's, or the one the flags describe."""
+    if args.suite:
+        return [argparse.Namespace(**{**vars(args), "name": n, "num_prompts": k, "request_rate": r, "input_len": i,
+                                      "output_len": o, "range_ratio": rr})
+                for n, k, r, i, o, rr in SUITES[args.suite]]
+    return [args]
+
+
+def parse_targets(args) -> list[tuple[str, str]]:
+    """[(name, URL | 'launch' | 'offline')]; without --target: --base-url, else a launched kvscope server."""
+    if not args.target:
+        return [("target", args.base_url)] if args.base_url else [("kvscope", "launch")]
+    out = []
+    for t in args.target:
+        name, sep, value = t.partition("=")
+        if not sep or not name or not (value in ("launch", "offline") or value.startswith(("launch:", "http://", "https://"))):
+            raise SystemExit(f"--target: expected NAME=URL|launch|offline (got {t!r})")
+        out.append((name, value))
+    return out
+
+
+def start_command(name: str, cmd: str, url: str) -> subprocess.Popen:
+    """Start another server (`--launch`) in its own process group and wait until it lists its models."""
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_serve_{slug(name)}.log"
+    print(f"launching {name}: {cmd}  (log: {log_path})", flush=True)
+    proc = subprocess.Popen(cmd, shell=True, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    t_end = time.monotonic() + 600
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited ({proc.returncode}); see {log_path}:\n{log_path.read_text()[-2000:]}")
         try:
-            cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1).strip()
-        except Exception:  # noqa: BLE001
+            if httpx.get(url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
             pass
-        name = args.name or slug(f"{runner.model}-{args.device if not args.base_url else 'remote'}-"
-                                 f"r{args.request_rate:g}-n{args.num_prompts}")
-        records = [dict(request_id=r.request_id, prompt_len=r.prompt_len, output_len=r.output_len,
-                        ttft_ms=None if r.metrics.ttft is None else 1000 * r.metrics.ttft,
-                        e2el_ms=None if r.metrics.e2e is None else 1000 * r.metrics.e2e,
-                        num_chunks=len(r.metrics.token_times)) for r in runner.records]
-        path = write_json(f"serve_{name}", {
-            "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
-            "target": target.v1, "model": runner.model, "launched": proc is not None,
-            "client_host": f"{platform.node()} / {cpu} / {os.cpu_count()} cores", "duration_s": wall,
+        time.sleep(1)
+    stop_process(proc)
+    raise SystemExit(f"{name} did not answer /v1/models in 600 s; see {log_path}")
+
+
+def stop_process(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, 15)
+    except (ProcessLookupError, PermissionError):
+        proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait(10)
+
+
+def _spec(w) -> LoadSpec:
+    return LoadSpec(name="bench_serve", num_requests=w.num_prompts, rate=w.request_rate, burstiness=w.burstiness,
+                    max_concurrency=w.max_concurrency, prompt_len=_lengths(w.input_len, w.range_ratio),
+                    output_len=_lengths(w.output_len, w.range_ratio), seed=w.seed, temperature=0.0, ignore_eos=True)
+
+
+def start_pyspy(pid: int, out: Path) -> subprocess.Popen:
+    """py-spy sampling every thread of `pid` (idle ones too, so waits show) until stopped with SIGINT."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+                             "--threads", "--idle", "--nonblocking", "--subprocesses", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def run_http(w, url: str, model: str | None, profile_pid: int | None = None, profile_out: Path | None = None
+             ) -> dict:
+    """One workload against one server: the report, and the result record."""
+    target = HttpTarget(url, model=model, api_key=w.api_key)
+    # warm-up: one short request, not counted
+    warm = HttpLoadRunner(target, LoadSpec(name="warmup", num_requests=1, rate=math.inf,
+                                           prompt_len=LengthDist("fixed", 16, 16),
+                                           output_len=LengthDist("fixed", 4, 4), seed=w.seed + 999),
+                          vocab_size=w.vocab_size)
+    warm.start().wait(120)
+    if warm.errors:
+        raise SystemExit(f"warm-up request failed: {warm.errors}")
+    before = scrape(url)
+    load_before = os.getloadavg()[0]
+    runner = HttpLoadRunner(target, _spec(w), vocab_size=w.vocab_size)
+    print(f"benchmarking {runner.model} at {target.v1}: {w.num_prompts} prompts, rate {w.request_rate:g} req/s, "
+          f"burstiness {w.burstiness:g}, input {w.input_len}, output {w.output_len}, seed {w.seed}", flush=True)
+    spy = start_pyspy(profile_pid, profile_out) if profile_pid else None
+    t0 = time.perf_counter()
+    runner.start()
+    while not runner.wait(5.0):
+        print("  " + format_progress(runner.progress()), flush=True)
+        if time.perf_counter() - t0 > w.timeout:
+            runner.stop()
+            runner.wait(30)
+            break
+    wall = time.perf_counter() - t0
+    if spy is not None:
+        spy.send_signal(2)
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+    load_after = os.getloadavg()[0]
+    s = runner.summary()
+    srv = server_side(before, scrape(url))
+    print_report(s, wall, w, srv)
+    print(f"machine load average (1 min): {load_before:.2f} before, {load_after:.2f} after, "
+          f"{os.cpu_count()} cores (other processes share these cores)")
+    if runner.errors:
+        print(f"{len(runner.errors)} errors, e.g. {runner.errors[:3]}")
+    records = [dict(request_id=r.request_id, prompt_len=r.prompt_len, output_len=r.output_len,
+                    ttft_ms=None if r.metrics.ttft is None else 1000 * r.metrics.ttft,
+                    e2el_ms=None if r.metrics.e2e is None else 1000 * r.metrics.e2e,
+                    num_chunks=len(r.metrics.token_times)) for r in runner.records]
+    gaps = sorted(((b - a) * 1e3, a - t0, r.request_id) for r in runner.records
+                  for a, b in zip(r.metrics.token_times, r.metrics.token_times[1:]))
+    itl_tail = {"over_10ms": sum(g > 10 for g, _, _ in gaps), "over_15ms": sum(g > 15 for g, _, _ in gaps),
+                "n": len(gaps), "largest": [dict(ms=round(g, 2), at_s=round(t, 3), request=rid)
+                                            for g, t, rid in gaps[-15:]]}
+    return {"target": target.v1, "model": runner.model, "duration_s": wall, "itl_tail": itl_tail,
+            "output_tok_s": s["output_tokens"] / wall, "completed": s["completed"],
             "load_average_1min": {"before": load_before, "after": load_after},
             "summary": {k: v for k, v in s.items() if k != "slo"}, "server_side": srv,
-            "http_status": s.get("http_status"), "errors": runner.errors[:20], "requests": records})
-        print(f"wrote {path}")
-        return s
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            "http_status": s.get("http_status"), "errors": runner.errors[:20], "requests": records}
+
+
+def run_offline(w, args) -> dict:
+    """kvscope's LLM.generate on the same requests (the workload's arrival times are ignored: all at once)."""
+    from engine import LLM, SamplingParams
+    from inspector.load import build_workload
+    cfg = {a.split("=", 1)[0].lstrip("-").replace("-", "_"): a.split("=", 1)[1] for a in args.server_arg if "=" in a}
+    llm = LLM(args.model, device=args.device, **{k: _num(v) for k, v in cfg.items()})
+    prefix, items = build_workload(_spec(w), w.vocab_size, ())
+    prompts = [prefix + it.new_tokens for it in items]
+    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True) for it in items]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)          # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    print(f"offline LLM.generate: {len(outs)} requests, {n_out} output tokens in {wall:.2f} s = "
+          f"{n_out / wall:.0f} tok/s", flush=True)
+    llm.engine.close()
+    return {"target": "LLM.generate", "model": args.model, "duration_s": wall, "output_tok_s": n_out / wall,
+            "completed": len(outs), "summary": {"output_tokens": n_out, "prompt_tokens": sum(map(len, prompts))}}
+
+
+def _num(v: str):
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
+
+
+def side_by_side(results: list[dict]) -> list[dict]:
+    """One row per metric, one column per (target, workload)."""
+    cols = [f"{r['name']}/{r['workload']}" for r in results]
+    rows = [{"metric": "output tok/s", **{c: r["output_tok_s"] for c, r in zip(cols, results)}}]
+    for key in ("TTFT", "TPOT", "ITL", "E2EL"):
+        for stat in ("mean", "p50", "p99"):
+            rows.append({"metric": f"{key} {stat} (ms)",
+                         **{c: (r["summary"].get(key) or {}).get(stat) for c, r in zip(cols, results)}})
+    rows.append({"metric": "server mean TTFT (ms, /metrics)",
+                 **{c: (r.get("server_side") or {}).get("ttft_ms") for c, r in zip(cols, results)}})
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    runs = workloads(args)
+    launches = dict(x.split("=", 1) for x in args.launch)
+    results, failed = [], {}
+    for name, value in parse_targets(args):
+        proc = None
+        try:
+            if value.startswith("launch"):
+                extra = [a for a in value.partition(":")[2].split(",") if a]
+                largs = argparse.Namespace(**{**vars(args), "num_prompts": max(w.num_prompts for w in runs),
+                                              "server_arg": args.server_arg + extra})
+                proc, url, _ = launch_server(largs)
+            elif value != "offline":
+                url = value
+                if name in launches:
+                    proc = start_command(name, launches[name], url)
+            for w in runs:
+                print(f"==== {name} · {w.name or 'run'} ====", flush=True)
+                if value == "offline":
+                    if not math.isinf(w.request_rate):
+                        continue                  # offline has no arrival process: only the burst compares
+                    r = run_offline(w, args)
+                else:
+                    prof = dict(profile_pid=proc.pid, profile_out=Path(args.pyspy) / f"{slug(name)}_{w.name or 'run'}.txt") \
+                        if args.pyspy and value.startswith("launch") else {}
+                    r = run_http(w, url, args.model if not value.startswith("launch") and not args.target else None,
+                                 **prof)
+                results.append({"name": name, "workload": w.name or "run", **r})
+        except (Exception, SystemExit) as e:      # one target failing keeps the others' results
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"target {name} failed: {failed[name]}", flush=True)
+        finally:
+            _stop_launched(proc) if value.startswith("launch") else stop_process(proc)
+    if not results:
+        raise SystemExit(f"every target failed: {failed}")
+    print(f"{' side by side ':=^50}")
+    rows = side_by_side(results)
+    print_table(rows, ["metric"] + [f"{r['name']}/{r['workload']}" for r in results])
+    cpu = "cpu"
+    try:
+        cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1).strip()
+    except Exception:  # noqa: BLE001
+        pass
+    name = args.name or slug(f"{args.suite or ''}-{'-'.join(n for n, _ in parse_targets(args))}-"
+                             f"{args.device}-r{args.request_rate:g}-n{args.num_prompts}")
+    path = write_json(f"serve_{name}", {
+        "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
+        "client_host": f"{platform.node()} / {cpu} / {os.cpu_count()} cores", "side_by_side": rows,
+        "results": results, "failed": failed})
+    print(f"wrote {path}")
+    return results
+
+
+def _stop_launched(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """EngineLoop: runs an LLMEngine on a background thread; thread-safe submit / stream / cancel.
 
-The loop thread owns the engine. Other threads validate and enqueue requests (`submit`), which the loop
-admits between steps; each request's outputs go to its own `RequestStream`, iterable synchronously or
-with `async for`.
+The loop thread owns the engine. Other threads validate and enqueue requests (`submit`, `submit_many`)
+without ever waiting for an engine step: the inbox has its own short lock, and the loop admits whatever
+arrived at the start of its next step. Each request's outputs go to its own `RequestStream`, iterable
+synchronously or with `async for`; outputs bound for asyncio consumers are handed over once per step and
+event loop (one `call_soon_threadsafe` for the whole batch, not one per request).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
+import time
+from collections import deque
 from typing import Iterator
 
 from .config import EngineConfig
@@ -21,31 +24,60 @@ log = logging.getLogger(__name__)
 _END = object()
 
 
+def _put_many(items: list) -> None:
+    """On an asyncio loop: hand one step's items to their sinks (asyncio.Queue-like `put_nowait`)."""
+    for sink, item in items:
+        sink.put_nowait(item)
+
+
 class RequestStream:
+    """One request's outputs, in order; any number of sync iterators and asyncio subscribers."""
+
     def __init__(self, loop: "EngineLoop", request_id: str):
         self.loop = loop
         self.request_id = request_id
-        self._q: queue.Queue = queue.Queue()
-        self._aio: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._mu = threading.Condition(threading.Lock())
+        self._items: list = []                 # everything delivered so far (replayed to late readers)
+        self._sinks: list[tuple[asyncio.AbstractEventLoop, object]] = []
         self.final: RequestOutput | None = None
         self.error: BaseException | None = None
         self._done = threading.Event()
 
     # called on the engine thread
-    def _put(self, item) -> None:
+    def _put(self, item, batches: dict | None = None) -> None:
+        """Deliver `item`. With `batches` ({event loop: [(sink, item)]}) asyncio hand-overs are collected for
+        the caller to flush once per step; without, each is scheduled at once."""
         if isinstance(item, RequestOutput) and item.finished:
             self.final = item
         if isinstance(item, BaseException):
             self.error = item
-        self._q.put(item)
-        for aloop, aq in self._aio:
-            aloop.call_soon_threadsafe(aq.put_nowait, item)
+        with self._mu:
+            self._items.append(item)
+            self._mu.notify_all()
+            sinks = list(self._sinks)
+        for aloop, sink in sinks:
+            if batches is not None:
+                batches.setdefault(aloop, []).append((sink, item))
+            else:
+                _call_soon(aloop, _put_many, [(sink, item)])
         if item is _END:
             self._done.set()
 
+    def subscribe(self, aloop: asyncio.AbstractEventLoop, sink) -> list:
+        """Follow this stream on `aloop`: returns what already arrived; later items go to
+        `sink.put_nowait(item)` on that loop (the end marker is an object that is not a RequestOutput)."""
+        with self._mu:
+            self._sinks.append((aloop, sink))
+            return list(self._items)
+
     def __iter__(self) -> Iterator[RequestOutput]:
+        i = 0
         while True:
-            item = self._q.get()
+            with self._mu:
+                while i >= len(self._items):
+                    self._mu.wait()
+                item = self._items[i]
+            i += 1
             if item is _END:
                 return
             if isinstance(item, BaseException):
@@ -54,12 +86,7 @@ class RequestStream:
 
     async def __aiter__(self):
         aq: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-        # replay what already arrived, then follow live
-        with self.loop._lock:
-            pending = list(self._q.queue)
-            self._aio.append((aloop, aq))
-        for item in pending:
+        for item in self.subscribe(asyncio.get_running_loop(), aq):
             aq.put_nowait(item)
         while True:
             item = await aq.get()
@@ -85,17 +112,28 @@ class RequestStream:
         return self.final
 
 
+def _call_soon(aloop: asyncio.AbstractEventLoop, fn, arg) -> None:
+    try:
+        aloop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:        # that event loop is closed: its readers are gone
+        pass
+
+
 class EngineLoop:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **overrides):
         self.engine = engine if engine is not None else LLMEngine(config, **overrides)
-        self._lock = threading.RLock()          # guards the inbox and engine state reads
-        self._wake = threading.Condition(self._lock)
-        self._inbox: list = []                  # ("add", seq, stream) | ("abort", rid)
+        # Two locks. `_lock` guards engine state: the loop thread holds it for a whole step, and readers
+        # (stats, kv_snapshot, call) take it between steps. `_inbox_lock` guards the inbox and the stream
+        # registry and is only ever held for a few list operations, so submitting never waits for a step.
+        self._lock = threading.RLock()
+        self._inbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: deque = deque()            # ("add", seq) | ("abort", rid) | ("call", (fn, box, done))
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
         self._ids = 0
-        self._pending_admissions = 0
+        self._pending_admissions = 0            # submitted, not yet in the engine's waiting queue
         self.error: BaseException | None = None
 
     @property
@@ -115,43 +153,65 @@ class EngineLoop:
         self.shutdown()
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestStream:
-        """Validate (raises ValueError / EngineOverloaded at once) and queue a request."""
+               request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Validate (raises ValueError / EngineOverloaded at once) and queue a request. `arrival_time`
+        (time.perf_counter()) is when the caller received it; default: now, before tokenization."""
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        return self.submit_many([(prompt, params, request_id)], arrival)[0]
+
+    def submit_many(self, requests: list[tuple], arrival_time: float | None = None) -> list[RequestStream]:
+        """Queue several (prompt, params, request_id or None) at once, all or none: every one is validated
+        (and tokenized) first, then the capacity check and the enqueue are one critical section."""
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
         if self._stop:
             raise RuntimeError("engine loop is shut down")
-        with self._lock:
-            if request_id is None:
-                self._ids += 1
-                request_id = f"loop-{self._ids}"
-            if request_id in self._streams:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
-            limit = self.engine.config.max_waiting_requests
-            if limit is not None and len(self.engine.scheduler.waiting) + self._pending_admissions >= limit:
-                raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests)")
-        seq = self.engine.make_sequence(prompt, params, request_id)
-        stream = RequestStream(self, request_id)
-        with self._lock:
-            self._streams[request_id] = stream
-            self._inbox.append(("add", seq))
-            self._pending_admissions += 1
-            self._wake.notify()
-        return stream
+        seqs = [self.engine.make_sequence(p, sp, rid if rid is not None else "pending", arrival)
+                for p, sp, rid in requests]
+        limit = self.engine.config.max_waiting_requests
+        streams = []
+        with self._inbox_lock:
+            if self._stop:
+                raise RuntimeError("engine loop is shut down")
+            if limit is not None:
+                queued = len(self.engine.scheduler.waiting) + self._pending_admissions
+                if queued + len(seqs) > limit:
+                    raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests; "
+                                           f"{queued} queued, {len(seqs)} new)")
+            for seq, (_, _, rid) in zip(seqs, requests):
+                if rid is None:
+                    self._ids += 1
+                    seq.request_id = f"loop-{self._ids}"
+            ids = [s.request_id for s in seqs]
+            dup = next((r for r in ids if r in self._streams), None)
+            if dup is None and len(set(ids)) < len(ids):
+                dup = next(r for r in ids if ids.count(r) > 1)
+            if dup is not None:
+                raise ValueError(f"request_id: {dup!r} is already in use")
+            for seq in seqs:
+                stream = RequestStream(self, seq.request_id)
+                self._streams[seq.request_id] = stream
+                self._inbox.append(("add", seq))
+                streams.append(stream)
+            self._pending_admissions += len(seqs)
+            self.engine.arrivals_pending = True       # no new multi-step block queued ahead of them
+        self._wake.set()
+        return streams
 
     def generate(self, prompt, params: SamplingParams | None = None, timeout: float | None = None) -> RequestOutput:
         return self.submit(prompt, params).result(timeout)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._inbox_lock:
             self._inbox.append(("abort", request_id))
-            self._wake.notify()
+        self._wake.set()
 
     def call(self, fn, timeout: float | None = 30.0):
         """Run fn(engine) on the engine thread between steps and return its result."""
         box: dict = {}
         done = threading.Event()
-        with self._lock:
+        with self._inbox_lock:
             self._inbox.append(("call", (fn, box, done)))
-            self._wake.notify()
+        self._wake.set()
         if not done.wait(timeout):
             raise TimeoutError("engine call timed out")
         if "error" in box:
@@ -161,8 +221,18 @@ class EngineLoop:
     def stats(self) -> dict:
         with self._lock:
             s = self.engine.stats()
-            s["num_waiting"] += self._pending_admissions
-            return s
+        s["num_waiting"] += self._pending_admissions
+        return s
+
+    def metrics_snapshot(self) -> dict:
+        """engine.stats() without waiting for the step in progress (plain reads of ints and lengths): what
+        /metrics reports, so a scrape never waits on the engine."""
+        s = self.engine.stats()
+        s["num_waiting"] += self._pending_admissions
+        return s
+
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
 
     def kv_snapshot(self) -> dict:
         with self._lock:
@@ -171,31 +241,34 @@ class EngineLoop:
     def profile_step(self, timeout: float = 60.0) -> list[dict] | None:
         """Profile the next step that runs (needs load) and return its per-kernel table."""
         self.call(lambda e: e.profile_step(), timeout)
-        import time
         t_end = time.time() + timeout
         while self.engine._profile_next and time.time() < t_end:
             time.sleep(0.05)
         return self.engine.last_profile
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._lock:
+        with self._inbox_lock:
             self._stop = True
-            self._wake.notify()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        for stream in list(self._streams.values()):
+        with self._inbox_lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
             stream._put(RuntimeError("engine shut down"))
             stream._put(_END)
-        self._streams.clear()
 
     # ---- the loop thread -----------------------------------------------------------------------
     def _drain_inbox(self) -> None:
-        with self._lock:
-            items, self._inbox = self._inbox, []
+        with self._inbox_lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+            self.engine.arrivals_pending = False
+        added = 0
         for kind, arg in items:
             if kind == "add":
-                with self._lock:
-                    self._pending_admissions -= 1
+                added += 1
                 try:
                     self.engine.add_sequence(arg)
                 except Exception as e:  # overloaded or duplicate: tell the one caller, keep serving
@@ -211,31 +284,41 @@ class EngineLoop:
                 except Exception as e:
                     box["error"] = e
                 done.set()
+        if added:
+            with self._inbox_lock:
+                self._pending_admissions -= added
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict = {}
+        ended = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream._put(out)
+            stream._put(out, batches)
             if out.finished:
-                stream._put(_END)
-                with self._lock:
-                    self._streams.pop(out.request_id, None)
+                stream._put(_END, batches)
+                ended.append(out.request_id)
+        if ended:
+            with self._inbox_lock:
+                for rid in ended:
+                    self._streams.pop(rid, None)
+        for aloop, items in batches.items():
+            _call_soon(aloop, _put_many, items)
 
     def _close(self, request_id: str, err: BaseException) -> None:
-        stream = self._streams.pop(request_id, None)
+        with self._inbox_lock:
+            stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream._put(err)
             stream._put(_END)
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stop and not self._inbox and not self.engine.has_unfinished_requests():
-                    self._wake.wait(0.5)
-                if self._stop:
-                    break
+        while not self._stop:
+            if not self._inbox and not self.engine.has_unfinished_requests():
+                self._wake.wait(0.5)
+                self._wake.clear()              # anything queued before this is seen by the check above
+                continue
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
                 continue
@@ -245,9 +328,10 @@ class EngineLoop:
             except Exception as e:  # a failing step must not strand callers: fail its requests, go on
                 log.exception("engine step failed")
                 self.error = e
-                for rid in list(self.engine.seqs):
-                    self.engine.abort_request(rid)
-                    self._close(rid, RuntimeError(f"engine step failed: {e}"))
+                with self._lock:
+                    for rid in list(self.engine.seqs):
+                        self.engine.abort_request(rid)
+                        self._close(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
             self._deliver(outputs)
         for rid in list(self.engine.seqs):

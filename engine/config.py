@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 _SCHEDULING = ("continuous", "static")
+_POLICIES = ("fcfs", "priority")
 _KERNELS = ("auto", "torch", "triton")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SPEC = (None, "ngram", "draft", "self")
@@ -23,11 +24,13 @@ class EngineConfig:
     enable_kv_cache: bool = True        # False: recompute the whole prefix every step (baseline)
     enable_prefix_caching: bool = True
     # scheduler
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on cuda, 2048 on cpu
+    max_num_seqs: int | None = None     # running requests; None: 256 on cuda (the CUDA-graph sizes), 128 on cpu
     max_model_len: int | None = None    # None: the model's max_position_embeddings (capped at 8192)
     enable_chunked_prefill: bool = True
     scheduling: str = "continuous"      # "continuous" | "static" (a batch runs until all finish)
+    scheduling_policy: str = "fcfs"     # "fcfs" | "priority": waiting requests by (SamplingParams.priority,
+    #                                     arrival); a better one may preempt a worse running one (as vLLM)
     max_waiting_requests: int | None = None  # None: unbounded waiting queue
     # execution
     kernels: str = "auto"               # auto: triton on cuda, torch on cpu
@@ -36,6 +39,9 @@ class EngineConfig:
     enable_step_timings: bool = True    # per-region forward timings in step events
     num_scheduler_steps: int | None = None  # decode iterations per host round trip when the batch is
     #                                         decode-only (multi-step); None: 8 on cuda, 1 on cpu
+    multi_step_max_ms: float | None = None  # a multi-step block runs at most about this long (from the
+    #                                         measured time per iteration, never below 2 iterations), so streamed
+    #                                         tokens reach clients this often; None: num_scheduler_steps always
     gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
     #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
     enable_pdl: bool = True             # those linears launch as programmatic dependents on Hopper+ (their
@@ -64,12 +70,15 @@ class EngineConfig:
              "num_kv_blocks", "must be None or an int >= 2")
         need(0.05 <= self.gpu_memory_utilization <= 0.98, "gpu_memory_utilization", "must be in [0.05, 0.98]")
         need(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", "must be > 0")
-        need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
-             "max_num_batched_tokens", "must be an int >= 1")
-        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "must be an int >= 1")
+        need(self.max_num_batched_tokens is None
+             or (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1),
+             "max_num_batched_tokens", "must be None or an int >= 1")
+        need(self.max_num_seqs is None or (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1),
+             "max_num_seqs", "must be None or an int >= 1")
         need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
              "max_model_len", "must be None or an int >= 2")
         need(self.scheduling in _SCHEDULING, "scheduling", f"must be one of {_SCHEDULING}")
+        need(self.scheduling_policy in _POLICIES, "scheduling_policy", f"must be one of {_POLICIES}")
         need(self.kernels in _KERNELS, "kernels", f"must be one of {_KERNELS}")
         need(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}")
         need(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
@@ -84,13 +93,16 @@ class EngineConfig:
         need(self.num_scheduler_steps is None or (isinstance(self.num_scheduler_steps, int)
                                                    and 1 <= self.num_scheduler_steps <= 64),
              "num_scheduler_steps", "must be None or an int in [1, 64]")
+        need(self.multi_step_max_ms is None or (isinstance(self.multi_step_max_ms, (int, float))
+                                                 and self.multi_step_max_ms > 0),
+             "multi_step_max_ms", "must be None or > 0 (milliseconds)")
         need(self.gemv_max_tokens is None or (isinstance(self.gemv_max_tokens, int)
                                                and 0 <= self.gemv_max_tokens <= 16),
              "gemv_max_tokens", "must be None or an int in [0, 16]")
         need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
         need(self.speculative_method != "draft" or self.draft_model is not None,
              "draft_model", "is required when speculative_method='draft'")
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
+        if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
                  "or a long prompt could never be scheduled")

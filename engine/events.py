@@ -76,6 +76,9 @@ class RequestEvent:
     finish_reason: str | None = None
     block_table: list[int] | None = None  # on "scheduled"/"preempted"/"finished": the request's blocks
     message: str | None = None            # on "rejected": why
+    arrival_time: float | None = None     # on "arrived": when the front end received the request (`time` is
+    #                                       when the engine took it into its waiting queue)
+    priority: int | None = None           # SamplingParams.priority (lower = sooner under the priority policy)
 
     def to_dict(self) -> dict:
         return asdict(self)

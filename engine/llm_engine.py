@@ -22,7 +22,7 @@ from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .sizing import derive_max_model_len, derive_num_blocks
+from .sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
 from .timing import NullTimer, make_timer
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class LLMEngine(OutputProcessor):
             config = EngineConfig(**overrides)
         elif overrides:
             config = config.replace(**overrides)
-        self.config = config
         self.device = resolve_device(config.device)
+        self.config = config = with_device_defaults(config, self.device)
         self.dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
             if config.dtype == "auto" else _DTYPES[config.dtype]
         self.kernels = config.kernels if config.kernels != "auto" else \
@@ -58,6 +58,9 @@ class LLMEngine(OutputProcessor):
         self.fused_sampling = self.kernels == "triton"             # the Triton Gumbel-max sampler on CUDA
         self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
         self._inflight: multi_step.InFlight | None = None      # a launched multi-step block
+        self.arrivals_pending = False      # set by EngineLoop while submitted requests wait in its inbox
+        self.decode_iter_s: float | None = None     # measured seconds per decode iteration (multi_step_max_ms)
+        self._last_block_done: float | None = None
         torch.manual_seed(config.seed)
 
         hf_cfg, weights, tok_folder = resolve(config.model)
@@ -164,13 +167,19 @@ class LLMEngine(OutputProcessor):
             raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests)")
         self.detok.start(seq)
         self.seqs[seq.request_id] = seq
+        seq.metrics.queued_time = time.perf_counter()
         self.scheduler.add(seq)
         self.stats_total["prompt_tokens"] += seq.num_prompt_tokens
         self._emit_req("arrived", seq)
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    priority: int | None = None) -> str:
+        if priority is not None and (params is None or isinstance(params, SamplingParams)):
+            # shorthand for SamplingParams.priority
+            from dataclasses import replace
+            params = replace(params or SamplingParams(), priority=priority)
         return self.add_sequence(self.make_sequence(prompt, params, request_id, arrival_time))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -239,6 +248,8 @@ class LLMEngine(OutputProcessor):
         outputs, finished = self._postprocess(sched, sample_mask, outputs_tokens, lp_rows)
         t_end = time.perf_counter()
         self.step_index += 1
+        if self.config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
+            multi_step.observe_iteration(self, t_end - t0)        # a decode-only step: one iteration
         if observe:
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_fwd, "postprocess": t_end - t_sample}
@@ -287,7 +298,8 @@ class LLMEngine(OutputProcessor):
             prompt_len=seq.num_prompt_tokens, output_len=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens, finish_reason=finish_reason,
             block_table=list(seq.block_table) if kind in ("scheduled", "preempted") else None,
-            message=message))
+            priority=seq.params.priority,
+            message=message, arrival_time=seq.metrics.arrival_time if kind == "arrived" else None))
 
     def _phase(self, seq: Sequence, n: int, start: int) -> str:
         if seq.num_output_tokens == 0:

@@ -70,25 +70,37 @@ class ModelRunner:
             seq_lens.append(end)
             if len(bt) > max_blocks:
                 max_blocks = len(bt)
-        B = len(sched.seqs)
-        tables = np.zeros((B, max(max_blocks, 1)), dtype=np.int32)
+        B, T, L = len(sched.seqs), len(ids), len(logits_idx)
+        W = max(max_blocks, 1)
+        # One host buffer, one copy to the device (a pageable copy per tensor would each wait for the GPU).
+        # Segments start at even int64 offsets: Triton specializes pointers on 16-byte alignment, and a
+        # misaligned view would compile new kernel variants mid-run.
+        # [ids T | positions T | slots T | logits_idx L | cu_seqlens B+1 | seq_lens B | tables B*W]
+        sizes = (T, T, T, L, B + 1, B, B * W)
+        offs = [0]
+        for n in sizes:
+            offs.append(offs[-1] + n + (n & 1))
+        buf = np.zeros(offs[-1], dtype=np.int64)
+        o_ids, o_pos, o_slot, o_lg, o_cu, o_len, o_tab = offs[:7]
+        buf[o_ids:o_ids + T], buf[o_pos:o_pos + T], buf[o_slot:o_slot + T] = ids, positions, slots
+        buf[o_lg:o_lg + L] = logits_idx
+        np.cumsum(q_lens, out=buf[o_cu + 1:o_cu + B + 1])
+        buf[o_len:o_len + B] = seq_lens
+        tables = buf[o_tab:o_tab + B * W].reshape(B, W)
         for i, seq in enumerate(sched.seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
-        cu = np.zeros(B + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=cu[1:])
-        dev = self.device
-        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev, dt, non_blocking=True)  # noqa: E731
+        host = torch.from_numpy(buf)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        d = host.to(self.device, non_blocking=True)
         md = AttentionMetadata(
-            positions=to(np.asarray(positions, dtype=np.int64), torch.int64),
-            slot_mapping=to(np.asarray(slots, dtype=np.int64), torch.int64),
-            cu_seqlens_q=to(cu, torch.int32),
-            seq_lens=to(np.asarray(seq_lens, dtype=np.int32), torch.int32),
-            block_tables=to(tables, torch.int32),
-            logits_indices=to(np.asarray(logits_idx, dtype=np.int64), torch.int64),
+            positions=d[o_pos:o_pos + T], slot_mapping=d[o_slot:o_slot + T],
+            cu_seqlens_q=d[o_cu:o_cu + B + 1].to(torch.int32), seq_lens=d[o_len:o_len + B].to(torch.int32),
+            block_tables=d[o_tab:o_tab + B * W].view(B, W).to(torch.int32), logits_indices=d[o_lg:o_lg + L],
             q_lens=q_lens, seq_lens_cpu=seq_lens,
             max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
         )
-        input_ids = to(np.asarray(ids, dtype=np.int64), torch.int64)
+        input_ids = d[o_ids:o_ids + T]
         return input_ids, md
 
     @torch.inference_mode()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .host_copy import HostCopy
 from .kernels.metadata import AttentionMetadata
 from .sampler import SampleRow, sample_unseeded
 from .scheduler import SchedulerOutput
@@ -32,6 +33,7 @@ class InFlight:
     sched: SchedulerOutput
     K: int
     tokens: torch.Tensor            # [B, K] int64 on the device
+    host: HostCopy                  # the same tokens on their way to the host
     graphed: bool
     t_start: float
     t_scheduled: float
@@ -51,7 +53,7 @@ def plan(engine, ahead: InFlight | None = None) -> int:
     sch = engine.scheduler
     if K <= 1 or engine.drafter is not None or not engine.config.enable_kv_cache or not sch.running:
         return 1
-    if sch.waiting and len(sch.running) < engine.config.max_num_seqs:
+    if (sch.waiting or engine.arrivals_pending) and len(sch.running) < engine.config.max_num_seqs:
         return 1                                    # admit the newcomers with a normal step
     if len(sch.running) > engine.config.max_num_batched_tokens:
         return 1
@@ -67,10 +69,29 @@ def plan(engine, ahead: InFlight | None = None) -> int:
         if not _plain(seq):
             return 1
         room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
-    K = min(K, room)
+    K = min(K, room, _time_cap(engine))
     bm = engine.block_manager
     need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in sch.running)
     return K if K > 1 and need <= bm.pool.num_free else 1
+
+
+def _time_cap(engine) -> int:
+    """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration (at least 2):
+    a block's tokens reach the clients together, so its length is the inter-token latency they see."""
+    budget = engine.config.multi_step_max_ms
+    if not budget:
+        return engine.num_scheduler_steps
+    if engine.decode_iter_s is None:
+        return 1                                    # one plain decode step measures it first
+    # never below 2: a block of one iteration cannot be pipelined behind the one in flight, and the GPU
+    # would idle through every host round trip (num_scheduler_steps=1 turns multi-step off instead)
+    return max(2, int(budget / 1e3 / engine.decode_iter_s))
+
+
+def observe_iteration(engine, seconds: float) -> None:
+    """Fold one decode iteration's measured time into the running estimate (recent batches weigh most)."""
+    est = engine.decode_iter_s
+    engine.decode_iter_s = seconds if est is None else 0.5 * est + 0.5 * seconds
 
 
 def schedule(engine, K: int, extra: int = 0) -> SchedulerOutput:
@@ -136,7 +157,8 @@ def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
         logits = engine.runner.execute(ids, md)                              # [B, V]
         ids = sample_unseeded(logits, rows, greedy, engine.generator, engine.fused_sampling)
         toks.append(ids)
-    return InFlight(sched, K, torch.stack(toks, 1), mds[0].graphed, t0, t_sched, time.perf_counter())
+    tokens = torch.stack(toks, 1)                                            # [B, K]
+    return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
 
 
 def step(engine, K: int, observe: bool, timer) -> list:
@@ -149,8 +171,15 @@ def step(engine, K: int, observe: bool, timer) -> list:
     if K_next > 1:
         engine._inflight = launch(engine, K_next, ahead=prev)
     t_wait = time.perf_counter()
-    tokens = prev.tokens.tolist()                                        # [B, K]: the one sync
+    tokens = prev.host.tolist()                                          # [B, K]: the one sync
     t_sample = time.perf_counter()
+    # the GPU ran this block from its launch, or from the end of the block before it when it was queued
+    # behind that one
+    began = prev.t_scheduled
+    if engine._last_block_done is not None and prev.t_launched < engine._last_block_done:
+        began = engine._last_block_done
+    observe_iteration(engine, (t_sample - began) / prev.K)
+    engine._last_block_done = t_sample if engine._inflight is not None else None
     sched = prev.sched
     if observe:
         sched.phases = ["decode"] * len(sched.seqs)

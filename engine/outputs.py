@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestMetrics:
     """Stamped once, in the engine (time.perf_counter() seconds). Every TTFT/TPOT/ITL in kvscope comes from here."""
-    arrival_time: float
+    arrival_time: float                      # the front end (server, load runner, playground) received it
+    queued_time: float | None = None         # the engine took it into its waiting queue
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -26,7 +27,13 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
+        """Arrival -> first scheduled: the front end's wait and the engine's waiting queue together."""
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def frontend_time(self) -> float | None:
+        """Arrival -> the engine's waiting queue (tokenization, hand-over to the engine thread)."""
+        return None if self.queued_time is None else self.queued_time - self.arrival_time
 
     def tpot(self, num_output_tokens: int) -> float | None:
         """(E2E - TTFT) / (output tokens - 1): first token excluded."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_copy import HostCopy
 from .sampling_params import SamplingParams
 
 
@@ -145,4 +146,4 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         for j, i in enumerate(seeded):
             g = _seeded_generator(rows[i].params.seed, rows[i].position, probs.device)
             tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
-    return tokens.tolist(), raw_logprobs
+    return HostCopy(tokens).tolist(), raw_logprobs

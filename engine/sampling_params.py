@@ -24,6 +24,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-n logprobs per generated token (0 = only the chosen token's)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0                   # EngineConfig.scheduling_policy="priority": lower is scheduled sooner
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +56,8 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints")
+        need(isinstance(self.priority, int) and not isinstance(self.priority, bool)
+             and -2 ** 63 <= self.priority < 2 ** 63, "priority", "must be an int (lower = scheduled sooner)")
 
     @property
     def greedy(self) -> bool:

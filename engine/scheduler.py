@@ -5,9 +5,22 @@ within `max_num_batched_tokens` and `max_num_seqs`: running requests first (deco
 prefill chunks), then waiting ones FCFS. Prefill chunks and decodes share one forward pass. When blocks
 run out the most recently admitted running request is preempted (recompute) and rejoins the front of
 the waiting queue.
+
+`scheduling_policy="priority"` (vLLM's): the waiting queue is a heap on (SamplingParams.priority,
+arrival time, insertion count), lower first, and preempted requests rejoin it by the same key. When
+running requests need blocks the victim is the worst running request (largest priority, then latest
+arrival). When the best waiting request cannot get blocks, or the batch is at `max_num_seqs`, and a
+running request has a strictly larger priority value, the worst running one is preempted to make room.
+The step's token budget goes out best first too: running requests in (priority, arrival) order, and a
+waiting request with a strictly smaller priority value than a running one is admitted before it (so a
+high-priority prompt is not left without budget behind low-priority prefill chunks). With equal
+priorities the step is the FCFS one.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,17 +49,62 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
 
+class PriorityWaitingQueue:
+    """The waiting queue under `scheduling_policy="priority"`: a heap on (priority, arrival time, insertion
+    count). Reads like the FCFS deque where other code reads it: len(), truthiness, iteration (best first),
+    remove()."""
+
+    def __init__(self):
+        self._heap: list[tuple[int, float, int, Sequence]] = []
+        self._count = itertools.count()
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self._heap, (seq.params.priority, seq.metrics.arrival_time, next(self._count), seq))
+
+    def peek(self) -> Sequence:
+        return self._heap[0][3]
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, seq: Sequence) -> None:
+        for j, e in enumerate(self._heap):
+            if e[3] is seq:
+                last = self._heap.pop()
+                if j < len(self._heap):
+                    self._heap[j] = last
+                    heapq.heapify(self._heap)
+                return
+        raise ValueError("not in the waiting queue")
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self):
+        return iter([e[3] for e in sorted(self._heap)])   # keys are unique: never compares sequences
+
+    def __contains__(self, seq) -> bool:
+        return any(e[3] is seq for e in self._heap)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.bm = block_manager
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
+        self.priority = config.scheduling_policy == "priority"
+        self.waiting: deque[Sequence] | PriorityWaitingQueue = PriorityWaitingQueue() if self.priority else deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.priority:
+            self.waiting.push(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -58,10 +116,28 @@ class Scheduler:
         seq.spec_token_ids = []
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.priority:
+            self.waiting.push(seq)
+        else:
+            self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    @staticmethod
+    def _key(seq: Sequence) -> tuple[int, float]:
+        return seq.params.priority, seq.metrics.arrival_time
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, seq: Sequence) -> int:
+        """Take back `seq`'s place in this step (it is about to be preempted); returns the tokens it had."""
+        for j, s in enumerate(out.seqs):
+            if s is seq:
+                del out.seqs[j], out.num_spec_tokens[j], out.computed_before[j]
+                return out.num_new_tokens.pop(j)
+        return 0
+
     def schedule(self) -> SchedulerOutput:
+        if self.priority:
+            return self._schedule_priority()
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
@@ -120,6 +196,118 @@ class Scheduler:
             self._emit(out, seq, num_new, 0)
             budget -= num_new
         return out
+
+    # ---- scheduling_policy="priority" ------------------------------------------------------------
+    def _schedule_priority(self) -> SchedulerOutput:
+        """The step under the priority policy: the token budget goes out best first. Running requests are kept
+        sorted by (priority, arrival) (so the worst is last, the preemption victim), and a waiting request with
+        a strictly smaller priority value than a running one is admitted before that one is served. With
+        equal priorities this is the FCFS step (running first, then waiting by arrival)."""
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        chunked = cfg.enable_chunked_prefill
+        admit = cfg.scheduling == "continuous" or not self.running   # static: only into an empty batch
+        evicted: set[int] = set()          # preempted for a waiting request: not readmitted in this step
+        served: set[int] = set()
+        self.running.sort(key=self._key)   # stable: admissions are inserted in order below
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if admit and self.waiting and self.waiting.peek().params.priority < seq.params.priority:
+                budget = self._admit_priority(out, budget, evicted, served, below=seq.params.priority)
+                if budget <= 0:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:    # preempted in this step as someone's victim
+                continue
+            num_spec = len(seq.spec_token_ids)
+            want = seq.num_tokens + num_spec - seq.num_computed_tokens
+            if not chunked and want - num_spec > budget:
+                continue
+            num_new = min(want, budget)
+            if num_new < want:
+                num_spec = max(0, num_spec - (want - num_new))
+                seq.spec_token_ids = seq.spec_token_ids[:num_spec]
+            scheduled = True
+            while not self.bm.can_allocate(seq, num_new):
+                if num_spec:
+                    num_new, num_spec, seq.spec_token_ids = num_new - num_spec, 0, []
+                    continue
+                victim = self.running.pop()                 # the worst running request
+                if id(victim) in served:
+                    served.discard(id(victim))
+                    budget += self._unschedule(out, victim)
+                self._preempt(victim, out)
+                admit = False                               # as FCFS: no admissions after a preemption
+                if victim is seq:
+                    scheduled = False
+                    break
+            if not scheduled:
+                continue
+            self.bm.allocate(seq, num_new)
+            self._emit(out, seq, num_new, num_spec)
+            served.add(id(seq))
+            budget -= num_new
+        if admit and budget > 0:
+            self._admit_priority(out, budget, evicted, served)
+        return out
+
+    def _admit_priority(self, out: SchedulerOutput, budget: int, evicted: set[int], served: set[int],
+                        below: int | None = None) -> int:
+        """Admit waiting requests best first (only those with priority < `below` when given); one that finds no
+        room (blocks or a batch slot) preempts the worst running request if that one's priority value is
+        strictly larger. Returns the budget left."""
+        cfg = self.config
+        chunked = cfg.enable_chunked_prefill
+        while self.waiting and budget > 0:
+            seq = self.waiting.peek()
+            if id(seq) in evicted or (below is not None and seq.params.priority >= below):
+                break
+            if len(self.running) >= cfg.max_num_seqs:
+                if self._preempt_for(seq, out, evicted):
+                    budget += self._take_back(out, served)
+                    continue
+                break
+            self.bm.match_prefix(seq)
+            want = seq.num_tokens - seq.num_computed_tokens
+            if not chunked and want > budget:
+                self._undo_match(seq)
+                break
+            num_new = min(want, budget)
+            if not self.bm.can_allocate(seq, num_new):
+                self._undo_match(seq)
+                if self._preempt_for(seq, out, evicted):
+                    budget += self._take_back(out, served)
+                    continue
+                break
+            self.waiting.pop()
+            self.bm.record_admission(seq)
+            self.bm.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._key)
+            out.admitted.append(seq)
+            seq.admitted = True
+            self._emit(out, seq, num_new, 0)
+            served.add(id(seq))
+            budget -= num_new
+        return budget
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput, evicted: set[int]) -> bool:
+        """Preempt the worst running request for waiting `seq` if its priority value is strictly larger."""
+        if not self.running or self.running[-1].params.priority <= seq.params.priority:
+            return False
+        victim = self.running.pop()
+        evicted.add(id(victim))
+        self._preempt(victim, out)
+        return True
+
+    def _take_back(self, out: SchedulerOutput, served: set[int]) -> int:
+        """The tokens the request just preempted had in this step (0 if it was not served yet)."""
+        victim = out.preempted[-1]
+        if id(victim) in served:
+            served.discard(id(victim))
+            return self._unschedule(out, victim)
+        return 0
 
     def _undo_match(self, seq: Sequence) -> None:
         if seq.block_table:

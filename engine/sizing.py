@@ -8,6 +8,22 @@ from .model_runner import kv_bytes_per_block
 from .models.config import ModelConfig
 
 
+# (max_num_batched_tokens, max_num_seqs) where the config leaves them None: on a GPU a large token budget
+# admits a burst of prompts in few steps and the batch fills the captured CUDA-graph sizes (vLLM's server
+# defaults are 8192 / 1024 on an H200); on a CPU steps are slow, so smaller batches keep latency sane.
+DEVICE_DEFAULTS = {"cuda": (8192, 256), "cpu": (2048, 128)}
+
+
+def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfig:
+    tokens, seqs = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["cpu"])
+    changes = {}
+    if cfg.max_num_batched_tokens is None:
+        changes["max_num_batched_tokens"] = tokens
+    if cfg.max_num_seqs is None:
+        changes["max_num_seqs"] = seqs
+    return cfg.replace(**changes) if changes else cfg
+
+
 def derive_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
     """The longest sequence the engine admits: max_model_len, or the model's limit (capped at 8192)."""
     if cfg.max_model_len is not None:

@@ -6,7 +6,9 @@ thread asks (the app's figure producer, a notebook cell), incrementally: each sn
 the events that arrived since the previous one.
 
 Timeline spans per request (phase, start, end) in both seconds and engine-step coordinates:
-  waiting    arrival -> first scheduled step
+  frontend   arrival at the front end (server, load runner, playground) -> the engine's waiting queue
+             (tokenization and the hand-over to the engine thread: a front-end bottleneck shows here)
+  waiting    the engine's waiting queue -> first scheduled step
   prefill    consecutive steps that computed prompt tokens (chunked prefill shows as several spans,
              recompute after a preemption shows as prefill again)
   decode     consecutive decode steps
@@ -23,7 +25,7 @@ from typing import Any
 from engine.events import RequestEvent, StepEvent
 from engine.outputs import RequestMetrics
 
-PHASES = ("waiting", "prefill", "decode", "preempted")
+PHASES = ("frontend", "waiting", "prefill", "decode", "preempted")
 _TERMINAL = ("finished", "aborted", "rejected")
 
 
@@ -69,6 +71,7 @@ class RequestTrack:
     status: str = "waiting"   # waiting | running | preempted | finished | aborted | rejected
     num_preemptions: int = 0
     message: str | None = None
+    priority: int | None = None   # SamplingParams.priority (lower = sooner under the priority policy)
     block_table: list[int] | None = None
     spans: list[Span] = field(default_factory=list)
     # open span bookkeeping
@@ -93,7 +96,7 @@ class RequestTrack:
             first_scheduled=self.first_scheduled, first_token=self.first_token, finished=self.finished,
             finish_reason=self.finish_reason, status=self.status, num_preemptions=self.num_preemptions,
             message=self.message, block_table=list(self.block_table) if self.block_table else None,
-            spans=spans)
+            spans=spans, priority=self.priority)
 
 
 @dataclass
@@ -219,10 +222,15 @@ class Recorder:
             tr.num_cached_tokens = ev.num_cached_tokens
         if ev.block_table is not None:
             tr.block_table = list(ev.block_table)
+        if getattr(ev, "priority", None) is not None:
+            tr.priority = ev.priority
         if k == "arrived":
             self._totals["arrived"] += 1
-            tr.arrival = ev.time
             tr.arrival_step = self._step_coord()
+            tr.arrival = ev.time
+            if ev.arrival_time is not None and ev.arrival_time < ev.time:
+                tr.arrival = ev.arrival_time
+                tr.spans.append(Span("frontend", ev.arrival_time, ev.time, tr.arrival_step, tr.arrival_step))
             tr.status = "waiting"
             tr._pending_since = (ev.time, tr.arrival_step)
             tr._pending_phase = "waiting"

@@ -104,6 +104,7 @@ def test_chat_uses_the_chat_template(client):
     ins = client.predict("", "time", api_name="/inspector")
     chat = [r for r in ins["requests"] if r["request_id"].startswith("chat-")][-1]
     assert chat["prompt_len"] > 10                          # template tokens around the message
+    assert chat["priority"] == -1                           # the app schedules by priority: a person's turn first
 
 
 def test_bad_inputs_get_clear_messages(client):

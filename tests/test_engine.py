@@ -157,3 +157,19 @@ def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
     V = eng.model_config.vocab_size
     assert all(0 <= t < V for o in outs for t in o.token_ids)
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
+def test_multi_step_time_cap(smollm2_engine_factory, prompts):
+    """multi_step_max_ms bounds a block by the measured time per iteration: a cap below one iteration
+    leaves the shortest pipelined block (2), a generous one allows the full K; tokens are the same."""
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4
+    results = {}
+    for cap in (1e-6, 1e6):
+        eng = smollm2_engine_factory(num_scheduler_steps=4, multi_step_max_ms=cap)
+        steps = []
+        eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        results[cap] = [o.token_ids for o in run(eng, prompts, params)]
+        assert eng.decode_iter_s is not None and eng.decode_iter_s > 0
+        k = max(e.num_decode_steps for e in steps)
+        assert k == (2 if cap < 1 else 4), (cap, k)
+    assert results[1e-6] == results[1e6]

@@ -49,3 +49,10 @@ def test_multi_step_matches_single_step():
     eight, logs = run_capture("float32", num_scheduler_steps=8)
     assert eight == one
     assert sum(g for g, _ in logs) > 10
+
+
+def test_multi_step_time_cap_matches_single_step():
+    one, _ = run_capture("float32", num_scheduler_steps=1)
+    capped, logs = run_capture("float32", num_scheduler_steps=8, multi_step_max_ms=2.0)
+    assert capped == one
+    assert sum(g for g, _ in logs) > 10

@@ -33,8 +33,10 @@ def test_stream_metrics_and_spans_match_engine_stamps(loop, rec):
     rec.record_output(out)
     snap = rec.snapshot(kv=loop.kv_snapshot())
     (r,) = [x for x in snap.requests if x.request_id == "one"]
-    assert [s.phase for s in r.spans][:3] == ["waiting", "prefill", "decode"] or \
-        [s.phase for s in r.spans][:2] == ["prefill", "decode"]
+    # the front end's hand-over (submit -> the engine's waiting queue) comes first, then the engine's phases
+    assert r.spans[0].phase == "frontend" and r.spans[0].start == out.metrics.arrival_time
+    phases = [s.phase for s in r.spans[1:]]
+    assert phases[:3] == ["waiting", "prefill", "decode"] or phases[:2] == ["prefill", "decode"]
     assert r.status == "finished" and r.prompt_len == 20
     s = M.summarize(snap.records)
     m = out.metrics

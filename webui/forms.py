@@ -126,7 +126,8 @@ def make_slo(ttft, tpot, e2el) -> M.SLO:
 
 # engine settings form: every EngineConfig field, typed
 CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "float16", "bfloat16"],
-            "scheduling": ["continuous", "static"], "kernels": ["auto", "torch", "triton"],
+            "scheduling": ["continuous", "static"], "scheduling_policy": ["fcfs", "priority"],
+            "kernels": ["auto", "torch", "triton"],
             "speculative_method": ["off", "ngram", "draft", "self"]}
 _OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
 _OPTIONAL_STR = {"model", "draft_model"}
@@ -136,6 +137,8 @@ FIELD_HELP = {
     "num_kv_blocks": "0 or empty: derived from the memory budget", "max_model_len": "0 or empty: the model's (≤ 8192)",
     "max_waiting_requests": "0 or empty: unbounded queue", "enable_kv_cache": "off = recompute the prefix every step",
     "scheduling": "static: a batch runs until all its requests finish",
+    "scheduling_policy": "priority: lower SamplingParams.priority first (Playground turns -1, simulated users 0); "
+                         "may preempt a worse running request",
     "gpu_memory_utilization": "fraction of free GPU memory for weights + KV",
     "cpu_kv_cache_gib": "KV pool size on CPU", "enable_step_timings": "per-region timings in step events",
     "gemv_max_tokens": "empty: 1 with Triton kernels; 0 = off (cuBLAS linears, separate norm/activation kernels)",

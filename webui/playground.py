@@ -1,6 +1,7 @@
 """Playground tab: chat or raw completion, streamed, with every sampling control; also the gr.api endpoints."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import gradio as gr
@@ -11,6 +12,10 @@ from webui.host import EngineHost, EngineUnavailable, max_model_len
 from webui.render import logprobs_rows, request_stats_md
 
 log = logging.getLogger("kvscope.app")
+
+# a person's turn is scheduled ahead of simulated users (priority 0) when the engine's scheduling_policy
+# is "priority" (lower = sooner, as in vLLM); under "fcfs" it stays 0
+PLAYGROUND_PRIORITY = -1
 
 
 def _check_text(field: str, text, empty_msg: str) -> None:
@@ -70,6 +75,8 @@ def playground_tab(host: EngineHost) -> None:
 
         def _run_stream(prompt, params, session: str, rid: str):
             loop = host.require_loop()
+            if loop.engine.config.scheduling_policy == "priority":
+                params = dataclasses.replace(params, priority=PLAYGROUND_PRIORITY)
             stream = loop.submit(prompt, params, request_id=rid)
             host._active[session] = stream
             out = None

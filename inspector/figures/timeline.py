@@ -1,10 +1,10 @@
-"""Scheduler timeline: per-request Gantt of waiting / prefill / decode / preempted spans, and the per-step
+"""Scheduler timeline: per-request Gantt of front end / waiting / prefill / decode / preempted spans, and the per-step
 batch composition below it."""
 from __future__ import annotations
 
 from inspector.figures.layout import _axname, _fig, _grid, _layout, empty_spec
-from inspector.figures.style import PHASE_COLORS
-from inspector.recorder import Snapshot
+from inspector.figures.style import PHASE_COLORS, PHASE_LABELS
+from inspector.recorder import PHASES, Snapshot
 
 
 def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, max_steps: int = 400,
@@ -22,28 +22,28 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
     h = height or int(min(900, max(440, 220 + 16 * len(reqs))))
     lay = _layout(title, h, f"timeline-{axis}",
                   f"latest {len(reqs)} of {n_all} requests · last {len(steps)} steps · "
-                  "waiting / prefill (chunks) / decode / preempted", margin=dict(l=90, r=50, t=70, b=40),
+                  "front end / waiting / prefill (chunks) / decode / preempted", margin=dict(l=90, r=50, t=70, b=40),
                   barmode="stack", bargap=0.15)
     refs = _grid(lay, rows=[0.72, 0.28], cols=[1.0], vspace=0.05, share_x=True, secondary=((2, 1),))
     (x1, y1), (x2, y2), y2b = refs[(1, 1)], refs[(2, 1)], refs[(2, 1, "y2")]
     data: list[dict] = []
-    for phase in ("waiting", "prefill", "decode", "preempted"):
+    for phase in PHASES:
         ys, xs, bases, hov = [], [], [], []
         for r in reqs:
             for sp in r.spans:
                 if sp.phase != phase:
                     continue
                 a, b = (sp.step_start, sp.step_end) if by_step else (sp.start - t0, sp.end - t0)
-                if b - a <= 0 and phase in ("waiting", "preempted"):
+                if b - a <= 0 and phase in ("frontend", "waiting", "preempted"):
                     continue
                 ys.append(r.request_id)
                 bases.append(a)
                 xs.append(max(b - a, 0.05 if by_step else 1e-4))
                 extra = f" · {sp.num_tokens} tok" if sp.num_tokens else ""
                 note = f" ({sp.note})" if sp.note else ""
-                hov.append(f"{r.request_id} · {phase}{note}{extra}<br>{sp.start - t0:.3f}–{sp.end - t0:.3f} s "
+                hov.append(f"{r.request_id} · {phase}{note}{extra}{_prio(r)}<br>{sp.start - t0:.3f}–{sp.end - t0:.3f} s "
                            f"({(sp.end - sp.start) * 1e3:.1f} ms) · steps {sp.step_start:.0f}–{sp.step_end:.0f}")
-        data.append(dict(type="bar", orientation="h", y=ys, x=xs, base=bases, name=phase, hovertext=hov,
+        data.append(dict(type="bar", orientation="h", y=ys, x=xs, base=bases, name=PHASE_LABELS.get(phase, phase), hovertext=hov,
                          hoverinfo="text", marker=dict(color=PHASE_COLORS[phase], line=dict(width=0)),
                          xaxis=x1, yaxis=y1, legendgroup=phase, width=0.8))
     ends = [r for r in reqs if r.finished is not None]
@@ -54,7 +54,8 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
                          marker=dict(symbol=["x-thin" if r.status != "finished" else "line-ns" for r in ends], size=9,
                                      color="#333", line=dict(width=2, color="#333")),
                          hovertext=[f"{r.request_id}: {r.status} ({r.finish_reason or ''}) · {r.output_len} tokens"
-                                    + (f" · {r.num_preemptions} preemptions" if r.num_preemptions else "") for r in ends],
+                                    + (f" · {r.num_preemptions} preemptions" if r.num_preemptions else "") + _prio(r)
+                                    for r in ends],
                          hoverinfo="text"))
     if steps:
         if by_step:
@@ -93,3 +94,9 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
 
 
 timeline_figure = _fig(timeline_spec)
+
+
+def _prio(r) -> str:
+    """The request's SamplingParams.priority for a hover (lower = admitted sooner under the priority policy)."""
+    p = getattr(r, "priority", None)
+    return "" if p is None else f" · priority {p}"

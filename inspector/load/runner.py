@@ -137,6 +137,7 @@ class LoadRunner(RunState):
 
     # ------------------------------------------------------------------ internals
     def _params(self, max_tokens: int):
+        # priority stays 0: under scheduling_policy="priority" a Playground turn (-1) goes ahead of these
         if self._sampling_factory is not None:
             return self._sampling_factory(max_tokens=max_tokens, temperature=self.spec.temperature,
                                           ignore_eos=self.spec.ignore_eos, seed=self.spec.seed)

@@ -41,6 +41,9 @@ from .serving_engine import OpenAIServing
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+# EngineConfig defaults a server changes: a bounded waiting queue (over it: 503), and multi-step blocks short
+# enough that streamed tokens arrive about every 4 ms (offline LLM.generate keeps whole blocks).
+SERVER_ENGINE_DEFAULTS = {"max_waiting_requests": 256, "multi_step_max_ms": 4.0}
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
@@ -64,6 +67,7 @@ class ApiMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["kvscope_arrival"] = time.perf_counter()   # arrival: TTFT counts from here
         status = 500
 
         async def send_(msg):
@@ -228,6 +232,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
     g.add_argument("--log-level", default="info")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process (default), so HTTP, JSON and SSE work never shares "
+                        "a GIL with the engine; --no-engine-process runs it on a thread of this process")
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -243,10 +250,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m engine.entrypoints.openai.api_server",
                                      description="kvscope's OpenAI-compatible API server")
     add_server_args(parser)
-    add_engine_args(parser, defaults={"max_waiting_requests": 256})
+    add_engine_args(parser, defaults=SERVER_ENGINE_DEFAULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loop = EngineLoop(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if args.engine_process:
+        from engine.core_client import EngineCoreClient
+        loop = EngineCoreClient(config)
+    else:
+        loop = EngineLoop(config)
     app = build_app(loop, **server_kwargs(args))
     log.info("serving %s on http://%s:%d (max_waiting_requests=%s)",
              app.state.kvscope_api.model_name_of(loop), args.host, args.port, loop.config.max_waiting_requests)

@@ -1,7 +1,7 @@
 """The engine requests behind one HTTP request, followed on the event loop, and their SSE response.
 
-Outputs reach the event loop through `call_soon_threadsafe` (`RequestStream._aio`), so the event loop
-never waits on the engine loop's lock and one slow step never stalls other clients' streams.
+Outputs reach the event loop through `RequestStream.subscribe` (one `call_soon_threadsafe` per engine step
+for all of them), so the event loop never waits on the engine loop's lock.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+_TIMEOUT = object()          # the job's deadline passed (put in its queue by a timer)
 
 
 async def sse_stream(job: "Job", req, rid: str, obj: str, choices: AsyncIterator[tuple[dict | None, int]]
@@ -57,7 +58,7 @@ def sse(obj: dict) -> str:
 
 
 class _Tag:
-    """Stands in for an asyncio.Queue in RequestStream._aio: tags each item with its choice index."""
+    """A RequestStream sink feeding the job's one queue: tags each item with its choice index."""
 
     def __init__(self, q: asyncio.Queue, index: int):
         self.q = q
@@ -82,27 +83,23 @@ class Job:
         self.params = params
         self.finals: list = [None] * len(streams)
         self.closed = [False] * len(streams)
-        self.deadline = (time.monotonic() + server.request_timeout) if server.request_timeout else None
+        self.first_sent: list[float | None] = [None] * len(streams)   # first token handed to the response
         self._q: asyncio.Queue | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._backlog: deque = deque()
-        self._skip: list[set[int]] = []
         self._tasks: list[asyncio.Task] = []
 
-    # Attach to the streams without taking the engine loop's lock (which is held for a whole step):
-    # register our queue first, then snapshot what already arrived; an item that landed in between
-    # comes both ways and is dropped once by identity (the stream keeps every item alive).
     def attach(self) -> None:
+        """Follow the streams on this event loop: each delivers what already arrived, then hands later
+        items over once per engine step (`RequestStream.subscribe`)."""
         aloop = asyncio.get_running_loop()
         self._q = asyncio.Queue()
+        if self.server.request_timeout:         # one timer per job, not a timeout per awaited item
+            self._timer = aloop.call_later(self.server.request_timeout, self._q.put_nowait, (-1, _TIMEOUT))
         for i, s in enumerate(self.streams):
-            if hasattr(s, "_aio") and hasattr(s, "_q"):
-                s._aio.append((aloop, _Tag(self._q, i)))
-                with s._q.mutex:
-                    seen = list(s._q.queue)
-                self._skip.append({id(x) for x in seen})
-                self._backlog.extend((i, x) for x in seen)
+            if hasattr(s, "subscribe"):
+                self._backlog.extend((i, x) for x in s.subscribe(aloop, _Tag(self._q, i)))
             else:                          # any other stream type: its own async iterator
-                self._skip.append(set())
                 self._tasks.append(asyncio.create_task(self._pump(i, s)))
 
     async def _pump(self, i: int, s) -> None:
@@ -115,20 +112,10 @@ class Job:
     async def _next(self):
         if self._backlog:
             return self._backlog.popleft()
-        while True:
-            if self.deadline is None:
-                item = await self._q.get()
-            else:
-                left = self.deadline - time.monotonic()
-                try:
-                    item = await asyncio.wait_for(self._q.get(), max(left, 0.0))
-                except asyncio.TimeoutError:
-                    raise request_timeout(self.server.request_timeout)
-            i, x = item
-            if id(x) in self._skip[i]:
-                self._skip[i].discard(id(x))
-                continue
-            return item
+        item = await self._q.get()
+        if item[1] is _TIMEOUT:
+            raise request_timeout(self.server.request_timeout)
+        return item
 
     async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) in arrival order until every choice finished."""
@@ -145,14 +132,19 @@ class Job:
                 raise APIError(f"engine error: {x}", 500, "server_error", code="engine_error")
             if not hasattr(x, "finished"):    # the end-of-stream marker
                 continue
+            now = time.perf_counter()
+            if self.first_sent[i] is None and x.delta_token_ids:
+                self.first_sent[i] = now
             if x.finished:
                 self.closed[i] = True
                 self.finals[i] = x
-                self.server.metrics.observe(x, self.model_name)
+                self.server.metrics.observe(x, self.model_name, self.first_sent[i], now)
             yield i, x
 
     def abort_unfinished(self) -> None:
         """Abort every choice still running (no await: safe from finally blocks and cancelled scopes)."""
+        if self._timer is not None:
+            self._timer.cancel()
         for t in self._tasks:
             t.cancel()
         todo = [rid for rid, c in zip(self.rids, self.closed) if not c]

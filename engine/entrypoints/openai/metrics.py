@@ -65,32 +65,30 @@ class EngineCollector(Collector):
         if eng is None:
             return
         self._label = [self.model_name(loop)]
-        sched, bm = eng.scheduler, eng.block_manager
-        pending = getattr(loop, "_pending_admissions", 0)   # submitted, not yet admitted by the loop
-        yield self._gauge("num_requests_running", "Requests in the running batch.", len(sched.running))
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
-                          len(sched.waiting) + max(0, pending))
+        s = loop.metrics_snapshot()
+        yield self._gauge("num_requests_running", "Requests in the running batch.", s.get("num_running", 0))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted and those "
+                          "not yet handed to the engine).", s.get("num_waiting", 0))
         yield self._gauge("kv_cache_usage_perc", "KV-cache usage: fraction of KV blocks in use (1 = 100%).",
-                          bm.usage)
+                          s.get("kv_usage", 0.0))
         yield self._gauge("num_kv_blocks", "KV blocks in the pool (block 0 reserved).", eng.num_blocks)
         yield self._gauge("num_free_kv_blocks", "KV blocks on the free list (cached ones included).",
-                          bm.num_free_blocks)
+                          s.get("num_free_blocks", 0))
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV-cache configuration.",
                                  labels=["block_size", "num_blocks", "enable_prefix_caching", "max_model_len"])
         info.add_metric([str(eng.block_size), str(eng.num_blocks), str(eng.config.enable_prefix_caching),
                          str(eng.max_model_len)], 1)
         yield info
-        tot = dict(eng.stats_total)
         yield self._counter("num_preemptions", "Preemptions (a running request lost its KV blocks).",
-                            sched.num_preemptions)
+                            s.get("num_preemptions_total", 0))
         yield self._counter("prompt_tokens", "Prompt tokens of requests admitted to the engine.",
-                            tot.get("prompt_tokens", 0))
-        yield self._counter("generation_tokens", "Tokens generated.", tot.get("generation_tokens", 0))
-        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", bm.total_queries)
-        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", bm.total_hits)
-        drafter = getattr(eng, "drafter", None)
-        if drafter is not None:
-            s = drafter.total_stats()
+                            s.get("prompt_tokens", 0))
+        yield self._counter("generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            s.get("prefix_cache_queries", 0))
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            s.get("prefix_cache_hits", 0))
+        if "spec_decode_num_drafts" in s:
             yield self._counter("spec_decode_num_drafts", "Speculative drafts proposed.",
                                 s["spec_decode_num_drafts"])
             yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
@@ -118,13 +116,14 @@ class ServerMetrics:
         def hist(name, doc, buckets):
             return Histogram(PREFIX + name, doc, lab, registry=r, buckets=buckets)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token: arrival -> first token.",
-                         TTFT_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token: arrival at the server -> the "
+                         "first token handed to the HTTP response.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds",
                         "Inter-token latency: gap between consecutive outputs of a request.", ITL_BUCKETS)
         self.tpot = hist("request_time_per_output_token_seconds",
                          "Per request: (last token - first token) / (output tokens - 1).", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency: arrival -> finish.", REQUEST_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency: arrival at the server -> the last "
+                        "output handed to the HTTP response.", REQUEST_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Arrival -> first scheduled.", REQUEST_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "First scheduled -> first token.", REQUEST_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token -> last token.", REQUEST_BUCKETS)
@@ -136,8 +135,12 @@ class ServerMetrics:
                       ["endpoint", "status"], registry=r)
         self._api = api
 
-    def observe(self, out, model_name: str) -> None:
-        """Record one finished RequestOutput (its engine-stamped RequestMetrics)."""
+    def observe(self, out, model_name: str, first_sent: float | None = None, last_sent: float | None = None
+                ) -> None:
+        """Record one finished RequestOutput. TTFT and E2E latency end when the server handed the first and
+        the last output to the HTTP response (`first_sent`, `last_sent`, when given), so they include the
+        hand-over from the engine (another process, a busy event loop) that a client waits through too;
+        the other histograms use the engine's stamps (RequestMetrics)."""
         reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "abort"
         self.success.labels(model_name, reason).inc()
         if reason == "abort":          # cancelled/timed-out requests stay out of the latency histograms
@@ -148,9 +151,11 @@ class ServerMetrics:
              ("ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "prompt_len", "gen_len")}
         h["prompt_len"].observe(len(out.prompt_token_ids))
         h["gen_len"].observe(n)
-        if m.first_token_time is not None:
-            h["ttft"].observe(m.first_token_time - m.arrival_time)
-        end = m.finished_time if m.finished_time is not None else m.last_token_time
+        first = first_sent if first_sent is not None else m.first_token_time
+        if first is not None:
+            h["ttft"].observe(first - m.arrival_time)
+        end = last_sent if last_sent is not None else \
+            (m.finished_time if m.finished_time is not None else m.last_token_time)
         if end is not None:
             h["e2e"].observe(end - m.arrival_time)
         if m.first_scheduled_time is not None:

@@ -6,7 +6,8 @@ field it is about, the way OpenAI does: `{"error": {"message", "type", "param", 
 
 Beyond OpenAI's fields the requests accept vLLM's sampling extensions under vLLM's names: `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
-`include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`.
+`include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`, `priority` (400 unless the engine
+runs `scheduling_policy="priority"`, as in vLLM).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    priority: int = 0                  # vLLM: lower is scheduled sooner; needs scheduling_policy="priority"
 
     @field_validator("stop")
     @classmethod
@@ -74,7 +76,7 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator("seed")
+    @field_validator("seed", "priority")
     @classmethod
     def _seed(cls, v):
         if v is not None and not (-(2 ** 63) <= v < 2 ** 64):

@@ -27,7 +27,7 @@ class OpenAIServingChat:
             raise value_error(e, {})
         except Exception as e:  # noqa: BLE001 - a template that raises on these messages (e.g. role order)
             raise APIError(f"messages: the chat template rejected them: {e}", param="messages")
-        job = await self.serving.submit(loop, [prompt], req, chat=True)
+        job = await self.serving.submit(request, loop, [prompt], req, chat=True)
         top_n = req.top_logprobs or 0
         if req.stream:
             return SSEResponse(self.chat_completion_stream_generator(req, job, top_n), job)

@@ -23,7 +23,7 @@ class OpenAIServingCompletion:
         if req.echo and req.logprobs is not None:
             raise APIError("echo: not supported together with logprobs (no prompt logprobs)", param="echo",
                            code="unsupported")
-        job = await self.serving.submit(loop, req.prompt, req, chat=False)
+        job = await self.serving.submit(request, loop, req.prompt, req, chat=False)
         echo = [self._echo_text(loop, p) for p in req.prompt] if req.echo else None
         if req.stream:
             return SSEResponse(self.completion_stream_generator(req, job, echo), job)

@@ -1,13 +1,12 @@
 """The state and steps every OpenAI endpoint shares: the engine behind the API (looked up per request),
 the model check, body parsing, sampling parameters, and the all-or-nothing submission of a request.
 
-Submitting (tokenization, the loop's lock, held while a step runs) happens on a worker thread, so the
-event loop never waits on the engine.
+Submitting never waits for an engine step (`EngineLoop.submit_many`); text prompts are tokenized on a
+worker thread so the event loop keeps serving other clients meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -27,6 +26,11 @@ from .metrics import ServerMetrics
 from .protocol import usage_dict
 
 
+def arrival_of(request: Request) -> float:
+    """When the server received `request` (stamped by the API middleware; now if it was not)."""
+    return request.scope.get("state", {}).get("kvscope_arrival") or time.perf_counter()
+
+
 class OpenAIServing:
     """What every endpoint shares: the engine behind the API, body parsing, and the submission of a request."""
 
@@ -41,7 +45,6 @@ class OpenAIServing:
         self.retry_after_s = retry_after_s
         self.metrics = metrics or ServerMetrics(self.loop_or_none, self.model_name_of)
         self.created = int(time.time())
-        self._admit = threading.Lock()     # capacity check + submits of one request, atomically
 
     # ---- the engine behind the API ------------------------------------------------------------
     def loop_or_none(self) -> EngineLoop | None:
@@ -69,9 +72,8 @@ class OpenAIServing:
         loop = self.loop_or_none()
         if loop is None:
             return False, "no engine (starting, restarting or failed)"
-        t = getattr(loop, "_thread", None)
-        if t is None or not t.is_alive() or getattr(loop, "_stop", False):
-            return False, "the engine loop is not running"
+        if not loop.healthy():
+            return False, "the engine is not running (starting, restarting after a crash, or shut down)"
         return True, "ok"
 
     def overloaded(self, loop: EngineLoop, detail: str) -> APIError:
@@ -117,12 +119,17 @@ class OpenAIServing:
         except ValidationError as e:
             raise validation_error(e)
 
-    @staticmethod
-    def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    def _sampling(self, req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
         kw: dict[str, Any] = dict(max_tokens=max_tokens, seed=seed, logprobs=logprobs, stop=list(req.stop or []),
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
-                                  include_stop_str_in_output=req.include_stop_str_in_output)
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  priority=req.priority)
+        if req.priority:                   # as vLLM: a priority needs the priority policy (a 400 otherwise)
+            cfg = getattr(getattr(self.loop_or_none(), "engine", None), "config", None)
+            if getattr(cfg, "scheduling_policy", "fcfs") != "priority":
+                raise ValueError(f"priority: got {req.priority}, but priority scheduling is not enabled on this "
+                                 "server (EngineConfig.scheduling_policy is 'fcfs')")
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(req, name)
@@ -130,8 +137,8 @@ class OpenAIServing:
                 kw[name] = v
         return SamplingParams(**kw)
 
-    # ---- submission (runs on a worker thread: it may tokenize and wait for the loop's lock) -----
-    def _submit(self, loop: EngineLoop, prompts: list, req, chat: bool) -> Job:
+    # ---- submission: validation, tokenization, the all-or-nothing enqueue ------------------------
+    def _submit(self, loop: EngineLoop, prompts: list, req, chat: bool, arrival_time: float) -> Job:
         eng = loop.engine
         limit_param = req.limit_param if chat else "max_tokens"
         rename = {"logprobs": "top_logprobs" if chat else "logprobs", "prompt": "messages" if chat else "prompt",
@@ -174,48 +181,31 @@ class OpenAIServing:
                 except ValueError as e:
                     raise value_error(e, rename)
                 prompt_of.append(pi)
-        # validate every prompt before submitting any (a bad prompt must not leave others running)
-        for pi, ids in enumerate(prompt_ids):
-            first = prompt_of.index(pi)
-            try:
-                eng.make_sequence(ids, params[first], request_id="validate")
-            except ValueError as e:
-                raise value_error(e, rename)
-        # Accept the whole request or none of it. The capacity check and the submits are one critical
-        # section: EngineLoop.submit checks the queue and counts the new request in two separate lock
-        # sections, so concurrent submitters could all pass the check and the engine would then refuse
-        # the surplus after the 200 (and the stream) had begun.
-        limit = eng.config.max_waiting_requests
-        if limit is not None:                 # fail fast without queueing behind the lock
-            queued = len(eng.scheduler.waiting) + getattr(loop, "_pending_admissions", 0)
-            if queued + len(params) > limit:
-                raise self.overloaded(loop, f"{queued} queued + {len(params)} new > {limit}")
+        # Accept the whole request or none of it: submit_many checks capacity and enqueues atomically,
+        # and never waits for an engine step.
         base = uuid.uuid4().hex
-        rids, streams = [], []
-        with self._admit:
-            if limit is not None:
-                queued = len(eng.scheduler.waiting) + getattr(loop, "_pending_admissions", 0)
-                if queued + len(params) > limit:
-                    raise self.overloaded(loop, f"{queued} queued + {len(params)} new > {limit}")
-            try:
-                for i, sp in enumerate(params):
-                    rid = f"{base}-{i}"
-                    streams.append(loop.submit(prompt_ids[prompt_of[i]], sp, request_id=rid))
-                    rids.append(rid)
-            except (ValueError, EngineOverloaded, RuntimeError) as e:
-                for rid in rids:
-                    loop.abort(rid)
-                if isinstance(e, EngineOverloaded):
-                    raise self.overloaded(loop, str(e))
-                if isinstance(e, ValueError):
-                    raise value_error(e, rename)
-                raise engine_unavailable(self.retry_after_s, e)
+        rids = [f"{base}-{i}" for i in range(len(params))]
+        try:
+            streams = loop.submit_many([(prompt_ids[prompt_of[i]], sp, rid) for i, (sp, rid)
+                                        in enumerate(zip(params, rids))], arrival_time)
+        except EngineOverloaded as e:
+            raise self.overloaded(loop, str(e))
+        except ValueError as e:
+            raise value_error(e, rename)
+        except RuntimeError as e:
+            raise engine_unavailable(self.retry_after_s, e)
         job = Job(self, loop, rids, streams, prompt_ids, prompt_of, params)
         job.id_base = base
         return job
 
-    async def submit(self, loop: EngineLoop, prompts: list, req, chat: bool) -> Job:
-        job = await run_in_threadpool(self._submit, loop, prompts, req, chat)
+    async def submit(self, request: Request, loop: EngineLoop, prompts: list, req, chat: bool) -> Job:
+        """Submit on the event loop when the prompts are token ids (nothing to wait for); text prompts are
+        tokenized on a worker thread. Arrival is when the request reached the server (`arrival_of`)."""
+        arrival = arrival_of(request)
+        if all(isinstance(p, list) for p in prompts):
+            job = self._submit(loop, prompts, req, chat, arrival)
+        else:
+            job = await run_in_threadpool(self._submit, loop, prompts, req, chat, arrival)
         job.attach()
         return job
 

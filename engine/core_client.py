@@ -1,0 +1,300 @@
+"""EngineCoreClient: EngineLoop's serving surface with the engine in a child process (`core_proc.py`).
+
+What the OpenAI server calls on an EngineLoop (`submit_many`, `submit`, `abort`, `stats`,
+`metrics_snapshot`, `shutdown`, and `engine` for validation and tokenization) works the same here:
+`engine` is a `FrontendEngine` (the tokenizer, the limits, `make_sequence`'s checks) and each request's
+outputs arrive in an ordinary `RequestStream`. One receiver thread reads the pipe and hands each step's
+outputs to the event loops that follow them, one `call_soon_threadsafe` per step.
+
+If the engine process dies, every open stream fails at once with a clear error (clients see it within
+the receiver's poll interval), the client reports itself unhealthy, starts a fresh engine process, and
+serves again once it is ready.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import marshal
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import asdict
+from types import SimpleNamespace
+
+from .async_engine import _END, RequestStream, _call_soon, _put_many
+from .config import EngineConfig
+from .core_proc import core_main
+from .llm_engine import EngineOverloaded, LLMEngine
+from .models.loader import load_tokenizer, resolve
+from .outputs import Logprob, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineDied(RuntimeError):
+    """The engine process exited while requests were in flight."""
+
+
+class FrontendEngine:
+    """The parts of an LLMEngine the serving process needs: limits, tokenizer, request validation."""
+
+    tokenize = LLMEngine.tokenize
+    apply_chat_template = LLMEngine.apply_chat_template
+    make_sequence = LLMEngine.make_sequence
+
+    def __init__(self, info: dict, tokenizer):
+        self.config = EngineConfig(**info["config"])
+        self.model_name = info["model_name"]
+        self.max_model_len = info["max_model_len"]
+        self.num_blocks = info["num_blocks"]
+        self.block_size = info["block_size"]
+        self.model_config = SimpleNamespace(vocab_size=info["vocab_size"])
+        self.eos_token_ids = set(info["eos_token_ids"])
+        self.tokenizer = tokenizer
+        self._ids = itertools.count()
+
+
+class _Acc:
+    """A request's output so far, rebuilt from the core's deltas."""
+    __slots__ = ("prompt", "prompt_ids", "text", "token_ids", "logprobs", "metrics")
+
+    def __init__(self, seq: Sequence):
+        self.prompt, self.prompt_ids = seq.prompt, seq.prompt_token_ids
+        self.text, self.token_ids = "", []
+        self.logprobs = [] if seq.params.logprobs is not None else None
+        self.metrics = seq.metrics
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0, **overrides):
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        self.requested_config = config
+        self.start_timeout = start_timeout
+        self._inbox_lock = threading.Lock()       # streams, accumulators, the pipe's send side
+        self._streams: dict[str, RequestStream] = {}
+        self._acc: dict[str, _Acc] = {}
+        self._ids = 0
+        self._stop = False
+        self._stats: dict = {}
+        self._sent_since_stats = 0                # requests sent after the latest stats the core reported
+        self.restarts = 0
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        tok_folder = resolve(config.model)[2]
+        self._tokenizer = load_tokenizer(tok_folder)
+        self._spawn()
+
+    # ---- the engine process ----------------------------------------------------------------------
+    def _spawn(self) -> None:
+        ctx = mp.get_context("spawn")                 # CUDA cannot be forked
+        self._conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=core_main, args=(self.requested_config.to_dict(), child), daemon=True,
+                                name="kvscope-engine-core")
+        self.proc.start()
+        child.close()
+        t_end = time.monotonic() + self.start_timeout
+        while not self._conn.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.exitcode})")
+            if time.monotonic() > t_end:
+                self.proc.kill()
+                raise RuntimeError(f"the engine process was not ready within {self.start_timeout:.0f} s")
+        msg = marshal.loads(self._conn.recv_bytes())
+        if msg[0] == "failed":
+            self.proc.join(5)
+            raise ValueError(msg[1]) if msg[1].startswith("ValueError") else RuntimeError(msg[1])
+        info = msg[1]
+        self.engine = FrontendEngine(info, self._tokenizer)
+        self._stats = info["stats"]
+        self._thread = threading.Thread(target=self._receive, name="kvscope-core-client", daemon=True)
+        self._thread.start()
+        self._ready.set()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def start(self) -> "EngineCoreClient":
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def healthy(self) -> bool:
+        return self._ready.is_set() and self.proc.is_alive() and not self._stop
+
+    # ---- requests --------------------------------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               arrival_time: float | None = None) -> RequestStream:
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        return self.submit_many([(prompt, params, request_id)], arrival)[0]
+
+    def submit_many(self, requests: list[tuple], arrival_time: float | None = None) -> list[RequestStream]:
+        """Validate and tokenize here, then hand the whole batch to the engine process in one message."""
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        if self._stop:
+            raise RuntimeError("engine shut down")
+        if not self._ready.is_set():
+            raise RuntimeError("the engine process is restarting")
+        eng = self.engine
+        seqs = [eng.make_sequence(p, sp, rid if rid is not None else "pending", arrival) for p, sp, rid in requests]
+        limit = eng.config.max_waiting_requests
+        with self._inbox_lock:
+            if limit is not None:
+                queued = self._stats.get("num_waiting", 0) + self._sent_since_stats
+                if queued + len(seqs) > limit:
+                    raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests; "
+                                           f"{queued} queued, {len(seqs)} new)")
+            for seq, (_, _, rid) in zip(seqs, requests):
+                if rid is None:
+                    self._ids += 1
+                    seq.request_id = f"core-{self._ids}"
+            ids = [s.request_id for s in seqs]
+            if len(set(ids)) < len(ids) or any(r in self._streams for r in ids):
+                dup = next(r for r in ids if r in self._streams or ids.count(r) > 1)
+                raise ValueError(f"request_id: {dup!r} is already in use")
+            streams = []
+            for seq in seqs:
+                stream = RequestStream(self, seq.request_id)
+                self._streams[seq.request_id] = stream
+                self._acc[seq.request_id] = _Acc(seq)
+                streams.append(stream)
+            msg = ("add", [(s.request_id, s.prompt_token_ids, asdict(s.params), s.metrics.arrival_time)
+                           for s in seqs])
+            try:
+                self._conn.send_bytes(marshal.dumps(msg))
+                self._sent_since_stats += len(seqs)
+            except (OSError, ValueError) as e:
+                for seq in seqs:
+                    self._streams.pop(seq.request_id, None)
+                    self._acc.pop(seq.request_id, None)
+                raise RuntimeError(f"the engine process is not reachable: {e}")
+        return streams
+
+    def generate(self, prompt, params: SamplingParams | None = None, timeout: float | None = None):
+        return self.submit(prompt, params).result(timeout)
+
+    def abort(self, request_id: str) -> None:
+        with self._inbox_lock:
+            if request_id not in self._streams:
+                return
+            try:
+                self._conn.send_bytes(marshal.dumps(("abort", [request_id])))
+            except (OSError, ValueError):
+                pass                               # the process is gone; its streams fail on their own
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def metrics_snapshot(self) -> dict:
+        return dict(self._stats)
+
+    # ---- the receiver thread ---------------------------------------------------------------------
+    def _receive(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                msg = marshal.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if msg[0] == "out":
+                self._stats = msg[2]
+                self._sent_since_stats = 0
+                self._deliver(msg[1])
+            elif msg[0] == "error":
+                _, rid, kind, text = msg
+                err = (EngineOverloaded if kind == "EngineOverloaded" else
+                       ValueError if kind == "ValueError" else RuntimeError)(text)
+                self._fail(rid, err)
+        self._on_exit()
+
+    def _deliver(self, encoded: list) -> None:
+        batches: dict = {}
+        for rid, delta_text, delta_ids, finished, reason, stop_reason, cached, first_tok, lps, metrics in encoded:
+            with self._inbox_lock:
+                acc = self._acc.get(rid)
+                stream = self._streams.get(rid)
+                if finished:
+                    self._acc.pop(rid, None)
+                    self._streams.pop(rid, None)
+            if acc is None or stream is None:
+                continue
+            acc.text += delta_text
+            acc.token_ids = acc.token_ids + delta_ids
+            if lps is not None and acc.logprobs is not None:
+                acc.logprobs.extend([Logprob(*e) for e in entry] for entry in lps)
+            if metrics is not None:
+                acc.metrics = RequestMetrics(*metrics)
+            elif acc.metrics.first_token_time is None:
+                acc.metrics.first_token_time = first_tok
+            out = RequestOutput(request_id=rid, prompt=acc.prompt, prompt_token_ids=acc.prompt_ids, text=acc.text,
+                                token_ids=acc.token_ids, delta_text=delta_text, delta_token_ids=delta_ids,
+                                finished=finished, finish_reason=reason, metrics=acc.metrics,
+                                logprobs=acc.logprobs, stop_reason=stop_reason, num_cached_tokens=cached)
+            stream._put(out, batches)
+            if finished:
+                stream._put(_END, batches)
+        for aloop, items in batches.items():
+            _call_soon(aloop, _put_many, items)
+
+    def _fail(self, rid: str, err: BaseException) -> None:
+        with self._inbox_lock:
+            stream = self._streams.pop(rid, None)
+            self._acc.pop(rid, None)
+        if stream is not None:
+            stream._put(err)
+            stream._put(_END)
+
+    def _on_exit(self) -> None:
+        """The pipe closed: fail every open request; unless shutting down, start a new engine process."""
+        self._ready.clear()
+        self.proc.join(1)
+        code = self.proc.exitcode
+        with self._inbox_lock:
+            open_ids = list(self._streams)
+        err = RuntimeError("engine shut down") if self._stop else \
+            EngineDied(f"the engine process exited (exit code {code}); it is being restarted")
+        for rid in open_ids:
+            self._fail(rid, err)
+        if self._stop:
+            return
+        self.error = err
+        log.error("%s", err)
+        self._stats = {}
+        while not self._stop:
+            try:
+                self.restarts += 1
+                self._spawn()                     # starts a new receiver thread
+                log.warning("engine process restarted (pid %s)", self.proc.pid)
+                return
+            except Exception as e:  # noqa: BLE001 - keep trying; /health says unhealthy meanwhile
+                self.error = e
+                log.exception("engine restart failed; retrying in 5 s")
+                time.sleep(5)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        try:
+            with self._inbox_lock:
+                self._conn.send_bytes(marshal.dumps(("shutdown",)))
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -1,0 +1,106 @@
+"""The engine in its own process behind the OpenAI server: same tokens as in-process, metrics, and a killed
+engine process fails its clients at once and is restarted."""
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.async_engine import EngineLoop
+from engine.core_client import EngineCoreClient, EngineDied
+from engine.entrypoints.openai.api_server import ServerThread, build_app
+
+CFG = EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=256, block_size=16, max_model_len=512,
+                   max_waiting_requests=64)
+PROMPTS = [[3, 17, 29, 4, 8], [100, 101, 102], [7] * 40]
+
+
+@pytest.fixture(scope="module")
+def core():
+    c = EngineCoreClient(CFG)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def srv(core):
+    with ServerThread(build_app(core)) as s:
+        yield s
+
+
+def test_same_tokens_as_in_process(core):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 5, 20)]
+    with EngineLoop(CFG) as loop:
+        ref = [loop.submit(p, sp).result(60) for p, sp in zip(PROMPTS, params)]
+    streams = core.submit_many([(p, sp, None) for p, sp in zip(PROMPTS, params)])
+    outs = [s.result(60) for s in streams]
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.queued_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert len(m.token_times) >= 1
+    # streamed chunks add up to the final output
+    chunks = list(core.submit(PROMPTS[0], params[0]))
+    assert sum((c.delta_token_ids for c in chunks), []) == ref[0].token_ids
+    assert chunks[-1].finished and chunks[-1].token_ids == ref[0].token_ids
+
+
+def test_http_stream_and_metrics(srv, core):
+    with httpx.Client(timeout=60) as c:
+        r = c.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True,
+                                                      "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        with c.stream("POST", srv.url + "/v1/completions",
+                      json={"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+                            "stream": True, "return_token_ids": True}) as s:
+            ids = []
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    ids += __import__("json").loads(line[6:])["choices"][0].get("token_ids") or []
+        assert len(ids) == 8
+        text = c.get(srv.url + "/metrics").text
+        assert "kvscope:time_to_first_token_seconds_count" in text and "kvscope:num_requests_running" in text
+        assert c.get(srv.url + "/health").status_code == 200
+
+
+def test_bad_request_is_refused_in_the_server_process(core):
+    with pytest.raises(ValueError, match="prompt"):
+        core.submit([], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.submit([1] * 600, SamplingParams(max_tokens=2))
+
+
+def test_killed_engine_process_fails_clients_at_once_and_restarts(srv, core):
+    async def stream_until_error(url: str) -> tuple[float, str]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"prompt": [9, 10, 11], "max_tokens": 400, "stream": True, "ignore_eos": True}
+            async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                got = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"error"' not in line:
+                        got += 1
+                        if got == 2:
+                            t_kill = time.perf_counter()
+                            os.kill(core.pid, signal.SIGKILL)
+                    elif '"error"' in line:
+                        return time.perf_counter() - t_kill, line
+                return time.perf_counter() - t_kill, "stream ended without an error"
+
+    old_pid = core.pid
+    waited, line = asyncio.run(stream_until_error(srv.url))
+    assert waited < 1.0, waited
+    assert "engine" in line and ("exited" in line or "restart" in line), line
+    t_end = time.monotonic() + 120
+    while time.monotonic() < t_end and not core.healthy():
+        time.sleep(0.1)
+    assert core.healthy() and core.pid != old_pid and core.restarts == 1
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert isinstance(core.error, EngineDied)

@@ -1,0 +1,200 @@
+"""Serving under concurrent load: submission never waits for an engine step, arrival is stamped before
+tokenization, the front-end wait counts in TTFT, and a storm of dropped streams leaks no KV block."""
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.async_engine import EngineLoop
+from engine.entrypoints.openai.api_server import ServerThread, build_app
+
+MODEL = "dummy:tiny"
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=512, block_size=16, max_model_len=512,
+                                 max_num_seqs=64, max_num_batched_tokens=256)).start()
+    yield lp
+    lp.shutdown()
+
+
+def wait_idle(loop, timeout=30.0):
+    full = loop.engine.num_blocks - 1
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        s = loop.stats()
+        if s["num_free_blocks"] == full and s["num_running"] == 0 and s["num_waiting"] == 0:
+            return s
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: {loop.stats()}")
+
+
+def test_burst_from_50_threads_is_admitted_within_two_steps(loop):
+    """200 requests from 50 threads while the engine thread is held inside a step: every submit returns
+    (none waits for the step), and all reach the engine's waiting queue within two steps of submitting."""
+    arrived: dict[str, int] = {}
+    in_step, release, left_step = threading.Event(), threading.Event(), threading.Event()
+    gate = {"armed": False}
+
+    def listener(e):
+        if getattr(e, "kind", "") == "arrived":
+            arrived[e.request_id] = e.step
+        elif hasattr(e, "scheduled") and gate["armed"]:
+            gate["armed"] = False
+            in_step.set()
+            release.wait(30)          # hold the engine thread inside this step until the submits are done
+            left_step.set()
+
+    unsub = loop.engine.events.subscribe(listener)
+    busy = loop.submit([5] * 8, SamplingParams(max_tokens=400, ignore_eos=True, temperature=0))
+    submitted: dict[str, int] = {}
+    streams = []
+    lock = threading.Lock()
+    start = threading.Barrier(50)
+
+    def worker(w: int):
+        start.wait()
+        for k in range(4):
+            rid = f"burst-{w}-{k}"
+            step_before = loop.engine.step_index
+            s = loop.submit([7 + w, 11 + k, 3], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0),
+                            request_id=rid)
+            with lock:
+                submitted[rid] = step_before
+                streams.append(s)
+
+    try:
+        gate["armed"] = True
+        assert in_step.wait(30)
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(50)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        returned_during_step = not left_step.is_set()
+        release.set()
+        for s in streams:
+            assert s.result(60).finish_reason == "length"
+    finally:
+        release.set()
+        unsub()
+        busy.cancel()
+    assert returned_during_step
+    assert len(submitted) == 200
+    lags = {rid: arrived[rid] - step for rid, step in submitted.items()}
+    assert max(lags.values()) <= 2, sorted(lags.values())[-10:]
+    wait_idle(loop)
+
+
+def test_arrival_is_stamped_before_tokenization(loop):
+    eng = loop.engine
+    calls: list[float] = []
+    real = eng.tokenize
+
+    def spy(text):
+        calls.append(time.perf_counter())
+        return real(text)
+
+    eng.tokenize = spy
+    try:
+        t_before = time.perf_counter()
+        out = loop.submit("a prompt to tokenize", SamplingParams(max_tokens=2, ignore_eos=True)).result(30)
+    finally:
+        eng.tokenize = real
+    m = out.metrics
+    assert calls and t_before <= m.arrival_time <= calls[0]
+    assert m.arrival_time <= m.queued_time <= m.first_scheduled_time <= m.first_token_time
+    assert m.frontend_time == m.queued_time - m.arrival_time
+    assert m.ttft == m.first_token_time - m.arrival_time
+
+
+def test_explicit_arrival_time_counts_in_ttft_and_timeline(loop):
+    """A caller that received the request earlier passes that stamp: TTFT and queue time count the whole
+    wait, and the inspector's recorder shows it as a front-end span."""
+    from inspector.recorder import Recorder
+    rec = Recorder()
+    rec.attach(loop.engine.events)
+    try:
+        t_arrival = time.perf_counter() - 0.25          # received 250 ms ago (e.g. queued in a web server)
+        out = loop.submit([4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True), request_id="late-1",
+                          arrival_time=t_arrival).result(30)
+        snap = rec.snapshot()
+    finally:
+        rec.detach()
+    assert out.metrics.arrival_time == t_arrival
+    assert out.metrics.ttft >= 0.25 and out.metrics.queue_time >= 0.25 and out.metrics.frontend_time >= 0.25
+    tr = snap.request_map["late-1"]
+    assert tr.arrival == t_arrival
+    fe = [sp for sp in tr.spans if sp.phase == "frontend"]
+    assert len(fe) == 1 and fe[0].start == t_arrival and fe[0].end - fe[0].start >= 0.25
+    assert fe[0].end <= min(sp.start for sp in tr.spans if sp.phase != "frontend")
+
+
+def test_submit_many_is_all_or_nothing(loop):
+    ok = [([1, 2, 3], SamplingParams(max_tokens=2), "many-ok")]
+    with pytest.raises(ValueError, match="prompt"):
+        loop.submit_many(ok + [([], SamplingParams(max_tokens=2), "many-bad")])
+    with pytest.raises(ValueError, match="request_id"):
+        loop.submit_many([([1], SamplingParams(max_tokens=2), "dup"), ([2], SamplingParams(max_tokens=2), "dup")])
+    assert "many-ok" not in loop._streams and "dup" not in loop._streams
+    wait_idle(loop)
+
+
+def test_http_arrival_stamped_by_the_server_before_tokenization(loop):
+    eng = loop.engine
+    calls: list[float] = []
+    real = eng.tokenize
+
+    def spy(text):
+        calls.append(time.perf_counter())
+        return real(text)
+
+    finals = []
+    unsub = eng.events.subscribe(lambda e: finals.append(e) if getattr(e, "kind", "") == "arrived" else None)
+    eng.tokenize = spy
+    try:
+        with ServerThread(build_app(loop)) as srv:
+            t_sent = time.perf_counter()
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 3,
+                                                              "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        eng.tokenize = real
+        unsub()
+    ev = finals[-1]
+    assert t_sent <= ev.arrival_time <= calls[-1] <= ev.time
+
+
+def test_disconnect_storm_frees_every_block(loop):
+    """100 streams dropped mid-flight: every request is aborted and every KV block is free again."""
+    aborted = []
+    unsub = loop.engine.events.subscribe(lambda e: aborted.append(e.request_id)
+                                         if getattr(e, "kind", "") == "aborted" else None)
+    unslow = loop.engine.events.subscribe(lambda e: time.sleep(0.002) if hasattr(e, "scheduled") else None)
+
+    async def storm(url: str) -> int:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as c:
+            async def one(i: int) -> int:
+                body = {"prompt": [3 + i % 50, 9, 27], "max_tokens": 400, "stream": True, "ignore_eos": True}
+                async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    got = 0
+                    async for line in r.aiter_lines():
+                        got += line.startswith("data: {")
+                        if got == 2:
+                            return got          # leaving the block drops the connection mid-stream
+                return got
+            return sum(await asyncio.gather(*(one(i) for i in range(100))))
+
+    try:
+        with ServerThread(build_app(loop)) as srv:
+            assert asyncio.run(storm(srv.url)) == 200
+            s = wait_idle(loop)
+    finally:
+        unsub()
+        unslow()
+    assert len(aborted) == 100
+    assert s["num_free_blocks"] == loop.engine.num_blocks - 1
