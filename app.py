@@ -28,6 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import gradio as gr  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.entrypoints.openai.api_server import SERVER_ENGINE_DEFAULTS  # noqa: E402
 from webui.forms import (MAX_PROMPT_CHARS, PLAYGROUND_MAX_TOKENS, config_field_specs,  # noqa: E402
                          config_form_values, config_from_form, make_http_runner, make_load_spec,
                          make_sampling_params, make_slo)
@@ -137,8 +138,10 @@ def parse_args(argv=None):
 
 def config_from_args(args) -> EngineConfig:
     # the app schedules by priority, so a person's Playground turn (priority -1) gets ahead of simulated
-    # users (0); --set scheduling_policy=fcfs restores the engine's default
-    kw: dict[str, Any] = {"model": args.model or None, "device": args.device, "scheduling_policy": "priority"}
+    # users (0), and streams multi-step blocks of about 4 ms as the API server does; --set restores the
+    # engine's defaults (scheduling_policy=fcfs, multi_step_max_ms=none)
+    kw: dict[str, Any] = {"model": args.model or None, "device": args.device, "scheduling_policy": "priority",
+                          "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]}
     kinds = {n: k for n, k, _ in config_field_specs()}
     for item in args.set:
         if "=" not in item:

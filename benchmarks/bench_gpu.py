@@ -173,6 +173,8 @@ def main():
                          ("no chunked prefill", dict(enable_chunked_prefill=False)),
                          ("static batching", dict(scheduling="static")),
                          ("num_scheduler_steps=1", dict(num_scheduler_steps=1)),
+                         ("multi_step_max_ms=4 (the server's default)", dict(multi_step_max_ms=4.0)),
+                         ("multi_step_admit_min=1", dict(multi_step_admit_min=1)),
                          ("no prefix caching", dict(enable_prefix_caching=False))]:
             try:
                 dt, n = run_engine(prompts, outs, **sw)

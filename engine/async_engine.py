@@ -9,6 +9,7 @@ event loop (one `call_soon_threadsafe` for the whole batch, not one per request)
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -112,6 +113,21 @@ class RequestStream:
         return self.final
 
 
+def admit_batch(seqs: list, request_ids: list, taken: dict, limit: int | None, queued: int, next_id) -> None:
+    """Under the caller's lock: refuse a batch that would overfill the waiting queue (EngineOverloaded),
+    name the unnamed requests (`next_id()`), refuse ids already in use or repeated (ValueError)."""
+    if limit is not None and queued + len(seqs) > limit:
+        raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests; "
+                               f"{queued} queued, {len(seqs)} new)")
+    for seq, rid in zip(seqs, request_ids):
+        if rid is None:
+            seq.request_id = next_id()
+    ids = [s.request_id for s in seqs]
+    dup = next((r for r in ids if r in taken or ids.count(r) > 1), None)
+    if dup is not None:
+        raise ValueError(f"request_id: {dup!r} is already in use")
+
+
 def _call_soon(aloop: asyncio.AbstractEventLoop, fn, arg) -> None:
     try:
         aloop.call_soon_threadsafe(fn, arg)
@@ -132,13 +148,16 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._ids = 0
+        self._ids = itertools.count(1)
         self._pending_admissions = 0            # submitted, not yet in the engine's waiting queue
         self.error: BaseException | None = None
 
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    def _next_id(self) -> str:
+        return f"loop-{next(self._ids)}"
 
     def start(self) -> "EngineLoop":
         if self._thread is None:
@@ -172,21 +191,8 @@ class EngineLoop:
         with self._inbox_lock:
             if self._stop:
                 raise RuntimeError("engine loop is shut down")
-            if limit is not None:
-                queued = len(self.engine.scheduler.waiting) + self._pending_admissions
-                if queued + len(seqs) > limit:
-                    raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests; "
-                                           f"{queued} queued, {len(seqs)} new)")
-            for seq, (_, _, rid) in zip(seqs, requests):
-                if rid is None:
-                    self._ids += 1
-                    seq.request_id = f"loop-{self._ids}"
-            ids = [s.request_id for s in seqs]
-            dup = next((r for r in ids if r in self._streams), None)
-            if dup is None and len(set(ids)) < len(ids):
-                dup = next(r for r in ids if ids.count(r) > 1)
-            if dup is not None:
-                raise ValueError(f"request_id: {dup!r} is already in use")
+            admit_batch(seqs, [rid for _, _, rid in requests], self._streams, limit,
+                        len(self.engine.scheduler.waiting) + self._pending_admissions, self._next_id)
             for seq in seqs:
                 stream = RequestStream(self, seq.request_id)
                 self._streams[seq.request_id] = stream

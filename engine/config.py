@@ -42,6 +42,9 @@ class EngineConfig:
     multi_step_max_ms: float | None = None  # a multi-step block runs at most about this long (from the
     #                                         measured time per iteration, never below 2 iterations), so streamed
     #                                         tokens reach clients this often; None: num_scheduler_steps always
+    multi_step_admit_min: int | None = None  # while multi-step decode runs and the batch is full, newcomers
+    #                                         wait until this many slots are free (or all of them fit);
+    #                                         None: max_num_seqs // 32; 1: a prefill step at every free slot
     gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
     #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
     enable_pdl: bool = True             # those linears launch as programmatic dependents on Hopper+ (their
@@ -96,6 +99,9 @@ class EngineConfig:
         need(self.multi_step_max_ms is None or (isinstance(self.multi_step_max_ms, (int, float))
                                                  and self.multi_step_max_ms > 0),
              "multi_step_max_ms", "must be None or > 0 (milliseconds)")
+        need(self.multi_step_admit_min is None or (isinstance(self.multi_step_admit_min, int)
+                                                    and self.multi_step_admit_min >= 1),
+             "multi_step_admit_min", "must be None or an int >= 1")
         need(self.gemv_max_tokens is None or (isinstance(self.gemv_max_tokens, int)
                                                and 0 <= self.gemv_max_tokens <= 16),
              "gemv_max_tokens", "must be None or an int in [0, 16]")

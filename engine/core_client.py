@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict
 from types import SimpleNamespace
 
-from .async_engine import _END, RequestStream, _call_soon, _put_many
+from .async_engine import _END, RequestStream, _call_soon, _put_many, admit_batch
 from .config import EngineConfig
 from .core_proc import core_main
 from .llm_engine import EngineOverloaded, LLMEngine
@@ -78,7 +78,7 @@ class EngineCoreClient:
         self._inbox_lock = threading.Lock()       # streams, accumulators, the pipe's send side
         self._streams: dict[str, RequestStream] = {}
         self._acc: dict[str, _Acc] = {}
-        self._ids = 0
+        self._ids = itertools.count(1)
         self._stop = False
         self._stats: dict = {}
         self._sent_since_stats = 0                # requests sent after the latest stats the core reported
@@ -151,21 +151,10 @@ class EngineCoreClient:
             raise RuntimeError("the engine process is restarting")
         eng = self.engine
         seqs = [eng.make_sequence(p, sp, rid if rid is not None else "pending", arrival) for p, sp, rid in requests]
-        limit = eng.config.max_waiting_requests
         with self._inbox_lock:
-            if limit is not None:
-                queued = self._stats.get("num_waiting", 0) + self._sent_since_stats
-                if queued + len(seqs) > limit:
-                    raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests; "
-                                           f"{queued} queued, {len(seqs)} new)")
-            for seq, (_, _, rid) in zip(seqs, requests):
-                if rid is None:
-                    self._ids += 1
-                    seq.request_id = f"core-{self._ids}"
-            ids = [s.request_id for s in seqs]
-            if len(set(ids)) < len(ids) or any(r in self._streams for r in ids):
-                dup = next(r for r in ids if r in self._streams or ids.count(r) > 1)
-                raise ValueError(f"request_id: {dup!r} is already in use")
+            admit_batch(seqs, [rid for _, _, rid in requests], self._streams, eng.config.max_waiting_requests,
+                        self._stats.get("num_waiting", 0) + self._sent_since_stats,
+                        lambda: f"core-{next(self._ids)}")
             streams = []
             for seq in seqs:
                 stream = RequestStream(self, seq.request_id)

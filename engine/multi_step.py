@@ -53,7 +53,7 @@ def plan(engine, ahead: InFlight | None = None) -> int:
     sch = engine.scheduler
     if K <= 1 or engine.drafter is not None or not engine.config.enable_kv_cache or not sch.running:
         return 1
-    if (sch.waiting or engine.arrivals_pending) and len(sch.running) < engine.config.max_num_seqs:
+    if _admit_now(engine):
         return 1                                    # admit the newcomers with a normal step
     if len(sch.running) > engine.config.max_num_batched_tokens:
         return 1
@@ -73,6 +73,23 @@ def plan(engine, ahead: InFlight | None = None) -> int:
     bm = engine.block_manager
     need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in sch.running)
     return K if K > 1 and need <= bm.pool.num_free else 1
+
+
+def _admit_now(engine) -> bool:
+    """Break the decode pipeline for a normal (prefill) step when newcomers can be admitted: once
+    `multi_step_admit_min` batch slots are free, or as many as there are newcomers. A prefill step runs
+    eagerly and costs several decode iterations of host time, so while the batch is full, admitting a few
+    requests per step instead of one each time a request finishes keeps the GPU busy."""
+    sch, cfg = engine.scheduler, engine.config
+    if cfg.scheduling_policy == "priority" and sch.waiting and sch.running \
+            and sch.waiting.peek().params.priority < sch.running[-1].params.priority:
+        return True                     # a better request waits: a normal step lets the scheduler preempt
+    free = cfg.max_num_seqs - len(sch.running)
+    if free <= 0 or not (sch.waiting or engine.arrivals_pending):
+        return False
+    want = len(sch.waiting) + (1 if engine.arrivals_pending else 0)
+    need = cfg.multi_step_admit_min if cfg.multi_step_admit_min is not None else max(1, cfg.max_num_seqs // 32)
+    return free >= min(want, need)
 
 
 def _time_cap(engine) -> int:

@@ -224,6 +224,8 @@ class Scheduler:
             want = seq.num_tokens + num_spec - seq.num_computed_tokens
             if not chunked and want - num_spec > budget:
                 continue
+            if want - num_spec > 1 and self._outranked_prefill(out, seq):
+                continue
             num_new = min(want, budget)
             if num_new < want:
                 num_spec = max(0, num_spec - (want - num_new))
@@ -268,6 +270,8 @@ class Scheduler:
                     budget += self._take_back(out, served)
                     continue
                 break
+            if self._outranked_prefill(out, seq):
+                break
             self.bm.match_prefix(seq)
             want = seq.num_tokens - seq.num_computed_tokens
             if not chunked and want > budget:
@@ -291,6 +295,14 @@ class Scheduler:
             served.add(id(seq))
             budget -= num_new
         return budget
+
+    @staticmethod
+    def _outranked_prefill(out: SchedulerOutput, seq: Sequence) -> bool:
+        """A step that prefills for a better request carries no prompt chunks of worse ones (their decodes
+        still run): the better request's first token then waits for its own prompt only, which on a slow
+        device is the difference between a fraction of a second and several."""
+        p = seq.params.priority
+        return any(n > 1 and s.params.priority < p for s, n in zip(out.seqs, out.num_new_tokens))
 
     def _preempt_for(self, seq: Sequence, out: SchedulerOutput, evicted: set[int]) -> bool:
         """Preempt the worst running request for waiting `seq` if its priority value is strictly larger."""

@@ -10,8 +10,10 @@ from .models.config import ModelConfig
 
 # (max_num_batched_tokens, max_num_seqs) where the config leaves them None: on a GPU a large token budget
 # admits a burst of prompts in few steps and the batch fills the captured CUDA-graph sizes (vLLM's server
-# defaults are 8192 / 1024 on an H200); on a CPU steps are slow, so smaller batches keep latency sane.
-DEVICE_DEFAULTS = {"cuda": (8192, 256), "cpu": (2048, 128)}
+# defaults are 8192 / 1024 on an H200); on a CPU a step costs about 2.5 ms per token of budget (SmolLM2,
+# 2 cores), so a small budget keeps every step short: a newcomer (a person's chat turn) waits at most one
+# short step, not the several seconds of a 2048-token prefill chunk.
+DEVICE_DEFAULTS = {"cuda": (8192, 256), "cpu": (256, 128)}
 
 
 def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfig:

@@ -29,7 +29,7 @@ def metrics_frame(records: Iterable[RequestRecord]) -> pd.DataFrame:
     """One row per finished request: stamps (s, perf_counter), token counts, and TTFT/TPOT/E2EL in ms."""
     records = list(records)
     df = M.request_frame(records)
-    for c in ("queue_time", "ttft", "tpot", "e2el"):
+    for c in ("queue_time", "frontend_time", "ttft", "tpot", "e2el"):
         df[f"{c}_ms"] = df[c] * 1000.0
     mean_itl = []
     for r in records:

@@ -22,7 +22,8 @@ import pandas as pd
 from inspector.recorder import RequestRecord
 
 METRIC_DEFINITIONS: dict[str, str] = {
-    "TTFT": "Time to first token: arrival → first output token",
+    "TTFT": "Time to first token: arrival (at the server, load runner or playground, before tokenization) → "
+            "first output token",
     "TPOT": "Time per output token, first token excluded: (E2EL − TTFT) / (output tokens − 1)",
     "ITL": "Inter-token latency: gap between consecutive streamed outputs (≠ TPOT when a step emits "
            "several tokens, e.g. speculative decoding)",
@@ -78,14 +79,15 @@ def request_frame(records: Iterable[RequestRecord]) -> pd.DataFrame:
             prompt_len=r.prompt_len, output_len=r.output_len, num_cached_tokens=m.num_cached_tokens,
             num_preemptions=m.num_preemptions, finish_reason=r.finish_reason,
             queue_time=(None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time),
+            frontend_time=getattr(m, "frontend_time", None),
             ttft=ttft, tpot=tpot, e2el=e2el,
             num_outputs=len(m.token_times)))
     cols = ["request_id", "arrival", "first_scheduled", "first_token", "last_token", "finished",
             "prompt_len", "output_len", "num_cached_tokens", "num_preemptions", "finish_reason",
-            "queue_time", "ttft", "tpot", "e2el", "num_outputs"]
+            "queue_time", "frontend_time", "ttft", "tpot", "e2el", "num_outputs"]
     df = pd.DataFrame(rows, columns=cols)
     for c in ("arrival", "first_scheduled", "first_token", "last_token", "finished", "queue_time",
-              "ttft", "tpot", "e2el"):
+              "frontend_time", "ttft", "tpot", "e2el"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     return df
 

@@ -10,6 +10,7 @@ from engine.entrypoints.openai.api_server import ServerThread, build_app
 from inspector import metrics as M
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress, run_http_load
 from inspector.load import LengthDist, LoadSpec, build_workload
+from helpers import wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +25,6 @@ def loop():
 def srv(loop):
     with ServerThread(build_app(loop)) as s:
         yield s
-
-
-def wait_free(loop, timeout=5.0):
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        st = loop.stats()
-        if st["num_free_blocks"] == loop.engine.num_blocks - 1 and st["num_running"] == 0 and st["num_waiting"] == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(loop.stats())
 
 
 def test_records_match_the_workload(srv, loop):
@@ -56,7 +47,7 @@ def test_records_match_the_workload(srv, loop):
     assert M.summary_table(s)["Metric"].iloc[0] == "TTFT (ms)"
     assert "8/8 finished" in format_progress(runner.progress())
     assert runner.progress()["http_status"] == {"200": 8}       # JSON-safe (the app sends it to browsers)
-    wait_free(loop)
+    wait_idle(loop)
 
 
 def test_multi_turn_resends_the_conversation(srv, loop):
@@ -65,7 +56,7 @@ def test_multi_turn_resends_the_conversation(srv, loop):
     recs = run_http_load(HttpTarget(srv.url + "/v1"), spec, timeout=60)
     lens = sorted(r.prompt_len for r in recs)
     assert lens == [10, 10, 25, 25]                         # turn 2 = turn 1 prompt + reply + new tokens
-    wait_free(loop)
+    wait_idle(loop)
 
 
 def test_flood_counts_503s_and_stop_cancels(srv, loop):
@@ -76,7 +67,7 @@ def test_flood_counts_503s_and_stop_cancels(srv, loop):
     s = runner.summary()
     assert s["http_status"].get("503", 0) > 0 and s["completed"] + s["http_status"]["503"] == 30
     assert all(r.output_len == 6 for r in runner.records)
-    wait_free(loop)
+    wait_idle(loop)
 
     long = LoadSpec(name="long", num_requests=4, rate=math.inf, prompt_len=LengthDist("fixed", 8, 8),
                     output_len=LengthDist("fixed", 900, 900), seed=2)
@@ -87,7 +78,7 @@ def test_flood_counts_503s_and_stop_cancels(srv, loop):
     runner.stop()
     assert runner.wait(10) and runner.stopped
     assert runner.progress()["in_flight"] == 0
-    wait_free(loop)                                          # closed connections -> aborted -> blocks freed
+    wait_idle(loop)                                          # closed connections -> aborted -> blocks freed
 
 
 def test_bad_target():

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import EngineConfig
 from engine.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
+from helpers import wait_idle
 
 MODEL = "dummy:tiny"
 NO_EOS = {"ignore_eos": True}
@@ -46,18 +47,6 @@ def client(srv):
 @pytest.fixture(scope="module")
 def tok(loop):
     return loop.engine.tokenizer
-
-
-def wait_all_free(loop, timeout=5.0):
-    """Every KV block back on the free list and nothing running or waiting."""
-    full = loop.engine.num_blocks - 1
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        s = loop.stats()
-        if s["num_free_blocks"] == full and s["num_running"] == 0 and s["num_waiting"] == 0:
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"KV blocks not freed: {loop.stats()}")
 
 
 def sse_lines(r: httpx.Response) -> list[str]:
@@ -241,7 +230,7 @@ def test_unknown_model_404(client):
 def test_engine_still_serves_after_errors(client, loop):
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=NO_EOS)
     assert r.usage.completion_tokens == 2
-    wait_all_free(loop)
+    wait_idle(loop)
 
 
 def test_api_key(guarded):
@@ -272,12 +261,12 @@ def test_timeout_aborts(guarded, loop):
     r = httpx.post(guarded.url + "/v1/completions", json=body, headers=auth, timeout=30)
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
     assert time.monotonic() - t0 < 5
-    wait_all_free(loop)
+    wait_idle(loop)
     with httpx.stream("POST", guarded.url + "/v1/completions", json={**body, "stream": True}, headers=auth,
                       timeout=30) as r:
         lines = sse_lines(r)
     assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "request_timeout"
-    wait_all_free(loop)
+    wait_idle(loop)
 
 
 def test_disconnect_mid_stream_frees_blocks(srv, loop):
@@ -300,7 +289,7 @@ def test_disconnect_mid_stream_frees_blocks(srv, loop):
                 assert loop.stats()["num_running"] == 1
                 step_at_close = loop.engine.step_index
             # leaving the block closes the connection mid-stream
-        s = wait_all_free(loop)
+        s = wait_idle(loop)
     finally:
         unsub()
         unslow()
@@ -314,7 +303,7 @@ def test_disconnect_while_waiting_non_stream(srv, loop):
     with pytest.raises(openai.APITimeoutError):
         OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=0.3).completions.create(
             model=MODEL, prompt="x", max_tokens=900, extra_body=NO_EOS)
-    wait_all_free(loop)
+    wait_idle(loop)
 
 
 def test_flood_gets_503_and_accepted_complete(srv, loop):
@@ -350,7 +339,7 @@ def test_flood_gets_503_and_accepted_complete(srv, loop):
     assert refused[0].body["code"] == "queue_full"
     assert len(ok) >= limit
     assert all(u.completion_tokens == 12 for u in ok)
-    wait_all_free(loop)
+    wait_idle(loop)
 
 
 def test_register_follows_the_current_engine(loop):
@@ -393,7 +382,7 @@ def _get(m, name, **labels):
 
 
 def test_metrics_counters_match(srv, client, loop, tok):
-    wait_all_free(loop)
+    wait_idle(loop)
     before = _scrape(srv.url)
     prompts = ["one two three", "four five", "six seven eight nine ten"]
     for i, p in enumerate(prompts):
@@ -476,7 +465,7 @@ def test_metrics_prefix_cache_preemption_and_spec_counters():
                 finally:
                     await ac.close()
             assert all(r.usage.completion_tokens == 60 for r in asyncio.run(crowd()))
-            wait_all_free(lp)
+            wait_idle(lp)
             m = _scrape(s.url)
             eng = lp.engine
             assert _get(m, "kvscope:prefix_cache_queries_total") == eng.block_manager.total_queries > 0

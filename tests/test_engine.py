@@ -173,3 +173,24 @@ def test_multi_step_time_cap(smollm2_engine_factory, prompts):
         k = max(e.num_decode_steps for e in steps)
         assert k == (2 if cap < 1 else 4), (cap, k)
     assert results[1e-6] == results[1e6]
+
+
+def test_multi_step_admits_newcomers_in_groups(smollm2_engine_factory, prompts):
+    """With the batch full, newcomers wait (decoding continues multi-step) until multi_step_admit_min slots
+    are free or all of them fit; tokens are unchanged."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 12, 30, 30)]
+    extra = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)] * 2
+    ref = run(smollm2_engine_factory(), prompts + prompts[:2], params + extra)
+    for admit_min in (1, 2):
+        eng = smollm2_engine_factory(num_scheduler_steps=4, max_num_seqs=4, multi_step_admit_min=admit_min)
+        events = []
+        eng.events.subscribe(events.append)
+        outs = run(eng, prompts + prompts[:2], params + extra)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+        step_of = {(e.kind, e.request_id): e.step for e in events if hasattr(e, "request_id")}
+        fin1 = step_of[("finished", outs[1].request_id)]        # the second slot frees here
+        first_new = min(step_of[("scheduled", o.request_id)] for o in outs[4:])
+        if admit_min == 1:
+            assert first_new <= fin1, (first_new, fin1)      # admitted at the first free slot
+        else:
+            assert first_new > fin1, (first_new, fin1)       # waited until two slots were free

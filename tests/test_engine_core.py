@@ -16,15 +16,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.presets import preset_config
 from engine.sequence import Sequence
-
-
-def drain(eng):
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return outs
+from helpers import drain
 
 
 # ---------------------------------------------------------------- loader and presets

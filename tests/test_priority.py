@@ -10,17 +10,9 @@ from engine.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 from engine.events import RequestEvent, StepEvent
 from engine.scheduler import PriorityWaitingQueue
+from helpers import drain
 
 MODEL = "dummy:tiny"
-
-
-def drain(eng):
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return outs
 
 
 def alone(prompt, sp, **cfg):
@@ -123,7 +115,7 @@ def test_step_budget_goes_to_the_better_priority_first(policy):
     eng.step()
     got = {s.request_id: s.num_tokens for s in steps[0].scheduled}
     if policy == "priority":
-        assert got == {high: 8, low: 8}               # the whole short prompt first, the rest of the budget after
+        assert got == {high: 8}                       # the whole short prompt first, no worse prompt chunk beside it
     else:
         assert got == {low: 16}                       # FCFS: the running chunk takes the budget
     outs = drain(eng)
@@ -238,3 +230,20 @@ def test_api_priority_field(api, path, body):
             assert r.json()["usage"]["completion_tokens"] >= 1
     r = httpx.post(f"{url}/v1/{path}", json={**body, "priority": "1"}, timeout=60)   # strict: no coercion
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
+def test_step_prefilling_a_better_request_still_decodes_worse_ones():
+    """A worse request that is decoding keeps decoding in the step that prefills a better one."""
+    eng = LLMEngine(model=MODEL, device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=64,
+                    scheduling_policy="priority")
+    low = eng.add_request(prompt(1, n=12), greedy(6))
+    eng.step()                                         # low's prompt; it decodes from now on
+    sp = greedy(3)
+    sp.priority = -1
+    high = eng.add_request(prompt(2, n=8), sp)
+    steps = []
+    eng.events.subscribe(lambda e: isinstance(e, StepEvent) and steps.append(e))
+    eng.step()
+    assert {s.request_id: s.num_tokens for s in steps[0].scheduled} == {high: 8, low: 1}
+    outs = drain(eng)
+    assert outs[low].token_ids == alone(prompt(1, n=12), greedy(6), num_kv_blocks=64, block_size=4)

@@ -10,6 +10,7 @@ import pytest
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
+from helpers import wait_idle
 
 MODEL = "dummy:tiny"
 
@@ -20,17 +21,6 @@ def loop():
                                  max_num_seqs=64, max_num_batched_tokens=256)).start()
     yield lp
     lp.shutdown()
-
-
-def wait_idle(loop, timeout=30.0):
-    full = loop.engine.num_blocks - 1
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        s = loop.stats()
-        if s["num_free_blocks"] == full and s["num_running"] == 0 and s["num_waiting"] == 0:
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"engine not idle: {loop.stats()}")
 
 
 def test_burst_from_50_threads_is_admitted_within_two_steps(loop):
@@ -87,12 +77,13 @@ def test_burst_from_50_threads_is_admitted_within_two_steps(loop):
     assert len(submitted) == 200
     lags = {rid: arrived[rid] - step for rid, step in submitted.items()}
     assert max(lags.values()) <= 2, sorted(lags.values())[-10:]
-    wait_idle(loop)
+    wait_idle(loop, 30)
 
 
-def test_arrival_is_stamped_before_tokenization(loop):
-    eng = loop.engine
-    calls: list[float] = []
+@pytest.fixture
+def tokenize_calls(loop):
+    """When the engine's tokenizer was called (a spy around LLMEngine.tokenize)."""
+    eng, calls = loop.engine, []
     real = eng.tokenize
 
     def spy(text):
@@ -100,11 +91,14 @@ def test_arrival_is_stamped_before_tokenization(loop):
         return real(text)
 
     eng.tokenize = spy
-    try:
-        t_before = time.perf_counter()
-        out = loop.submit("a prompt to tokenize", SamplingParams(max_tokens=2, ignore_eos=True)).result(30)
-    finally:
-        eng.tokenize = real
+    yield calls
+    eng.tokenize = real
+
+
+def test_arrival_is_stamped_before_tokenization(loop, tokenize_calls):
+    calls = tokenize_calls
+    t_before = time.perf_counter()
+    out = loop.submit("a prompt to tokenize", SamplingParams(max_tokens=2, ignore_eos=True)).result(30)
     m = out.metrics
     assert calls and t_before <= m.arrival_time <= calls[0]
     assert m.arrival_time <= m.queued_time <= m.first_scheduled_time <= m.first_token_time
@@ -141,21 +135,12 @@ def test_submit_many_is_all_or_nothing(loop):
     with pytest.raises(ValueError, match="request_id"):
         loop.submit_many([([1], SamplingParams(max_tokens=2), "dup"), ([2], SamplingParams(max_tokens=2), "dup")])
     assert "many-ok" not in loop._streams and "dup" not in loop._streams
-    wait_idle(loop)
+    wait_idle(loop, 30)
 
 
-def test_http_arrival_stamped_by_the_server_before_tokenization(loop):
-    eng = loop.engine
-    calls: list[float] = []
-    real = eng.tokenize
-
-    def spy(text):
-        calls.append(time.perf_counter())
-        return real(text)
-
+def test_http_arrival_stamped_by_the_server_before_tokenization(loop, tokenize_calls):
     finals = []
-    unsub = eng.events.subscribe(lambda e: finals.append(e) if getattr(e, "kind", "") == "arrived" else None)
-    eng.tokenize = spy
+    unsub = loop.engine.events.subscribe(lambda e: finals.append(e) if getattr(e, "kind", "") == "arrived" else None)
     try:
         with ServerThread(build_app(loop)) as srv:
             t_sent = time.perf_counter()
@@ -163,10 +148,9 @@ def test_http_arrival_stamped_by_the_server_before_tokenization(loop):
                                                               "ignore_eos": True}, timeout=30)
         assert r.status_code == 200, r.text
     finally:
-        eng.tokenize = real
         unsub()
     ev = finals[-1]
-    assert t_sent <= ev.arrival_time <= calls[-1] <= ev.time
+    assert t_sent <= ev.arrival_time <= tokenize_calls[-1] <= ev.time
 
 
 def test_disconnect_storm_frees_every_block(loop):
@@ -192,7 +176,7 @@ def test_disconnect_storm_frees_every_block(loop):
     try:
         with ServerThread(build_app(loop)) as srv:
             assert asyncio.run(storm(srv.url)) == 200
-            s = wait_idle(loop)
+            s = wait_idle(loop, 30)
     finally:
         unsub()
         unslow()
