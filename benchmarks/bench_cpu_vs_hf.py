@@ -68,12 +68,14 @@ def main():
     t_kv = run_kvscope(prompts, outs, args.dtype)
     t_kv8 = run_kvscope(prompts, outs, args.dtype, max_num_seqs=8)
     t_ms = run_kvscope(prompts, outs, args.dtype, num_scheduler_steps=4)
+    t_big = run_kvscope(prompts, outs, args.dtype, max_num_batched_tokens=2048)
     t_hf = run_hf(prompts, outs, args.dtype)
     rows = [
         dict(engine="HF generate, batches of 8 (padded)", seconds=t_hf, tok_s=useful / t_hf, ratio=1.0),
         dict(engine="kvscope, max_num_seqs=8", seconds=t_kv8, tok_s=useful / t_kv8, ratio=t_hf / t_kv8),
         dict(engine="kvscope (continuous batching)", seconds=t_kv, tok_s=useful / t_kv, ratio=t_hf / t_kv),
         dict(engine="kvscope, num_scheduler_steps=4", seconds=t_ms, tok_s=useful / t_ms, ratio=t_hf / t_ms),
+        dict(engine="kvscope, max_num_batched_tokens=2048", seconds=t_big, tok_s=useful / t_big, ratio=t_hf / t_big),
     ]
     dev = device_name("cpu")
     path = write_json("cpu_vs_hf", dict(device=dev, dtype=args.dtype, requests=args.requests,

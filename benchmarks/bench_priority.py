@@ -9,7 +9,7 @@ a turn that arrives mid-step waits for that step to end, and its own step carrie
 tokens, so on a CPU the budget bounds what any policy can do.
 
     python benchmarks/bench_priority.py [--model dummy:NAME] [--device cpu] [--turn-times 3,6,9]
-                                        [--max-num-batched-tokens default,128]
+                                        [--max-num-batched-tokens default,2048]
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--turn-times", default="3,6,9", help="seconds after the load starts, one per chat turn")
     ap.add_argument("--policies", default="fcfs,priority")
-    ap.add_argument("--max-num-batched-tokens", default="default,128",
+    ap.add_argument("--max-num-batched-tokens", default="default,2048",
                     help="step token budgets to compare, comma-separated ('default': the engine's for the device)")
     args = ap.parse_args(argv)
     args.turn_times = [float(x) for x in args.turn_times.split(",")][:len(TURNS)]

@@ -22,7 +22,6 @@ import math
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from benchmarks.common import RESULTS, print_table, slug, write_json  # noqa: E402
+from benchmarks.common import print_table, slug, write_json  # noqa: E402
+from benchmarks.serve_procs import (launch_server, start_command, start_pyspy, stop_launched,  # noqa: E402
+                                    stop_process)
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress  # noqa: E402
 from inspector.load import LengthDist, LoadSpec  # noqa: E402
 
@@ -76,44 +77,6 @@ def parse_args(argv=None):
 
 # The workloads of the serving issue: (name, num_prompts, request_rate, input_len, output_len, range_ratio)
 SUITES = {"serving": [("burst", 512, math.inf, 512, 256, 0.5), ("rate24", 400, 24.0, 512, 256, 0.5)]}
-
-
-# ------------------------------------------------------------------------------------------ server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_server(args) -> tuple[subprocess.Popen, str, Path]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), "--device", args.device, "--log-level", "warning",
-           "--max-waiting-requests", str(max(256, args.num_prompts))]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
-    cmd += args.server_arg
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvscope_bench_serve_{port}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    print(f"launching: {' '.join(cmd)}  (log: {log_path})", flush=True)
-    proc = subprocess.Popen(cmd, cwd=str(Path(__file__).resolve().parents[1]), env=env,
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    t_end = time.monotonic() + 300
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); see {log_path}:\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log_path
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"the server did not become healthy in 300 s; see {log_path}")
 
 
 def scrape(url: str) -> dict:
@@ -218,52 +181,10 @@ def parse_targets(args) -> list[tuple[str, str]]:
     return out
 
 
-def start_command(name: str, cmd: str, url: str) -> subprocess.Popen:
-    """Start another server (`--launch`) in its own process group and wait until it lists its models."""
-    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_serve_{slug(name)}.log"
-    print(f"launching {name}: {cmd}  (log: {log_path})", flush=True)
-    proc = subprocess.Popen(cmd, shell=True, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    t_end = time.monotonic() + 600
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise SystemExit(f"{name} exited ({proc.returncode}); see {log_path}:\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_process(proc)
-    raise SystemExit(f"{name} did not answer /v1/models in 600 s; see {log_path}")
-
-
-def stop_process(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, 15)
-    except (ProcessLookupError, PermissionError):
-        proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait(10)
-
-
 def _spec(w) -> LoadSpec:
     return LoadSpec(name="bench_serve", num_requests=w.num_prompts, rate=w.request_rate, burstiness=w.burstiness,
                     max_concurrency=w.max_concurrency, prompt_len=_lengths(w.input_len, w.range_ratio),
                     output_len=_lengths(w.output_len, w.range_ratio), seed=w.seed, temperature=0.0, ignore_eos=True)
-
-
-def start_pyspy(pid: int, out: Path) -> subprocess.Popen:
-    """py-spy sampling every thread of `pid` (idle ones too, so waits show) until stopped with SIGINT."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
-                             "--threads", "--idle", "--nonblocking", "--subprocesses", "--output", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def run_http(w, url: str, model: str | None, profile_pid: int | None = None, profile_out: Path | None = None
@@ -399,7 +320,7 @@ def main(argv=None) -> list[dict]:
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"target {name} failed: {failed[name]}", flush=True)
         finally:
-            _stop_launched(proc) if value.startswith("launch") else stop_process(proc)
+            stop_launched(proc) if value.startswith("launch") else stop_process(proc)
     if not results:
         raise SystemExit(f"every target failed: {failed}")
     print(f"{' side by side ':=^50}")
@@ -418,15 +339,6 @@ def main(argv=None) -> list[dict]:
         "results": results, "failed": failed})
     print(f"wrote {path}")
     return results
-
-
-def _stop_launched(proc: subprocess.Popen | None) -> None:
-    if proc is not None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 if __name__ == "__main__":

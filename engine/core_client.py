@@ -250,19 +250,18 @@ class EngineCoreClient:
     def _on_exit(self) -> None:
         """The pipe closed: fail every open request; unless shutting down, start a new engine process."""
         self._ready.clear()
-        self.proc.join(1)
-        code = self.proc.exitcode
         with self._inbox_lock:
             open_ids = list(self._streams)
         err = RuntimeError("engine shut down") if self._stop else \
-            EngineDied(f"the engine process exited (exit code {code}); it is being restarted")
-        for rid in open_ids:
+            EngineDied("the engine process exited; it is being restarted")
+        for rid in open_ids:                      # first: clients learn at once, before any join
             self._fail(rid, err)
+        self.proc.join(5)
         if self._stop:
             return
         self.error = err
-        log.error("%s", err)
-        self._stats = {}
+        log.error("%s (exit code %s)", err, self.proc.exitcode)
+        self._stats, self._sent_since_stats = {}, 0
         while not self._stop:
             try:
                 self.restarts += 1

@@ -1,6 +1,7 @@
 """LLMEngine: add_request / step / abort_request over the scheduler, runner, sampler and detokenizer."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -177,9 +178,7 @@ class LLMEngine(OutputProcessor):
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int | None = None) -> str:
         if priority is not None and (params is None or isinstance(params, SamplingParams)):
-            # shorthand for SamplingParams.priority
-            from dataclasses import replace
-            params = replace(params or SamplingParams(), priority=priority)
+            params = dataclasses.replace(params or SamplingParams(), priority=priority)   # SamplingParams.priority
         return self.add_sequence(self.make_sequence(prompt, params, request_id, arrival_time))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestMetrics:
-    """Stamped once, in the engine (time.perf_counter() seconds). Every TTFT/TPOT/ITL in kvscope comes from here."""
+    """Stamped once each (time.perf_counter() seconds): arrival where the request enters kvscope (the server,
+    the load runner, the playground), the rest in the engine. Every TTFT/TPOT/ITL in kvscope comes from here."""
     arrival_time: float                      # the front end (server, load runner, playground) received it
     queued_time: float | None = None         # the engine took it into its waiting queue
     first_scheduled_time: float | None = None

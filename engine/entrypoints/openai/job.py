@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
@@ -19,9 +19,6 @@ from engine.llm_engine import EngineOverloaded
 from engine.sampling_params import SamplingParams
 
 from .errors import APIError, engine_stopped, request_timeout
-
-if TYPE_CHECKING:
-    from .serving_engine import OpenAIServing
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +68,8 @@ class _Tag:
 class Job:
     """The engine requests behind one HTTP request (n choices x prompts), followed on the event loop."""
 
-    def __init__(self, server: OpenAIServing, loop: EngineLoop, rids: list[str], streams: list,
+    # `server`: the OpenAIServing that made the job (not imported: serving_engine imports this module)
+    def __init__(self, server: Any, loop: EngineLoop, rids: list[str], streams: list,
                  prompt_ids: list[list[int]], prompt_of: list[int], params: list[SamplingParams]):
         self.server = server
         self.loop = loop
