@@ -29,18 +29,12 @@ import gradio as gr  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.entrypoints.openai.api_server import SERVER_ENGINE_DEFAULTS  # noqa: E402
-from webui.forms import (MAX_PROMPT_CHARS, PLAYGROUND_MAX_TOKENS, config_field_specs,  # noqa: E402
-                         config_form_values, config_from_form, make_http_runner, make_load_spec,
-                         make_sampling_params, make_slo)
-from webui.host import CompareJob, EngineHost, EngineUnavailable, Published  # noqa: E402
-from webui.render import compare_table, logprobs_rows, progress_html, request_stats_md, summary_md  # noqa: E402
+from webui.forms import config_field_specs  # noqa: E402
+from webui.host import EngineHost  # noqa: E402
 from webui.ui import CSS, build_ui  # noqa: E402
 
-__all__ = ["CSS", "MAX_PROMPT_CHARS", "PLAYGROUND_MAX_TOKENS", "CompareJob", "EngineHost", "EngineUnavailable",
-           "Published", "ServerHandle", "add_serving_api", "api_options_from_args", "build_ui", "compare_table",
-           "config_field_specs", "config_form_values", "config_from_args", "config_from_form", "create_app",
-           "logprobs_rows", "main", "make_http_runner", "make_load_spec", "make_sampling_params", "make_slo",
-           "parse_args", "progress_html", "request_stats_md", "serve_in_thread", "summary_md"]
+__all__ = ["ServerHandle", "add_serving_api", "api_options_from_args", "config_from_args", "create_app", "main",
+           "parse_args", "serve_in_thread"]
 
 log = logging.getLogger("kvscope.app")
 ROOT = Path(__file__).resolve().parent

@@ -56,7 +56,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
-def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks; returns probabilities [B, V]."""
     dev = logits.device
     temp = _to_dev([r.params.temperature for r in rows], dev, torch.float32).clamp_min(1e-5)
@@ -118,7 +118,7 @@ def sample_unseeded(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bo
         return _sample_plain(logits, rows, greedy, generator, fused)
     tokens = logits.argmax(-1)
     sample_idx = [i for i, g in enumerate(greedy) if not g]
-    probs = _filter(logits[sample_idx], [rows[i] for i in sample_idx])      # [S, V]
+    probs = filtered_probs(logits[sample_idx], [rows[i] for i in sample_idx])  # [S, V]
     q = torch.empty_like(probs).exponential_(generator=generator)
     tokens[_to_dev(sample_idx, logits.device)] = (probs / q).argmax(-1)
     return tokens
@@ -142,7 +142,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     tokens = sample_unseeded(logits, rows, [r.params.greedy or i in seeded for i, r in enumerate(rows)],
                              generator, fused)
     if seeded:
-        probs = _filter(logits[seeded], [rows[i] for i in seeded])           # [S, V]
+        probs = filtered_probs(logits[seeded], [rows[i] for i in seeded])   # [S, V]
         for j, i in enumerate(seeded):
             g = _seeded_generator(rows[i].params.seed, rows[i].position, probs.device)
             tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]

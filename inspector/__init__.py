@@ -6,9 +6,9 @@ Nothing in this package imports Gradio: every piece works from a plain Python se
                         consistent `Snapshot`s (per-request spans, steps, finished-request records).
 - `metrics`             TTFT / TPOT / ITL / E2EL, throughput and goodput from `RequestMetrics` stamps.
 - `figures`             Plotly figure builders (block map, timeline, step timings, spec decoding, latency),
-                        one module per chart family; everything re-exported from `inspector.figures`.
+                        one module per chart family; public names re-exported from `inspector.figures`.
 - `load`                gamma arrivals, length specs, workload presets and simulated users driving an
-                        `EngineLoop`, one module each; everything re-exported from `inspector.load`.
+                        `EngineLoop`, one module each; public names re-exported from `inspector.load`.
 - `export`              metrics CSV and Chrome-trace JSON (opens in Perfetto).
 - `synthetic`           a toy scheduler that emits realistic events without a model (tests, notebooks).
 """

@@ -19,7 +19,7 @@ from typing import Iterable
 import pandas as pd
 
 from inspector import metrics as M
-from inspector.figures import SUBREGIONS
+from inspector.figures.timings import SUBREGIONS
 from inspector.recorder import RequestRecord, Snapshot
 
 _TOP_ORDER = ("schedule", "prepare", "forward", "sampling", "postprocess")

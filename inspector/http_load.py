@@ -32,8 +32,9 @@ import httpx
 
 from engine.outputs import RequestMetrics
 from inspector import metrics as M
-from inspector.load import LoadItem, LoadSpec, build_workload
 from inspector.load.runner import RunState
+from inspector.load.spec import LoadSpec
+from inspector.load.workload import LoadItem, build_workload
 from inspector.recorder import RequestRecord
 
 log = logging.getLogger(__name__)

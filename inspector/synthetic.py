@@ -59,7 +59,7 @@ def simulate(num_requests: int = 24, seed: int = 0, rate: float = 40.0, burstine
              num_blocks: int = 48, block_size: int = 16, max_num_batched_tokens: int = 128,
              max_num_seqs: int = 8, shared_prefix_blocks: int = 0, spec_tokens: int = 0,
              t_start: float = 1000.0) -> SyntheticRun:
-    from inspector.load import arrival_times
+    from inspector.load.arrivals import arrival_times
     rng = np.random.default_rng(seed)
     arr = t_start + arrival_times(num_requests, rate, burstiness, seed=seed)
     reqs = deque(_Req(f"r{i:02d}", float(arr[i]), int(rng.integers(prompt_len[0], prompt_len[1] + 1))

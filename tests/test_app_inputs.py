@@ -6,6 +6,7 @@ import pytest
 import app as A
 from engine.config import EngineConfig
 from inspector import load as L
+from webui import forms
 
 SAMPLING_OK = dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, max_tokens=32, min_tokens=0,
                    repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, stop="",
@@ -15,7 +16,7 @@ SAMPLING_OK = dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, max_tokens=32
 def sp(**kw):
     d = dict(SAMPLING_OK)
     d.update(kw)
-    return A.make_sampling_params(*d.values(), max_model_len=2048)
+    return forms.make_sampling_params(*d.values(), max_model_len=2048)
 
 
 def test_sampling_params_parsed():
@@ -47,7 +48,7 @@ LOAD_OK = dict(preset="custom", n=8, rate=4.0, all_at_once=False, burstiness=1.0
 def ls(**kw):
     d = dict(LOAD_OK)
     d.update(kw)
-    return A.make_load_spec(*d.values(), max_model_len=512)
+    return forms.make_load_spec(*d.values(), max_model_len=512)
 
 
 def test_load_spec_parsed():
@@ -68,29 +69,29 @@ def test_load_spec_messages(kw, word):
 
 
 def test_slo_parsing():
-    s = A.make_slo(200, None, "")
+    s = forms.make_slo(200, None, "")
     assert s.ttft_ms == 200 and s.tpot_ms is None and s.e2el_ms is None
     with pytest.raises(ValueError, match="TPOT"):
-        A.make_slo(None, -5, None)
+        forms.make_slo(None, -5, None)
 
 
 def test_engine_settings_form_covers_every_field_and_roundtrips():
-    specs = A.config_field_specs()
+    specs = forms.config_field_specs()
     names = [n for n, _, _ in specs]
     assert names == EngineConfig.field_names()
     cfg = EngineConfig(model="dummy:tiny", num_kv_blocks=64, speculative_method="ngram")
-    vals = A.config_form_values(cfg, names)
-    assert A.config_from_form(names, vals) == cfg
+    vals = forms.config_form_values(cfg, names)
+    assert forms.config_from_form(names, vals) == cfg
     vals[names.index("block_size")] = 3
     with pytest.raises(ValueError, match="block_size"):
-        A.config_from_form(names, vals)
+        forms.config_from_form(names, vals)
     vals[names.index("block_size")] = 16
     vals[names.index("max_model_len")] = 0          # 0 / empty means "derive"
-    assert A.config_from_form(names, vals).max_model_len is None
+    assert forms.config_from_form(names, vals).max_model_len is None
     vals[names.index("gemv_max_tokens")] = 0        # ... except where 0 is a setting: fused linears off
-    assert A.config_from_form(names, vals).gemv_max_tokens == 0
+    assert forms.config_from_form(names, vals).gemv_max_tokens == 0
     vals[names.index("gemv_max_tokens")] = ""
-    assert A.config_from_form(names, vals).gemv_max_tokens is None
+    assert forms.config_from_form(names, vals).gemv_max_tokens is None
 
 
 def test_cli_args():

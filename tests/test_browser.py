@@ -24,11 +24,12 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chr
 def url():
     import app as A
     from engine.config import EngineConfig
+    from webui.host import EngineHost
     model = os.environ.get("KVSCOPE_BROWSER_MODEL", "dummy:tiny")
     cfg = EngineConfig(model=None if model == "bundled" else model, device="cpu",
                        num_kv_blocks=int(os.environ.get("KVSCOPE_BROWSER_BLOCKS", "48")), max_num_seqs=16,
                        max_num_batched_tokens=256)
-    host = A.EngineHost(cfg).start()
+    host = EngineHost(cfg).start()
     srv = A.serve_in_thread(host)
     yield srv.url
     srv.stop()

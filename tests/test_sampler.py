@@ -2,7 +2,7 @@
 import torch
 from scipy import stats
 
-from engine.sampler import SampleRow, _filter, sample
+from engine.sampler import SampleRow, filtered_probs, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -40,7 +40,7 @@ def test_top_k_top_p_min_p_masks():
     # min_p=0.2: tokens with p >= 0.2 * p_max
     allowed = set((probs >= 0.2 * probs.max()).nonzero().flatten().tolist())
     assert set(draw(logits, SamplingParams(min_p=0.2)).nonzero().flatten().tolist()) == allowed
-    filt = _filter(logits, rows(1, top_k=3, top_p=1.0))
+    filt = filtered_probs(logits, rows(1, top_k=3, top_p=1.0))
     torch.testing.assert_close(filt[0, :3], logits[0, :3].softmax(-1))
 
 

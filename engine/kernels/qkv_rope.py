@@ -2,7 +2,7 @@
 
 fused_linear's "rms_norm" prologue, but each program owns P rotation pairs of one head (rows j and
 j + D/2), so it can rotate its outputs: q heads go to a [M, H, D] buffer for attention, k heads (rotated)
-and v heads straight into the paged caches. Replaces fused_linear + rope_and_store (one launch, and the
+and v heads straight into the paged caches. Used in place of fused_linear + rope_and_store: one launch, and the
 [M, (H + 2Hk) * D] intermediate is never written).
 """
 from __future__ import annotations

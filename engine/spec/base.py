@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..sampler import _apply_penalties, _filter, _seeded_generator
+from ..sampler import _apply_penalties, _seeded_generator, filtered_probs
 from ..sequence import Sequence
 from .rejection import greedy_accept, rejection_sample
 
@@ -182,7 +182,7 @@ class Drafter:
         sampled = [j for j, rw in enumerate(rows) if not rw.params.greedy]
         probs, where = None, {}
         if sampled:
-            probs = _filter(logits[sampled], [rows[j] for j in sampled])
+            probs = filtered_probs(logits[sampled], [rows[j] for j in sampled])
             where = {j: n for n, j in enumerate(sampled)}
         for i, seq, drafts, r0 in groups:
             k = len(drafts)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.config import ModelConfig
-from ..sampler import _apply_penalties, _filter, _seeded_generator
+from ..sampler import _apply_penalties, _seeded_generator, filtered_probs
 from ..scheduler import SchedulerOutput
 from ..sequence import Sequence
 from ..timing import NullTimer
@@ -127,7 +127,7 @@ class ModelDrafter(Drafter):
         toks = logits.argmax(-1)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
-            probs = _filter(logits[sampled], [rows[i] for i in sampled])
+            probs = filtered_probs(logits[sampled], [rows[i] for i in sampled])
             for n, i in enumerate(sampled):
                 p = seqs[i].params
                 if p.seed is None:

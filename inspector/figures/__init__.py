@@ -22,21 +22,20 @@ Modules, one concern each:
 - `latency`      latency histograms and throughput / KV usage over time
 - `registry`     `SPECS`, `TITLES`, `build_specs`, `build_all`
 
-Everything is re-exported here, so `from inspector import figures as F; F.timeline_spec(...)` works.
+The public names are re-exported here, so `from inspector import figures as F; F.timeline_spec(...)` works.
 """
 from __future__ import annotations
 
-from inspector.figures.blocks import (_grid_shape, block_map_figure, block_map_spec, block_states,  # noqa: F401
+from inspector.figures.blocks import (block_map_figure, block_map_spec, block_states,  # noqa: F401
                                       block_table_figure, block_table_spec)
-from inspector.figures.latency import (_nice, histogram, latency_figure, latency_spec,  # noqa: F401
-                                       throughput_figure, throughput_spec)
-from inspector.figures.layout import (_axis, _axname, _fig, _grid, _layout, _lst, _sanitize,  # noqa: F401
-                                      as_figure, empty_figure, empty_spec, error_figure, error_spec, to_json)
+from inspector.figures.latency import (histogram, latency_figure, latency_spec, throughput_figure,  # noqa: F401
+                                       throughput_spec)
+from inspector.figures.layout import (as_figure, empty_figure, empty_spec, error_figure, error_spec,  # noqa: F401
+                                      to_json)
 from inspector.figures.registry import SPECS, TITLES, build_all, build_specs  # noqa: F401
 from inspector.figures.spec_decode import spec_figure, spec_spec  # noqa: F401
 from inspector.figures.style import (CACHED_COLOR, CATEGORY_COLORS, FONT, FREE_COLOR, GRID, N_CATS,  # noqa: F401
-                                     OWNER_PALETTE, PHASE_COLORS, REGION_COLORS, SHARED_COLOR,
-                                     _discrete_colorscale, _owner_color_index, owner_color)
+                                     OWNER_PALETTE, PHASE_COLORS, REGION_COLORS, SHARED_COLOR, owner_color)
 from inspector.figures.timeline import timeline_figure, timeline_spec  # noqa: F401
 from inspector.figures.timings import (REGION_ORDER, SUBREGIONS, profile_figure, profile_spec,  # noqa: F401
                                        step_regions, timings_figure, timings_spec)

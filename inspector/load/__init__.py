@@ -15,14 +15,13 @@ Modules, one concern each:
 - `workload`  a spec turned into seeded requests (`LoadItem`, `build_workload`)
 - `runner`    `LoadRunner`, which drives the engine, and `format_progress`
 
-Everything is re-exported here, so `from inspector import load as L; L.LoadRunner(...)` works.
+The public names are re-exported here, so `from inspector import load as L; L.LoadRunner(...)` works.
 """
 from __future__ import annotations
 
 from inspector.load.arrivals import arrival_times  # noqa: F401
-from inspector.load.presets import (PRESETS, EngineInfo, _burst, _fit, _long, _memory_pressure,  # noqa: F401
-                                    _multi_turn, _shared_prefix, _short_chats, _steady, preset)
-from inspector.load.runner import LoadRunner, _run_ids, format_progress  # noqa: F401
+from inspector.load.presets import PRESETS, EngineInfo, preset  # noqa: F401
+from inspector.load.runner import LoadRunner, format_progress  # noqa: F401
 from inspector.load.spec import (LENGTH_KINDS, MAX_CONCURRENCY, MAX_RATE, MAX_REQUESTS, LengthDist,  # noqa: F401
                                  LoadSpec)
-from inspector.load.workload import LoadItem, _token_pool, build_workload  # noqa: F401
+from inspector.load.workload import LoadItem, build_workload  # noqa: F401
