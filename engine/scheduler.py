@@ -177,25 +177,38 @@ class Scheduler:
         admit = not out.preempted and (cfg.scheduling == "continuous" or not self.running)
         while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            self.bm.match_prefix(seq)
-            want = seq.num_tokens - seq.num_computed_tokens
-            if not chunked and want > budget:
-                self._undo_match(seq)
-                break
-            num_new = min(want, budget)
-            if not self.bm.can_allocate(seq, num_new):
-                self._undo_match(seq)
+            num_new = self._fit_waiting(seq, budget)
+            if not num_new:
                 break
             self.waiting.popleft()
-            self.bm.record_admission(seq)
-            self.bm.allocate(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.admitted.append(seq)
-            seq.admitted = True
-            self._emit(out, seq, num_new, 0)
+            self._admit(out, seq, num_new)
             budget -= num_new
         return out
+
+    def _fit_waiting(self, seq: Sequence, budget: int) -> int | None:
+        """Match a waiting request's cached prefix and size its first chunk: the tokens it computes now, 0
+        when the free blocks are too few, None when it does not fit the budget (chunked prefill off); the
+        prefix match is undone unless it fits."""
+        self.bm.match_prefix(seq)
+        want = seq.num_tokens - seq.num_computed_tokens
+        if not self.config.enable_chunked_prefill and want > budget:
+            self._undo_match(seq)
+            return None
+        num_new = min(want, budget)
+        if not self.bm.can_allocate(seq, num_new):
+            self._undo_match(seq)
+            return 0
+        return num_new
+
+    def _admit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        """A request leaving the waiting queue (the caller placed it in `running`) computes its first chunk."""
+        self.bm.record_admission(seq)
+        self.bm.allocate(seq, num_new)
+        seq.status = SequenceStatus.RUNNING
+        out.admitted.append(seq)
+        seq.admitted = True
+        self._emit(out, seq, num_new, 0)
 
     # ---- scheduling_policy="priority" ------------------------------------------------------------
     def _schedule_priority(self) -> SchedulerOutput:
@@ -260,7 +273,6 @@ class Scheduler:
         room (blocks or a batch slot) preempts the worst running request if that one's priority value is
         strictly larger. Returns the budget left."""
         cfg = self.config
-        chunked = cfg.enable_chunked_prefill
         while self.waiting and budget > 0:
             seq = self.waiting.peek()
             if id(seq) in evicted or (below is not None and seq.params.priority >= below):
@@ -272,26 +284,17 @@ class Scheduler:
                 break
             if self._outranked_prefill(out, seq):
                 break
-            self.bm.match_prefix(seq)
-            want = seq.num_tokens - seq.num_computed_tokens
-            if not chunked and want > budget:
-                self._undo_match(seq)
+            num_new = self._fit_waiting(seq, budget)
+            if num_new is None:
                 break
-            num_new = min(want, budget)
-            if not self.bm.can_allocate(seq, num_new):
-                self._undo_match(seq)
+            if num_new == 0:                               # too few free blocks
                 if self._preempt_for(seq, out, evicted):
                     budget += self._take_back(out, served)
                     continue
                 break
             self.waiting.pop()
-            self.bm.record_admission(seq)
-            self.bm.allocate(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._key)
-            out.admitted.append(seq)
-            seq.admitted = True
-            self._emit(out, seq, num_new, 0)
+            self._admit(out, seq, num_new)
             served.add(id(seq))
             budget -= num_new
         return budget
