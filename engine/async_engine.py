@@ -225,10 +225,9 @@ class EngineLoop:
         return box.get("result")
 
     def stats(self) -> dict:
+        """metrics_snapshot() taken between steps (consistent with the block tables and queues)."""
         with self._lock:
-            s = self.engine.stats()
-        s["num_waiting"] += self._pending_admissions
-        return s
+            return self.metrics_snapshot()
 
     def metrics_snapshot(self) -> dict:
         """engine.stats() without waiting for the step in progress (plain reads of ints and lengths): what

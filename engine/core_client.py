@@ -21,13 +21,12 @@ import time
 from dataclasses import asdict
 from types import SimpleNamespace
 
-from .async_engine import _END, RequestStream, _call_soon, _put_many, admit_batch
+from .async_engine import _END, EngineLoop, RequestStream, _call_soon, _put_many, admit_batch
 from .config import EngineConfig
 from .core_proc import core_main
 from .llm_engine import EngineOverloaded, LLMEngine
 from .models.loader import load_tokenizer, resolve
 from .outputs import Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -137,10 +136,8 @@ class EngineCoreClient:
         return self._ready.is_set() and self.proc.is_alive() and not self._stop
 
     # ---- requests --------------------------------------------------------------------------------
-    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-               arrival_time: float | None = None) -> RequestStream:
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        return self.submit_many([(prompt, params, request_id)], arrival)[0]
+    submit = EngineLoop.submit                  # one request: submit_many of one
+    generate = EngineLoop.generate
 
     def submit_many(self, requests: list[tuple], arrival_time: float | None = None) -> list[RequestStream]:
         """Validate and tokenize here, then hand the whole batch to the engine process in one message."""
@@ -173,9 +170,6 @@ class EngineCoreClient:
                 raise RuntimeError(f"the engine process is not reachable: {e}")
         return streams
 
-    def generate(self, prompt, params: SamplingParams | None = None, timeout: float | None = None):
-        return self.submit(prompt, params).result(timeout)
-
     def abort(self, request_id: str) -> None:
         with self._inbox_lock:
             if request_id not in self._streams:
@@ -188,8 +182,7 @@ class EngineCoreClient:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def metrics_snapshot(self) -> dict:
-        return dict(self._stats)
+    metrics_snapshot = stats                    # the core's latest stats: no step to wait for here
 
     # ---- the receiver thread ---------------------------------------------------------------------
     def _receive(self) -> None:

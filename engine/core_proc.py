@@ -70,9 +70,8 @@ class CoreLoop(EngineLoop):
         self._sender.join(10)
 
     def metrics_stats(self) -> dict:
-        s = self.engine.stats()
-        s["num_waiting"] += self._pending_admissions
-        return {k: v for k, v in s.items() if isinstance(v, (int, float, str, list))}
+        """metrics_snapshot() in the plain types marshal can send (called on the engine thread)."""
+        return {k: v for k, v in self.metrics_snapshot().items() if isinstance(v, (int, float, str, list))}
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         enc = []
