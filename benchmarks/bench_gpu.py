@@ -1,13 +1,17 @@
-"""GPU end-to-end benchmarks (issue 3, items 2-4), all in one run so every ratio is side by side:
+"""GPU end-to-end benchmarks, all in one run so every ratio is side by side (dummy weights, bf16):
 
-  latency     batch-1 decode, Llama-3.2-1B shape, bf16: 128-token prompt, 256 new tokens; whole-request
-              ms/token and pure per-step decode ms/token, vs the HBM roofline (weights + KV bytes / copy BW)
+  latency     batch-1 decode: 128-token prompt, 256 new tokens; whole-request ms/token and pure per-step
+              decode ms/token, vs the HBM roofline (weights + KV bytes / copy BW)
   throughput  nano-vllm's workload: 256 requests of random ids, input/output uniform 100-1024, ignore_eos;
               kvscope vs HF `generate_batch` (on a subset, per token), vs the workload's HBM floor
+  prefill     prefill-heavy: 128 requests, input uniform 2,048-4,096, output 32-64; total (in + out) tok/s
   ablation    the throughput workload with each switch flipped
+  vllm        the same latency / throughput / prefill workloads on vLLM, in a subprocess
+              (benchmarks/vllm_offline.py; --vllm-path is prepended to its PYTHONPATH), ratios beside kvscope
 
-    python benchmarks/bench_gpu.py [--sections latency,throughput,ablation] [--requests 256]
-Prints a table last; writes benchmarks/results/gpu_<device>.json.
+    python benchmarks/bench_gpu.py [--shape llama-3.2-1b|llama-3.1-8b|qwen3-0.6b] \
+        [--sections latency,throughput,prefill,ablation,vllm] [--requests 256] [--vllm-path $HOME/vsite]
+Prints a table last; writes benchmarks/results/gpu_<device>_<shape>.json.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +32,7 @@ from benchmarks.common import device_name, print_table, slug, write_json  # noqa
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.presets import preset_config  # noqa: E402
 
-MODEL = "dummy:llama-3.2-1b"
+MODEL = "dummy:llama-3.2-1b"      # --shape replaces it
 
 
 def copy_bandwidth() -> float:
@@ -68,6 +73,15 @@ def nano_workload(n: int, seed: int = 0):
     return prompts, outs
 
 
+def prefill_workload(n: int = 128, seed: int = 0):
+    """Prefill-heavy: n prompts of uniform 2,048-4,096 random ids, 32-64 new tokens each."""
+    rng = random.Random(seed)
+    in_lens = [rng.randint(2048, 4096) for _ in range(n)]
+    outs = [rng.randint(32, 64) for _ in range(n)]
+    ids = random.Random(seed + 1)
+    return [[ids.randint(0, 10000) for _ in range(m)] for m in in_lens], outs
+
+
 def bench_latency(bw: float, cfg: dict) -> list[dict]:
     weights, kv = model_bytes(cfg)
     rows = []
@@ -93,8 +107,8 @@ def bench_latency(bw: float, cfg: dict) -> list[dict]:
     return rows
 
 
-def run_engine(prompts, outs, **cfg) -> tuple[float, int]:
-    llm = LLM(MODEL, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384, **cfg)
+def run_engine(prompts, outs, max_model_len: int = 2048, **cfg) -> tuple[float, int]:
+    llm = LLM(MODEL, max_model_len=max_model_len, max_num_seqs=256, max_num_batched_tokens=16384, **cfg)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True, seed=None) for o in outs]
     torch.cuda.synchronize()
@@ -117,10 +131,25 @@ def workload_floor(prompts, outs, bw: float, cfg: dict) -> float:
     return (steps * weights + kv_read + kv_write) / bw
 
 
-def bench_hf(prompts, n_req: int, new_tokens: int) -> dict:
+def bench_vllm(shape: str, path: str, requests: int) -> dict:
+    """{workload: figure} from benchmarks/vllm_offline.py in its own process (its own CUDA context)."""
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1")
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
+    script = Path(__file__).resolve().parent / "vllm_offline.py"
+    proc = subprocess.run([sys.executable, str(script), "--shape", shape, "--requests", str(requests)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    sys.stderr.write(proc.stderr[-3000:])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"vllm_offline.py exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    return json.loads(lines[-1])
+
+
+def bench_hf(prompts, n_req: int, new_tokens: int, shape: str) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.generation import GenerationConfig
-    cfg = preset_config("llama-3.2-1b")
+    cfg = preset_config(shape)
     cfg.pop("architectures")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16,
@@ -139,19 +168,33 @@ def bench_hf(prompts, n_req: int, new_tokens: int) -> dict:
 
 
 def main():
+    global MODEL
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b", help="a dummy preset: llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, ...")
     ap.add_argument("--sections", default="latency,throughput,ablation")
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prefill-requests", type=int, default=128)
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
+    ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
     args = ap.parse_args()
+    MODEL = f"dummy:{args.shape}"
     sections = args.sections.split(",")
     dev = device_name()
     bw = copy_bandwidth()
-    cfg = preset_config("llama-3.2-1b")
+    cfg = preset_config(args.shape)
     rows: list[dict] = []
+    peer = {}
+    if "vllm" in sections:
+        try:
+            peer = bench_vllm(args.shape, args.vllm_path, args.requests)
+        except Exception as e:
+            rows.append(dict(bench="vllm", config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
     if "latency" in sections:
         rows += bench_latency(bw, cfg)
+        if "batch1_ms_per_token" in peer:
+            rows.append(dict(bench="latency b=1", config=f"vLLM {peer['version']}",
+                             ms_per_token=peer["batch1_ms_per_token"], ratio=peer["batch1_ms_per_token"] / rows[0]["ms_per_token"]))
     prompts, outs = nano_workload(args.requests)
     floor = workload_floor(prompts, outs, bw, cfg)
     base = None
@@ -160,14 +203,25 @@ def main():
         base = n / dt
         rows.append(dict(bench="throughput", config="kvscope (defaults)", seconds=dt, out_tokens=n, tok_s=base,
                          roofline_ms=floor * 1e3, pct_roofline=100 * floor / dt))
+        if "nano_out_tok_s" in peer:
+            rows.append(dict(bench="throughput", config=f"vLLM {peer['version']}", tok_s=peer["nano_out_tok_s"],
+                             seconds=peer["nano_seconds"], ratio=base / peer["nano_out_tok_s"]))
         try:
             if args.hf_requests <= 0:
                 raise RuntimeError("skipped (--hf-requests 0)")
-            hf = bench_hf(prompts, args.hf_requests, args.hf_new_tokens)
+            hf = bench_hf(prompts, args.hf_requests, args.hf_new_tokens, args.shape)
             hf["ratio"] = base / hf["tok_s"]
             rows.append(hf)
         except Exception as e:  # keep the rest of the table
             rows.append(dict(bench="throughput", config=f"HF generate_batch failed: {type(e).__name__}: {e}"[:120]))
+    if "prefill" in sections:
+        pp, po = prefill_workload(args.prefill_requests)
+        dt, n = run_engine(pp, po, max_model_len=4200)
+        total = (sum(map(len, pp)) + n) / dt
+        rows.append(dict(bench="prefill-heavy", config="kvscope (defaults)", seconds=dt, out_tokens=n, tok_s=total))
+        if "prefill_total_tok_s" in peer:
+            rows.append(dict(bench="prefill-heavy", config=f"vLLM {peer['version']}", tok_s=peer["prefill_total_tok_s"],
+                             seconds=peer["prefill_seconds"], ratio=total / peer["prefill_total_tok_s"]))
     if "ablation" in sections:
         for name, sw in [("kernels=torch", dict(kernels="torch")), ("no cuda graphs", dict(enable_cuda_graphs=False)),
                          ("no chunked prefill", dict(enable_chunked_prefill=False)),
@@ -182,10 +236,10 @@ def main():
                                  ratio=(n / dt) / base if base else None))
             except Exception as e:
                 rows.append(dict(bench="ablation", config=f"{name} failed: {type(e).__name__}: {e}"[:120]))
-    out = dict(device=dev, copy_bandwidth_GBs=bw / 1e9, model=MODEL, dtype="bfloat16",
+    out = dict(device=dev, copy_bandwidth_GBs=bw / 1e9, model=MODEL, dtype="bfloat16", vllm=peer,
                workload=dict(requests=args.requests, input_tokens=sum(map(len, prompts)), output_tokens=sum(outs),
                              hbm_floor_s=floor), rows=rows)
-    path = write_json(f"gpu_{slug(dev)}", out)
+    path = write_json(f"gpu_{slug(dev)}_{args.shape}", out)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], path.name).write_text(json.dumps(out, indent=2))
     print(f"\ndevice: {dev}; copy bandwidth {bw / 1e9:,.0f} GB/s; {MODEL} bf16; json: {path}")

@@ -1,8 +1,9 @@
 """GPU benchmark: every Triton kernel vs its torch reference, against ceilings measured in the same run.
 
 Ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul.
-Shapes: Llama-3.2-1B attention (32 q heads, 8 kv heads, head_dim 64), hidden 2048, intermediate 8192, bf16.
-Usage: python benchmarks/bench_kernels.py [--sweep]   (prints a table last; writes
+Shapes: Llama-3.2-1B attention (32 q heads, 8 kv heads, head_dim 64; --shape takes another preset's), hidden 2048,
+intermediate 8192, bf16.
+Usage: python benchmarks/bench_kernels.py [--sweep] [--shape llama-3.1-8b]   (prints a table last; writes
 benchmarks/results/kernels_<device>.json, and a copy under $OUT when that is set)
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.kernels import torch_ops  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
 from engine.kernels.metadata import AttentionMetadata  # noqa: E402
 from engine.kernels.paged_attention import decode_num_splits  # noqa: E402
+from engine.models.presets import preset_config  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE = DEV.type == "cpu"                                    # interpreter dry run of the script itself: tiny sizes
@@ -279,10 +281,15 @@ def _fmt(e) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time a grid of attention launch configs")
+    ap.add_argument("--shape", default="llama-3.2-1b", help="a preset whose attention heads / head_dim to use")
     args = ap.parse_args()
+    global H, HK, D
+    pc = preset_config(args.shape)
+    H, HK, D = pc["num_attention_heads"], pc["num_key_value_heads"], pc["head_dim"]
     t0 = time.time()
     name = "cpu-interpreter-smoke" if SMOKE else torch.cuda.get_device_name(DEV)
-    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}; attention {H} q / {HK} kv heads, "
+          f"head_dim {D} ({args.shape})", flush=True)
     torch.manual_seed(0)
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
@@ -292,7 +299,7 @@ def main():
 
     result = dict(device=name, torch=torch.__version__, triton=triton.__version__, ceilings=ceil, rows=ROWS,
                   seconds=time.time() - t0)
-    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ("" if args.shape == "llama-3.2-1b" else f"_{args.shape}")
     results = "/tmp" if SMOKE else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     paths = [os.path.join(results, f"kernels_{slug}.json")]
     if os.environ.get("OUT"):

@@ -1,7 +1,7 @@
 """Where does a throughput run spend its steps? Runs nano-vllm's workload under a few configs with an
 event listener and summarizes the engine's own StepEvents by step kind (the inspector's data, as a table).
 
-    python benchmarks/profile_steps.py [--requests 256] [--configs default,nochunk]
+    python benchmarks/profile_steps.py [--requests 256] [--configs default,nochunk] [--model dummy:llama-3.1-8b]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--configs", default="default,nochunk")
     ap.add_argument("--torch-profile", default="", help="engine steps to run under torch.profiler, e.g. 3,300")
+    ap.add_argument("--model", default=MODEL, help="e.g. dummy:llama-3.1-8b")
     args = ap.parse_args()
     prof_steps = {int(s) for s in args.torch_profile.split(",") if s}
     profiles = []
@@ -37,7 +38,7 @@ def main():
     for name in args.configs.split(","):
         cfg = {**dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
                       enable_step_timings=False), **CONFIGS[name]}
-        llm = LLM(MODEL, **cfg)
+        llm = LLM(args.model, **cfg)
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
         events = []
         eng = llm.engine
