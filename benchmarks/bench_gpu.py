@@ -82,12 +82,15 @@ def prefill_workload(n: int = 128, seed: int = 0):
     return [[ids.randint(0, 10000) for _ in range(m)] for m in in_lens], outs
 
 
-def bench_latency(bw: float, cfg: dict) -> list[dict]:
+LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enable_pdl=False),
+                   "cuda graphs, gemv_max_tokens=0": dict(gemv_max_tokens=0), "eager": dict(enable_cuda_graphs=False)}
+
+
+def bench_latency(bw: float, cfg: dict, configs: list[str]) -> list[dict]:
     weights, kv = model_bytes(cfg)
     rows = []
-    for name, sw in (("cuda graphs", {}), ("cuda graphs, enable_pdl=False", dict(enable_pdl=False)),
-                     ("cuda graphs, gemv_max_tokens=0", dict(gemv_max_tokens=0)),
-                     ("eager", dict(enable_cuda_graphs=False))):
+    for name in configs:
+        sw = LATENCY_CONFIGS[name]
         llm = LLM(MODEL, max_model_len=4096, max_num_seqs=8, **sw)
         prompt = list(range(1000, 1128))
         sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
@@ -174,6 +177,8 @@ def main():
     ap.add_argument("--sections", default="latency,throughput,ablation")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prefill-requests", type=int, default=128)
+    ap.add_argument("--latency-configs", default=",".join(LATENCY_CONFIGS),
+                    help=f"comma-separated, of {list(LATENCY_CONFIGS)}")
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
@@ -191,7 +196,7 @@ def main():
         except Exception as e:
             rows.append(dict(bench="vllm", config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
     if "latency" in sections:
-        rows += bench_latency(bw, cfg)
+        rows += bench_latency(bw, cfg, args.latency_configs.split(","))
         if "batch1_ms_per_token" in peer:
             rows.append(dict(bench="latency b=1", config=f"vLLM {peer['version']}",
                              ms_per_token=peer["batch1_ms_per_token"], ratio=peer["batch1_ms_per_token"] / rows[0]["ms_per_token"]))
