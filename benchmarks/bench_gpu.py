@@ -48,7 +48,10 @@ def copy_bandwidth() -> float:
         y.copy_(x)
     e.record()
     e.synchronize()
-    return 2 * x.numel() * 10 / (s.elapsed_time(e) / 1e3)
+    bw = 2 * x.numel() * 10 / (s.elapsed_time(e) / 1e3)
+    del x, y
+    torch.cuda.empty_cache()                       # vLLM, started after this, sizes its cache from free memory
+    return bw
 
 
 def model_bytes(cfg: dict) -> tuple[int, int]:
