@@ -20,6 +20,7 @@ Modules, one concern each:
 - `timings`      per-step timing regions and one profiled step
 - `spec_decode`  speculative-decoding acceptance
 - `latency`      latency histograms and throughput / KV usage over time
+- `lessons`      one chart per lesson result (inspector.lessons)
 - `memory`       allocated / KV reserved / KV used memory over time
 - `registry`     `SPECS`, `TITLES`, `build_specs`, `build_all`
 
@@ -33,6 +34,7 @@ from inspector.figures.latency import (histogram, latency_figure, latency_spec, 
                                        throughput_spec)
 from inspector.figures.layout import (as_figure, empty_figure, empty_spec, error_figure, error_spec,  # noqa: F401
                                       to_json)
+from inspector.figures.lessons import lesson_figure, lesson_spec  # noqa: F401
 from inspector.figures.memory import memory_figure, memory_spec  # noqa: F401
 from inspector.figures.registry import SPECS, TITLES, build_all, build_specs  # noqa: F401
 from inspector.figures.spec_decode import spec_figure, spec_spec  # noqa: F401
