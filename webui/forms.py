@@ -127,7 +127,7 @@ def make_slo(ttft, tpot, e2el) -> M.SLO:
 # engine settings form: every EngineConfig field, typed
 CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "float16", "bfloat16"],
             "scheduling": ["continuous", "static"], "scheduling_policy": ["fcfs", "priority"],
-            "kernels": ["auto", "torch", "triton"],
+            "kernels": ["auto", "torch", "triton"], "kv_cache_layout": ["paged", "contiguous"],
             "speculative_method": ["off", "ngram", "draft", "self"]}
 _OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
 _OPTIONAL_STR = {"model", "draft_model"}
@@ -135,7 +135,9 @@ _ZERO_IS_A_VALUE = {"gemv_max_tokens"}           # optional ints where 0 means "
 FIELD_HELP = {
     "model": "HF folder, dummy:<preset> (random weights), or empty for the bundled SmolLM2-135M-Instruct",
     "num_kv_blocks": "0 or empty: derived from the memory budget", "max_model_len": "0 or empty: the model's (≤ 8192)",
-    "max_waiting_requests": "0 or empty: unbounded queue", "enable_kv_cache": "off = recompute the prefix every step",
+    "max_waiting_requests": "0 or empty: unbounded queue",
+    "kv_cache_layout": "contiguous = reserve max_model_len slots per request (the pre-paging baseline)",
+    "graph_timing_interval": "every N-th graph-eligible step runs eagerly to time it; 0 = never", "enable_kv_cache": "off = recompute the prefix every step",
     "scheduling": "static: a batch runs until all its requests finish",
     "scheduling_policy": "priority: lower SamplingParams.priority first (Playground turns -1, simulated users 0); "
                          "may preempt a worse running request",
