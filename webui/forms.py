@@ -68,7 +68,8 @@ def make_sampling_params(temperature, top_p, top_k, min_p, max_tokens, min_token
 
 def make_load_spec(preset_name, num_requests, rate, all_at_once, burstiness, max_concurrency,
                    p_kind, p_min, p_max, o_kind, o_min, o_max, shared_prefix, turns, think_time, seed,
-                   temperature, ignore_eos, max_model_len: int | None = None) -> L.LoadSpec:
+                   temperature, ignore_eos, max_model_len: int | None = None,
+                   prompt_source: str = "random ids") -> L.LoadSpec:
     n = parse_num(num_requests, "number of requests", integer=True, lo=1)
     if n > L.MAX_REQUESTS:
         raise ValueError(f"number of requests: too many simulated users ({n}); at most {L.MAX_REQUESTS}")
@@ -92,7 +93,7 @@ def make_load_spec(preset_name, num_requests, rate, all_at_once, burstiness, max
         num_turns=parse_num(turns, "turns per user", integer=True, lo=1, hi=64, allow_none=True) or 1,
         think_time_s=parse_num(think_time, "think time (s)", lo=0, hi=600, allow_none=True) or 0.0,
         temperature=parse_num(temperature, "temperature", lo=0, hi=10, allow_none=True) or 0.0,
-        ignore_eos=bool(ignore_eos))
+        ignore_eos=bool(ignore_eos), prompt_source=str(prompt_source or "random ids"))
     spec.validate(max_model_len)
     return spec
 
