@@ -22,7 +22,7 @@ def run_lesson(setup: Setup, batches: list[int] | None = None, prompt_len: int |
     for layout in ("paged", "contiguous"):
         eng = setup.engine(kv_cache_layout=layout, num_kv_blocks=num_blocks, block_size=block_size,
                            max_model_len=max_model_len, max_num_seqs=max(batches),
-                           max_num_batched_tokens=max(max_model_len, prompt_len * max(batches)))
+                           max_num_batched_tokens=max(max_model_len, min(prompt_len * max(batches), 16384)))
         rows = []
         for b in batches:
             prompts = random_prompts(b, prompt_len, eng.model_config.vocab_size, setup.seed + b)
