@@ -1,6 +1,10 @@
 """Paged KV-cache bookkeeping: a BlockPool of ref-counted blocks with an O(1) LRU free list, and a
 BlockManager that gives sequences block tables and shares full blocks through a chained-hash prefix cache.
 
+With `reserve_blocks` > 0 (EngineConfig.kv_cache_layout="contiguous") a request's first allocation takes
+that many blocks at once, the max-length reservation of a contiguous per-request cache: the same tables
+and kernels run, but admission needs the whole reservation free, as it did before paging.
+
 Block 0 is the null block: never handed out, so padded block-table entries and padded CUDA-graph rows
 can point at it harmlessly.
 """
@@ -19,6 +23,7 @@ class BlockPool:
         self.hash_to_block: dict[int, int] = {}
         # ref-count-zero blocks, least recently used first; uncached blocks are kept at the front
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.num_extra_refs = 0         # sum over blocks of (ref count - 1) where > 0: table entries that share
         # per-step journal for the event stream
         self.allocated: list[int] = []
         self.freed: list[int] = []
@@ -49,11 +54,15 @@ class BlockPool:
         """Reuse a cached block (ref count + 1), reviving it from the free list if needed."""
         if self.ref_counts[b] == 0:
             del self.free[b]
+        else:
+            self.num_extra_refs += 1
         self.ref_counts[b] += 1
 
     def release(self, b: int) -> None:
         self.ref_counts[b] -= 1
         assert self.ref_counts[b] >= 0, f"block {b} released twice"
+        if self.ref_counts[b] > 0:
+            self.num_extra_refs -= 1
         if self.ref_counts[b] == 0:
             self.free[b] = None
             if self.block_hash[b] is None:
@@ -72,10 +81,11 @@ class BlockPool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, reserve_blocks: int = 0):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.reserve_blocks = reserve_blocks
+        self.enable_prefix_caching = enable_prefix_caching and not reserve_blocks
         self.step_queries = 0
         self.step_hits = 0
         self.step_shared = 0
@@ -94,7 +104,7 @@ class BlockManager:
 
     # ---- admission and growth ------------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return max(0, max(-(-num_tokens // self.block_size), self.reserve_blocks) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens) <= self.pool.num_free
@@ -145,7 +155,7 @@ class BlockManager:
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Return blocks beyond what num_tokens needs (rejected speculative tokens)."""
-        keep = -(-num_tokens // self.block_size)
+        keep = max(-(-num_tokens // self.block_size), self.reserve_blocks)
         while len(seq.block_table) > keep:
             self.pool.release(seq.block_table.pop())
         seq.num_committed_blocks = min(seq.num_committed_blocks, len(seq.block_table))
@@ -172,6 +182,15 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_usable
+
+    def slot_usage(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """(reserved, used) KV slots: slots of the blocks held by sequences, and of those the slots holding a
+        computed token. `seqs` are the holders (the running requests); a shared block is full (only full
+        blocks are cached), so it is counted once by subtracting the extra references."""
+        bs = self.block_size
+        reserved = (self.pool.num_usable - self.pool.num_free) * bs
+        used = sum(min(s.num_computed_tokens, len(s.block_table) * bs) for s in seqs)
+        return reserved, used - self.pool.num_extra_refs * bs
 
     def pop_step_stats(self) -> dict:
         alloc, freed, evicted = self.pool.pop_journal()

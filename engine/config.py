@@ -8,6 +8,7 @@ _POLICIES = ("fcfs", "priority")
 _KERNELS = ("auto", "torch", "triton")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SPEC = (None, "ngram", "draft", "self")
+_LAYOUTS = ("paged", "contiguous")
 
 
 @dataclass
@@ -23,6 +24,10 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 1.0
     enable_kv_cache: bool = True        # False: recompute the whole prefix every step (baseline)
     enable_prefix_caching: bool = True
+    kv_cache_layout: str = "paged"      # "paged" | "contiguous": the baseline of the paging lesson, which reserves
+    #                                     ceil(max_model_len / block_size) blocks for a request when it is admitted
+    #                                     (max_model_len slots, as a per-request max-length cache does) and never
+    #                                     shares them (no prefix caching); the same kernels run
     # scheduler
     max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on cuda, 2048 on cpu
     max_num_seqs: int | None = None     # running requests; None: 256 on cuda (the CUDA-graph sizes), 128 on cpu
@@ -37,6 +42,10 @@ class EngineConfig:
     enable_cuda_graphs: bool = True     # decode-only steps on cuda
     cuda_graph_max_batch: int = 256
     enable_step_timings: bool = True    # per-region forward timings in step events
+    graph_timing_interval: int = 200    # every N-th graph-eligible forward runs eagerly under the CUDA-event
+    #                                     timer instead of replaying its graph (same outputs), so graph-replayed
+    #                                     decoding still gets a per-region breakdown (StepEvent.timings_sampled);
+    #                                     costs about (eager/graph time - 1) / N; 0: never (graphed steps untimed)
     num_scheduler_steps: int | None = None  # decode iterations per host round trip when the batch is
     #                                         decode-only (multi-step); None: 8 on cuda, 1 on cpu
     multi_step_max_ms: float | None = None  # a multi-step block runs at most about this long (from the
@@ -80,6 +89,9 @@ class EngineConfig:
              "max_num_seqs", "must be None or an int >= 1")
         need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
              "max_model_len", "must be None or an int >= 2")
+        need(self.kv_cache_layout in _LAYOUTS, "kv_cache_layout", f"must be one of {_LAYOUTS}")
+        need(isinstance(self.graph_timing_interval, int) and self.graph_timing_interval >= 0,
+             "graph_timing_interval", "must be an int >= 0 (0 = never)")
         need(self.scheduling in _SCHEDULING, "scheduling", f"must be one of {_SCHEDULING}")
         need(self.scheduling_policy in _POLICIES, "scheduling_policy", f"must be one of {_POLICIES}")
         need(self.kernels in _KERNELS, "kernels", f"must be one of {_KERNELS}")

@@ -57,6 +57,9 @@ class StepEvent:
     num_decode_steps: int = 1        # > 1: a multi-step decode (each request computed this many tokens)
     spec: dict | None = None         # {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
     #                                   "accepted_per_pos": list[int]} when speculative decoding ran
+    memory: dict | None = None       # bytes after the step: allocated, max_allocated, kv_pool, kv_reserved,
+    #                                   kv_used; and reserved_slots, used_slots (LLMEngine.memory_stats)
+    timings_sampled: bool = False    # a graph-eligible step run eagerly to time it (graph_timing_interval)
     kind: str = "step"
 
     def to_dict(self) -> dict:

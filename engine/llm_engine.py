@@ -14,7 +14,7 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
 from .kernels.ops import get_ops, pdl_supported
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
 from .output_processor import OutputProcessor
@@ -90,11 +90,15 @@ class LLMEngine(OutputProcessor):
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         prefix = config.enable_prefix_caching and config.enable_kv_cache
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, prefix)
+        reserve = -(-self.max_model_len // config.block_size) if config.kv_cache_layout == "contiguous" else 0
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, prefix, reserve)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
                                   self.max_model_len + spec_margin)
         self.runner.warmup()
+        self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.dtype)     # K and V of one token, all layers
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in
+                                itertools.chain(self.model.parameters(), self.model.buffers()))
         self.detok = Detokenizer(self.tokenizer)
         self.events = EventBus()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -327,6 +331,7 @@ class LLMEngine(OutputProcessor):
             preempted=[s.request_id for s in sched.preempted], finished=finished,
             kv_usage=self.block_manager.usage, num_blocks=self.num_blocks,
             timings=timings, cuda_graph=cuda_graph, num_decode_steps=num_decode_steps, spec=spec,
+            memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
             **self.block_manager.pop_step_stats()))
 
     # ---- introspection -------------------------------------------------------------------------
@@ -342,12 +347,27 @@ class LLMEngine(OutputProcessor):
                     kernels=self.kernels, model=self.model_name, **self.stats_total,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))
 
+    def memory_stats(self) -> dict:
+        """Memory now, in bytes: `allocated` / `max_allocated` from the CUDA caching allocator on a GPU (weights,
+        KV pool, activations, graphs), on a CPU the engine's own tensors (weights + KV pool); `kv_pool` the
+        whole KV pool; `kv_reserved` the slots of blocks held by requests; `kv_used` those holding a token."""
+        reserved, used = self.block_manager.slot_usage(self.scheduler.running)
+        pool = self.num_blocks * self.block_size * self.slot_bytes
+        if self.device.type == "cuda":
+            alloc, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
+        else:
+            alloc = peak = self.weight_bytes + pool
+        return dict(allocated=alloc, max_allocated=peak, kv_pool=pool, kv_reserved=reserved * self.slot_bytes,
+                    kv_used=used * self.slot_bytes, reserved_slots=reserved, used_slots=used)
+
     def kv_snapshot(self) -> dict:
         pool = self.block_manager.pool
-        tables = {s.request_id: list(s.block_table) for s in self.scheduler.running}
-        tables.update({s.request_id: list(s.block_table) for s in self.scheduler.waiting if s.block_table})
+        holders = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.block_table]
         return dict(num_blocks=self.num_blocks, block_size=self.block_size, ref_counts=list(pool.ref_counts),
-                    cached=[h is not None for h in pool.block_hash], block_tables=tables)
+                    cached=[h is not None for h in pool.block_hash],
+                    block_tables={s.request_id: list(s.block_table) for s in holders},
+                    num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
+                    kv_cache_layout=self.config.kv_cache_layout)
 
     def close(self) -> None:
         """Release the KV pool, graphs and weights now (engines otherwise wait for the garbage collector)."""

@@ -31,10 +31,33 @@ class ModelRunner:
             layer.self_attn.v_cache = self.kv_cache[1, i]
         self.timer = NullTimer()
         self.graphs = None  # CUDA graph runner, attached by the engine on cuda
+        self._graph_forwards = 0        # graph-eligible forwards run under an enabled timer
+        self._sampling = False          # this step runs its graph-eligible forwards eagerly, timed
+        self._sampled = False           # ... and did so since the last pop_timing_sampled()
 
     def set_timer(self, timer) -> None:
+        """At the start of each step: the timer its regions go to."""
         self.timer = timer
         self.model.timer = timer
+        self._sampling = False
+
+    def pop_timing_sampled(self) -> bool:
+        s, self._sampled = self._sampled, False
+        return s
+
+    def _timed_eagerly(self) -> bool:
+        """A graph-eligible forward: replayed (untimed: a graph records no regions), except every
+        graph_timing_interval-th one, whose step then runs all its forwards eagerly under the timer."""
+        n = self.config.graph_timing_interval
+        if not self.timer.enabled or not n:
+            return False
+        if not self._sampling:
+            self._graph_forwards += 1
+            if self._graph_forwards % n:
+                return False
+            self._sampling = True
+        self._sampled = True
+        return True
 
     # ---- packing -------------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, sample_mask: list[bool], extra_logits: list[int] | None = None
@@ -129,7 +152,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """-> float32 logits [len(md.logits_indices), vocab]."""
-        if self.graphs is not None and self.graphs.can_run(md):
+        if self.graphs is not None and self.graphs.can_run(md) and not self._timed_eagerly():
             return self.graphs.run(input_ids, md)
         hidden = self.model(input_ids, md)                       # [T, hidden]
         if md.logits_indices.numel() == 0:

@@ -27,14 +27,21 @@ def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfi
 
 
 def derive_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
-    """The longest sequence the engine admits: max_model_len, or the model's limit (capped at 8192)."""
+    """The longest sequence the engine admits: max_model_len, or the model's limit (capped at 8192, and at the
+    sliding window of a model that has one: attention here is full-context, which equals sliding-window
+    attention only while no sequence is longer than the window)."""
+    window = mcfg.sliding_window
+    if window is not None and cfg.max_model_len is not None and cfg.max_model_len > window:
+        raise ValueError(f"EngineConfig.max_model_len: {cfg.max_model_len} exceeds the model's sliding_window "
+                         f"({window}); sliding-window attention is not implemented, so sequences must fit "
+                         f"in the window (set max_model_len <= {window})")
     if cfg.max_model_len is not None:
         if cfg.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"EngineConfig.max_model_len: {cfg.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({mcfg.max_position_embeddings})")
         n = cfg.max_model_len
     else:
-        n = min(mcfg.max_position_embeddings, 8192)
+        n = min(mcfg.max_position_embeddings, 8192, window or 8192)
     if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < n:
         if cfg.max_model_len is not None:
             raise ValueError(f"EngineConfig.max_num_batched_tokens: {cfg.max_num_batched_tokens} < "

@@ -9,6 +9,8 @@ Nothing in this package imports Gradio: every piece works from a plain Python se
                         one module per chart family; public names re-exported from `inspector.figures`.
 - `load`                gamma arrivals, length specs, workload presets and simulated users driving an
                         `EngineLoop`, one module each; public names re-exported from `inspector.load`.
+- `lessons`             seeded experiments (paged vs contiguous, cache on/off, continuous vs static, batch
+                        sweep, chunked prefill) that return plain JSON results; charts in `figures.lessons`.
 - `export`              metrics CSV and Chrome-trace JSON (opens in Perfetto).
 - `synthetic`           a toy scheduler that emits realistic events without a model (tests, notebooks).
 """

@@ -56,8 +56,11 @@ def steps_frame(snap: Snapshot) -> pd.DataFrame:
                    running=s.num_running, waiting=s.num_waiting, kv_usage=s.kv_usage,
                    preempted=len(s.preempted), finished=len(s.finished), cuda_graph=s.cuda_graph,
                    prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+        row["timings_sampled"] = getattr(s, "timings_sampled", False)
         for k, v in (s.timings or {}).items():
             row[f"t_{k}_ms"] = v * 1e3
+        for k, v in (getattr(s, "memory", None) or {}).items():
+            row[f"mem_{k}"] = v
         rows.append(row)
     return pd.DataFrame(rows)
 

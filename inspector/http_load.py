@@ -119,6 +119,9 @@ class HttpLoadRunner(RunState):
         self.max_model_len = max_model_len or info.get("max_model_len")
         self.vocab_size = vocab_size or min(info.get("vocab_size") or DEFAULT_VOCAB, 1 << 20)
         spec.validate(self.max_model_len)
+        if spec.prompt_source == "text":
+            raise ValueError("prompts: 'text' is rendered with the in-process model's chat template; send random "
+                             "ids over HTTP")
         self.prefix, self.items = build_workload(spec, self.vocab_size, special_ids)
         self._init_state()
         self.status_counts: Counter = Counter()

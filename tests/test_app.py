@@ -206,6 +206,12 @@ def test_compare_two_configs(client):
     assert {"A", "B", "B / A"} <= set(rep["table"][0])
 
 
+def test_lesson_runs_from_its_button(client):
+    md, chart = client.predict("dummy:tiny (fast)", "small", api_name="/lesson_batch_sweep")
+    assert md.startswith("**Batch-size sweep**") and "tok_s_ratio" in md, md
+    assert "decode tok/s" in json.dumps(chart)
+
+
 def test_settings_validate_and_restart(client):
     from engine.config import EngineConfig
     vals = dict(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_seqs=16).to_dict())

@@ -68,7 +68,8 @@ def make_sampling_params(temperature, top_p, top_k, min_p, max_tokens, min_token
 
 def make_load_spec(preset_name, num_requests, rate, all_at_once, burstiness, max_concurrency,
                    p_kind, p_min, p_max, o_kind, o_min, o_max, shared_prefix, turns, think_time, seed,
-                   temperature, ignore_eos, max_model_len: int | None = None) -> L.LoadSpec:
+                   temperature, ignore_eos, max_model_len: int | None = None,
+                   prompt_source: str = "random ids") -> L.LoadSpec:
     n = parse_num(num_requests, "number of requests", integer=True, lo=1)
     if n > L.MAX_REQUESTS:
         raise ValueError(f"number of requests: too many simulated users ({n}); at most {L.MAX_REQUESTS}")
@@ -92,7 +93,7 @@ def make_load_spec(preset_name, num_requests, rate, all_at_once, burstiness, max
         num_turns=parse_num(turns, "turns per user", integer=True, lo=1, hi=64, allow_none=True) or 1,
         think_time_s=parse_num(think_time, "think time (s)", lo=0, hi=600, allow_none=True) or 0.0,
         temperature=parse_num(temperature, "temperature", lo=0, hi=10, allow_none=True) or 0.0,
-        ignore_eos=bool(ignore_eos))
+        ignore_eos=bool(ignore_eos), prompt_source=str(prompt_source or "random ids"))
     spec.validate(max_model_len)
     return spec
 
@@ -127,7 +128,7 @@ def make_slo(ttft, tpot, e2el) -> M.SLO:
 # engine settings form: every EngineConfig field, typed
 CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "float16", "bfloat16"],
             "scheduling": ["continuous", "static"], "scheduling_policy": ["fcfs", "priority"],
-            "kernels": ["auto", "torch", "triton"],
+            "kernels": ["auto", "torch", "triton"], "kv_cache_layout": ["paged", "contiguous"],
             "speculative_method": ["off", "ngram", "draft", "self"]}
 _OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
 _OPTIONAL_STR = {"model", "draft_model"}
@@ -135,7 +136,9 @@ _ZERO_IS_A_VALUE = {"gemv_max_tokens"}           # optional ints where 0 means "
 FIELD_HELP = {
     "model": "HF folder, dummy:<preset> (random weights), or empty for the bundled SmolLM2-135M-Instruct",
     "num_kv_blocks": "0 or empty: derived from the memory budget", "max_model_len": "0 or empty: the model's (≤ 8192)",
-    "max_waiting_requests": "0 or empty: unbounded queue", "enable_kv_cache": "off = recompute the prefix every step",
+    "max_waiting_requests": "0 or empty: unbounded queue",
+    "kv_cache_layout": "contiguous = reserve max_model_len slots per request (the pre-paging baseline)",
+    "graph_timing_interval": "every N-th graph-eligible step runs eagerly to time it; 0 = never", "enable_kv_cache": "off = recompute the prefix every step",
     "scheduling": "static: a batch runs until all its requests finish",
     "scheduling_policy": "priority: lower SamplingParams.priority first (Playground turns -1, simulated users 0); "
                          "may preempt a worse running request",

@@ -17,7 +17,8 @@ def load_tab(host: EngineHost) -> None:
         gr.Markdown("Simulated users drive the engine in-process through the same `submit()` API the playground "
                     "uses, or — target **HTTP** — send the same workload as streaming `/v1/completions` to this "
                     "server's OpenAI-compatible API or any other (e.g. vLLM), timing TTFT/ITL over the wire. Arrivals are gamma distributed (shape = burstiness, scale = 1 / (rate · burstiness); "
-                    "1 = Poisson) as in `vllm bench serve`. Prompts are random token ids of the chosen lengths; "
+                    "1 = Poisson) as in `vllm bench serve`. Prompts are random token ids of the chosen lengths, or chat-templated "
+                    "text from a small bundled set; "
                     "outputs are greedy with EOS ignored, so lengths are exact.")
         info0 = L.EngineInfo()
         spec0 = L.preset("Steady Poisson", info0)
@@ -46,6 +47,8 @@ def load_tab(host: EngineHost) -> None:
                 load_seed = gr.Number(value=0, precision=0, label="seed")
                 load_temp = gr.Number(value=0.0, label="temperature")
                 load_ieos = gr.Checkbox(value=True, label="ignore EOS (exact output lengths)")
+                prompts = gr.Radio(list(L.PROMPT_SOURCES), value="random ids", label="prompts",
+                                   info="text: chat-templated prompts from a small bundled text set (in-process)")
             with gr.Row():
                 slo_ttft = gr.Number(value=None, label="TTFT SLO (ms, empty = none)", placeholder="none")
                 slo_tpot = gr.Number(value=None, label="TPOT SLO (ms)", placeholder="none")
@@ -90,7 +93,7 @@ def load_tab(host: EngineHost) -> None:
         def start_fn(name, *args):
             knobs = args[:len(load_knobs)]
             t1, t2, t3, fr, *tgt = args[len(load_knobs):]
-            tgt_kind, url, model, key = (list(tgt) + ["in-process engine", "", "", ""][len(tgt):])[:4]
+            tgt_kind, url, model, key, source = (list(tgt) + ["in-process engine", "", "", "", "random ids"][len(tgt):])[:5]
             http = str(tgt_kind or "").startswith("HTTP")
             try:
                 loop = host.require_loop()
@@ -98,7 +101,8 @@ def load_tab(host: EngineHost) -> None:
                     raise ValueError("a load is already running; stop it first")
                 if host.compare is not None and not host.compare.done.is_set():
                     raise ValueError("a comparison is running; wait for it or stop it")
-                spec = make_load_spec(name, *knobs, max_model_len=None if http else max_model_len(host))
+                spec = make_load_spec(name, *knobs, max_model_len=None if http else max_model_len(host),
+                                      prompt_source=source)
                 slo = make_slo(t1, t2, t3)
                 if http:
                     runner = make_http_runner(host, spec, slo, url, model, key)
@@ -115,7 +119,7 @@ def load_tab(host: EngineHost) -> None:
                     f"{spec.burstiness:g}, seed {spec.seed}.", progress_html(runner.progress()), "", None)
 
         start_btn.click(start_fn, [preset_dd, *load_knobs, slo_ttft, slo_tpot, slo_e2el, fresh, target, t_url,
-                                   t_model, t_key],
+                                   t_model, t_key, prompts],
                         [load_msg, prog, summ_md, summ], api_name="start_load", concurrency_limit=4)
 
         def stop_load_fn():

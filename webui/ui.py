@@ -5,6 +5,7 @@ import gradio as gr
 
 from webui.host import EngineHost
 from webui.inspector import inspector_tab
+from webui.lessons import lessons_tab
 from webui.load import load_tab
 from webui.playground import playground_tab
 from webui.settings import compare_tab, export_tab, settings_tab
@@ -36,5 +37,6 @@ def build_ui(host: EngineHost):
         inspector_tab(host)
         settings_tab(host)
         compare_tab(host)
+        lessons_tab(host)
         export_tab(host)
     return demo

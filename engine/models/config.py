@@ -31,6 +31,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    sliding_window: int | None = None  # keys older than this many positions are masked (Mistral, Qwen2 with
+    #                                    use_sliding_window); the engine keeps sequences within it
     hf_config: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -46,6 +48,12 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        window = cfg.get("sliding_window")
+        layer_types = cfg.get("layer_types")
+        if layer_types is not None:        # transformers 5: which layers slide
+            window = window if "sliding_attention" in layer_types else None
+        elif arch != "llama" and not cfg.get("use_sliding_window", False):
+            window = None                  # Qwen configs carry a window they use only when told to
         return cls(
             arch=arch,
             hidden_size=cfg["hidden_size"],
@@ -65,5 +73,6 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=int(window) if window else None,
             hf_config=cfg,
         )

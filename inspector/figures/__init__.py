@@ -20,18 +20,22 @@ Modules, one concern each:
 - `timings`      per-step timing regions and one profiled step
 - `spec_decode`  speculative-decoding acceptance
 - `latency`      latency histograms and throughput / KV usage over time
+- `lessons`      one chart per lesson result (inspector.lessons)
+- `memory`       allocated / KV reserved / KV used memory over time
 - `registry`     `SPECS`, `TITLES`, `build_specs`, `build_all`
 
 The public names are re-exported here, so `from inspector import figures as F; F.timeline_spec(...)` works.
 """
 from __future__ import annotations
 
-from inspector.figures.blocks import (block_map_figure, block_map_spec, block_states,  # noqa: F401
+from inspector.figures.blocks import (block_fill, block_map_figure, block_map_spec, block_states,  # noqa: F401
                                       block_table_figure, block_table_spec)
 from inspector.figures.latency import (histogram, latency_figure, latency_spec, throughput_figure,  # noqa: F401
                                        throughput_spec)
 from inspector.figures.layout import (as_figure, empty_figure, empty_spec, error_figure, error_spec,  # noqa: F401
                                       to_json)
+from inspector.figures.lessons import lesson_figure, lesson_spec  # noqa: F401
+from inspector.figures.memory import memory_figure, memory_spec  # noqa: F401
 from inspector.figures.registry import SPECS, TITLES, build_all, build_specs  # noqa: F401
 from inspector.figures.spec_decode import spec_figure, spec_spec  # noqa: F401
 from inspector.figures.style import (CACHED_COLOR, CATEGORY_COLORS, FONT, FREE_COLOR, GRID, N_CATS,  # noqa: F401

@@ -32,10 +32,26 @@ def block_states(kv: dict) -> dict:
     for b in np.nonzero(ref == 1)[0]:
         cat[b] = 3 + (_owner_color_index(owners[b][0]) if owners[b] else 0)
     null_free = 1 if (n and ref[0] == 0) else 0         # block 0: the reserved null block
-    return dict(n=n, ref=ref, cached=cached, owners=owners, cat=cat,
+    fill = block_fill(kv)
+    return dict(n=n, ref=ref, cached=cached, owners=owners, cat=cat, fill=fill,
+                reserved_slots=int(in_use.sum()) * int(kv.get("block_size", 16)), used_slots=int(fill[in_use].sum()),
                 num_free=int(((ref == 0) & ~cached).sum()) - null_free,
                 num_cached_free=int(((ref == 0) & cached).sum()),
                 num_in_use=int(in_use.sum()), num_shared=int((ref > 1).sum()))
+
+
+def block_fill(kv: dict) -> np.ndarray:
+    """Slots of each physical block that hold a computed token: the most any holder has written there (a block
+    shared through the prefix cache is full in every holder)."""
+    n, bs = int(kv["num_blocks"]), int(kv.get("block_size", 16))
+    fill = np.zeros(n, dtype=np.int64)
+    computed = kv.get("num_computed_tokens") or {}
+    for rid, table in (kv.get("block_tables") or {}).items():
+        c = int(computed.get(rid, 0))
+        for i, b in enumerate(table):
+            if 0 <= b < n:
+                fill[b] = max(fill[b], min(bs, max(0, c - i * bs)))
+    return fill
 
 
 def block_map_spec(kv: dict | None, highlight: str | None = None, height: int | None = None,
@@ -66,6 +82,7 @@ def block_map_spec(kv: dict | None, highlight: str | None = None, height: int | 
                 own = ", ".join(owners[b][:6]) + (" …" if len(owners[b]) > 6 else "")
                 state = "shared" if ref[b] > 1 else "in use"
                 text[b] = (f"block {b} · {state} · ref {ref[b]}{' · cached' if cached[b] else ''}"
+                           f" · {st['fill'][b]}/{kv.get('block_size', '?')} slots used"
                            f"<br>owner{'s' if len(owners[b]) > 1 else ''}: {own or '?'}")
     else:
         for c in range(cells):
@@ -98,8 +115,12 @@ def block_map_spec(kv: dict | None, highlight: str | None = None, height: int | 
                              marker=dict(symbol="square-open", size=13, color="#000", line=dict(width=2)),
                              hovertemplate="logical block %{text}<extra>" + highlight + "</extra>"))
     used_pct = 100.0 * st["num_in_use"] / max(1, n - 1)
-    sub = (f"{n} blocks × {kv.get('block_size', '?')} tokens · {st['num_in_use']} in use ({used_pct:.0f}%) · "
+    res, used = st["reserved_slots"], st["used_slots"]
+    frag = f" ({100.0 * (res - used) / res:.0f}% reserved but empty)" if res else ""
+    sub = (f"{kv.get('kv_cache_layout', 'paged')} · {n} blocks × {kv.get('block_size', '?')} tokens · "
+           f"{st['num_in_use']} in use ({used_pct:.0f}%) · "
            f"{st['num_shared']} shared · {st['num_cached_free']} cached-free · {max(0, st['num_free'])} free"
+           f"<br>slots: {res} reserved by requests · {used} hold a token{frag}"
            + (f" · 1 cell = {group} blocks" if group > 1 else "") + " · hover a cell for owners")
     h = height or int(min(560, max(240, 110 + rows * (20 if cols <= 32 else 13))))
     lay = _layout(title, h, "blockmap", sub, margin=dict(l=10, r=10, t=70, b=10),

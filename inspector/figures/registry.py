@@ -8,6 +8,7 @@ from typing import Callable
 from inspector.figures.blocks import block_map_spec
 from inspector.figures.latency import latency_spec, throughput_spec
 from inspector.figures.layout import as_figure, error_spec
+from inspector.figures.memory import memory_spec
 from inspector.figures.spec_decode import spec_spec
 from inspector.figures.timeline import timeline_spec
 from inspector.figures.timings import timings_spec
@@ -23,10 +24,11 @@ SPECS: dict[str, Callable[[Snapshot], dict]] = {
     "spec": spec_spec,
     "latency": lambda snap: latency_spec(snap.records),
     "throughput": throughput_spec,
+    "memory": memory_spec,
 }
 TITLES = {"block_map": "KV block map", "timeline": "Scheduler timeline", "timeline_step": "Scheduler timeline",
           "timings": "Per-step timings", "spec": "Speculative decoding", "latency": "Latency distributions",
-          "throughput": "Throughput and KV usage"}
+          "throughput": "Throughput and KV usage", "memory": "Memory over time"}
 
 
 def build_specs(snap: Snapshot, names: list[str] | None = None) -> dict[str, dict]:

@@ -77,6 +77,11 @@ def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dic
     if graphed:
         data.append(dict(type="scatter", x=graphed, y=[0] * len(graphed), mode="markers", name="CUDA graph step",
                          marker=dict(symbol="line-ns", size=6, color="#333", line=dict(width=1)), xaxis=xa, yaxis=ya))
+    sampled = [s.step for s in steps if getattr(s, "timings_sampled", False)]
+    if sampled:   # graph-eligible steps run eagerly to time their regions (EngineConfig.graph_timing_interval)
+        data.append(dict(type="scatter", x=sampled, y=[0] * len(sampled), mode="markers",
+                         name="timed eagerly (sampled graph step)", xaxis=xa, yaxis=ya,
+                         marker=dict(symbol="triangle-up", size=8, color="#E15759")))
     lay[_axname(yb, "y")].update(autorange="reversed", tickfont=dict(size=10))
     lay[_axname(xa, "x")].update(title=dict(text="engine step"))
     lay[_axname(ya, "y")].update(title=dict(text="ms"))

@@ -4,7 +4,8 @@ Arrivals follow `vllm bench serve`: inter-arrival times are gamma distributed wi
 and scale 1 / (rate * k), so the mean rate is `rate` for every k; k = 1 is a Poisson process, k < 1 is
 burstier, k > 1 more regular. rate = inf sends everything at once.
 
-Prompts are random token ids (seeded, special tokens excluded) so their lengths are exact; outputs
+Prompts are random token ids (seeded, special tokens excluded) so their lengths are exact, or with
+`prompt_source="text"` chat prompts from a small bundled text set (at most the sampled lengths); outputs
 use greedy decoding with `ignore_eos` by default so their lengths are exact too.
 
 Modules, one concern each:
@@ -12,6 +13,7 @@ Modules, one concern each:
 - `arrivals`  gamma / Poisson arrival offsets (`arrival_times`)
 - `spec`      token-length distributions (`LengthDist`), the `LoadSpec` and its limits
 - `presets`   `EngineInfo` and the workload presets (`PRESETS`, `preset`)
+- `text`      templated chat prompts from the bundled text set (`TextPrompts`)
 - `workload`  a spec turned into seeded requests (`LoadItem`, `build_workload`)
 - `runner`    `LoadRunner`, which drives the engine, and `format_progress`
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 from inspector.load.arrivals import arrival_times  # noqa: F401
 from inspector.load.presets import PRESETS, EngineInfo, preset  # noqa: F401
 from inspector.load.runner import LoadRunner, format_progress  # noqa: F401
-from inspector.load.spec import (LENGTH_KINDS, MAX_CONCURRENCY, MAX_RATE, MAX_REQUESTS, LengthDist,  # noqa: F401
-                                 LoadSpec)
+from inspector.load.spec import (LENGTH_KINDS, MAX_CONCURRENCY, MAX_RATE, MAX_REQUESTS, PROMPT_SOURCES,  # noqa: F401
+                                 LengthDist, LoadSpec)
+from inspector.load.text import TextPrompts, text_set  # noqa: F401
 from inspector.load.workload import LoadItem, build_workload  # noqa: F401

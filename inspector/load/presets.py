@@ -18,6 +18,7 @@ class EngineInfo:
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     vocab_size: int = 32000
+    chat_template: bool = True          # text prompts (prompt_source="text") need one
 
     @classmethod
     def from_loop(cls, loop) -> "EngineInfo":
@@ -32,7 +33,7 @@ class EngineInfo:
         return cls(num_blocks=int(getattr(eng, "num_blocks", 512)), block_size=int(getattr(eng, "block_size", cfg.block_size)),
                    max_model_len=int(mml), max_num_batched_tokens=cfg.max_num_batched_tokens,
                    max_num_seqs=cfg.max_num_seqs, enable_chunked_prefill=cfg.enable_chunked_prefill,
-                   vocab_size=int(vocab))
+                   vocab_size=int(vocab), chat_template=bool(getattr(tok, "chat_template", None)))
 
 
 def _fit(d: LengthDist, cap: int) -> LengthDist:
@@ -86,16 +87,25 @@ def _shared_prefix(info: EngineInfo) -> LoadSpec:
     prefix = max(4 * info.block_size, 256)
     prefix = min(prefix, max(0, info.max_model_len - 64 - 64 - 1))
     return LoadSpec("Shared system prompt (prefix caching)", 32, 8.0, 1.0, None, LengthDist("uniform", 16, 64),
-                    LengthDist("uniform", 16, 64), shared_prefix_len=prefix,
+                    LengthDist("uniform", 16, 64), shared_prefix_len=prefix, prompt_source="text",
                     description=f"Every request starts with the same {prefix}-token system prompt: with prefix caching "
-                                "its blocks are computed once and shared (see the block map and the cache hit rate).")
+                                "its blocks are computed once and shared (see the block map and the cache hit rate). "
+                                "Prompts are chat-templated text from the bundled set.")
 
 
 def _multi_turn(info: EngineInfo) -> LoadSpec:
     return LoadSpec("Multi-turn chat", 32, 2.0, 1.0, None, LengthDist("uniform", 16, 64), LengthDist("uniform", 16, 48),
-                    num_turns=4, think_time_s=0.2,
-                    description="8 users × 4 turns: each turn resends the whole conversation, so earlier turns hit the "
-                                "prefix cache.")
+                    num_turns=4, think_time_s=0.2, prompt_source="text",
+                    description="8 users × 4 turns of chat-templated text: each turn resends the whole conversation, so "
+                                "earlier turns hit the prefix cache.")
+
+
+def _real_text(info: EngineInfo) -> LoadSpec:
+    return LoadSpec("Real text (speculative decoding)", 24, 4.0, 1.0, None, LengthDist("uniform", 64, 256),
+                    LengthDist("uniform", 64, 128), prompt_source="text",
+                    description="Chat-templated prompts from the bundled text set (summarize, rewrite, repeat, answer): "
+                                "with speculative decoding on, the acceptance rate is that of text, where n-gram drafts "
+                                "find the prompt's phrases again; random ids would give them nothing to match.")
 
 
 PRESETS: dict[str, Callable[[EngineInfo], LoadSpec]] = {
@@ -106,6 +116,7 @@ PRESETS: dict[str, Callable[[EngineInfo], LoadSpec]] = {
     "Memory pressure (preemption)": _memory_pressure,
     "Shared system prompt (prefix caching)": _shared_prefix,
     "Multi-turn chat": _multi_turn,
+    "Real text (speculative decoding)": _real_text,
 }
 
 
@@ -114,6 +125,8 @@ def preset(name: str, info: EngineInfo | None = None, **overrides) -> LoadSpec:
         raise ValueError(f"preset: unknown {name!r}; choose one of {list(PRESETS)}")
     info = info or EngineInfo()
     spec = PRESETS[name](info)
+    if spec.prompt_source == "text" and not info.chat_template:
+        spec.prompt_source = "random ids"
     # keep presets inside the engine's limits
     room = info.max_model_len - 1 - spec.shared_prefix_len
     per_turn = max(2, room // max(1, spec.num_turns))

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from inspector import metrics as M
 from inspector.load.presets import EngineInfo
 from inspector.load.spec import LoadSpec
+from inspector.load.text import can_template
 from inspector.load.workload import LoadItem, build_workload
 from inspector.recorder import RequestRecord
 
@@ -106,13 +107,15 @@ class LoadRunner(RunState):
                 info = EngineInfo()
         self.vocab_size = vocab_size or info.vocab_size
         self.max_model_len = max_model_len or (info.max_model_len if info else None)
+        tok = getattr(getattr(loop, "engine", None), "tokenizer", None)
+        if spec.prompt_source == "text" and not can_template(tok):
+            raise ValueError("prompts: 'text' needs a model with a chat template; this one has none (use random ids)")
         if special_ids is None:
-            tok = getattr(getattr(loop, "engine", None), "tokenizer", None)
             special_ids = list(getattr(tok, "all_special_ids", []) or [])
         self.special_ids = special_ids
         spec.validate(self.max_model_len)
         self._sampling_factory = sampling_factory
-        self.prefix, self.items = build_workload(spec, self.vocab_size, self.special_ids)
+        self.prefix, self.items = build_workload(spec, self.vocab_size, self.special_ids, tok)
         self._init_state()
         self._cond = threading.Condition(self._lock)
         self._streams: dict[str, Any] = {}

@@ -13,6 +13,7 @@ MAX_RATE = 10_000.0
 
 
 LENGTH_KINDS = ("fixed", "uniform", "normal", "lognormal")
+PROMPT_SOURCES = ("random ids", "text")
 
 
 @dataclass
@@ -68,6 +69,8 @@ class LoadSpec:
     temperature: float = 0.0
     ignore_eos: bool = True
     description: str = ""
+    prompt_source: str = "random ids"   # "text": chat prompts from the bundled text set (inspector.load.text), cut
+    #                                     to the sampled lengths (random ids when the model has no chat template)
 
     @property
     def num_users(self) -> int:
@@ -107,6 +110,8 @@ class LoadSpec:
             bad("think time", "must be in [0, 600] s", self.think_time_s)
         if self.temperature < 0:
             bad("temperature", "must be >= 0", self.temperature)
+        if self.prompt_source not in PROMPT_SOURCES:
+            bad("prompts", f"must be one of {PROMPT_SOURCES}", self.prompt_source)
         if max_model_len is not None and self.max_total_len() > max_model_len:
             raise ValueError(
                 f"lengths: the longest request would need {self.max_total_len()} tokens (shared prefix + "

@@ -1,5 +1,6 @@
-"""A `LoadSpec` turned into concrete requests: seeded random prompt tokens (special tokens excluded), output
-lengths and arrival offsets, one `LoadItem` per request (per turn for multi-turn chat)."""
+"""A `LoadSpec` turned into concrete requests: seeded random prompt tokens (special tokens excluded) or templated
+chat prompts from the bundled text set (`prompt_source="text"`), output lengths and arrival offsets, one
+`LoadItem` per request (per turn for multi-turn chat)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ import numpy as np
 
 from inspector.load.arrivals import arrival_times
 from inspector.load.spec import LoadSpec
+from inspector.load.text import TextPrompts, can_template
 
 
 @dataclass
@@ -28,11 +30,19 @@ def _token_pool(vocab_size: int, special_ids=()) -> np.ndarray:
     return pool
 
 
-def build_workload(spec: LoadSpec, vocab_size: int = 32000, special_ids=()) -> tuple[list[int], list[LoadItem]]:
-    """(shared prefix tokens, items) for the spec; deterministic for a seed."""
+def build_workload(spec: LoadSpec, vocab_size: int = 32000, special_ids=(), tokenizer=None
+                   ) -> tuple[list[int], list[LoadItem]]:
+    """(shared prefix tokens, items) for the spec; deterministic for a seed (and tokenizer)."""
     rng = np.random.default_rng(spec.seed)
     pool = _token_pool(vocab_size, special_ids)
-    prefix = rng.choice(pool, size=spec.shared_prefix_len).tolist() if spec.shared_prefix_len else []
+    if spec.prompt_source == "text" and not can_template(tokenizer):
+        raise ValueError("prompts: 'text' needs a tokenizer with a chat template")
+    text = TextPrompts(tokenizer, np.random.default_rng(spec.seed + 2)) if spec.prompt_source == "text" else None
+    system = None
+    if text is not None and spec.shared_prefix_len:
+        prefix, system = text.system_prefix(spec.shared_prefix_len)
+    else:
+        prefix = rng.choice(pool, size=spec.shared_prefix_len).tolist() if spec.shared_prefix_len else []
     turns = max(1, spec.num_turns)
     users = spec.num_users if turns > 1 else spec.num_requests
     arrivals = arrival_times(users, spec.rate, spec.burstiness, seed=spec.seed + 1)
@@ -42,5 +52,7 @@ def build_workload(spec: LoadSpec, vocab_size: int = 32000, special_ids=()) -> t
     for i in range(spec.num_requests):
         user, turn = (i // turns, i % turns) if turns > 1 else (i, 0)
         items.append(LoadItem(index=i, user=user, turn=turn, arrival=float(arrivals[user]) if turn == 0 else 0.0,
-                              new_tokens=rng.choice(pool, size=int(p_lens[i])).tolist(), max_tokens=int(o_lens[i])))
+                              new_tokens=text.user_turn(int(p_lens[i]), system if turn == 0 else "")
+                              if text is not None else rng.choice(pool, size=int(p_lens[i])).tolist(),
+                              max_tokens=int(o_lens[i])))
     return prefix, items

@@ -1,0 +1,37 @@
+"""The Lessons run on CPU with the tiny preset (small sweeps) and draw charts with data."""
+import pytest
+import torch
+
+from inspector import figures as F
+from inspector.lessons import LESSONS, Setup, run_lesson
+
+SMALL = {"paging": dict(batches=[1, 4, 12], prompt_len=20, output_len=4, max_model_len=128),
+         "kv_cache": dict(lengths=[4, 12]),
+         "batching": dict(num_requests=6, max_num_seqs=2, output_range=(2, 10), prompt_range=(4, 12)),
+         "batch_sweep": dict(batches=[1, 4], output_len=6),
+         "chunked_prefill": dict(num_decoders=2, long_prompt=200, num_long=1, chunk=32, output_len=16)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)      # tiny matmuls: two threads only contend with each other on a shared CI box
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name", list(LESSONS))
+def test_lesson_runs_and_draws(name):
+    res = run_lesson(name, Setup(model="dummy:tiny", device="cpu"), **SMALL[name])
+    assert res["lesson"] == name and res["what"] and res["summary"]
+    spec = F.lesson_spec(res)
+    F.as_figure(spec)                                   # plotly accepts every property
+    assert spec["data"] and all(len(d["y"]) > 0 for d in spec["data"])
+    assert res["what"] in spec["layout"]["title"]["text"]
+    if name == "paging":
+        s = res["summary"]
+        # pool = 6 max-length reservations of 128 / 16 = 8 blocks; paged requests need 2 blocks (24 tokens) each
+        assert (s["max_batch_contiguous"], s["max_batch_paged"]) == (6, 12)
+        assert s["memory_ratio"] == 128 / 32            # reserved slots: max_model_len vs 2 blocks of 16
+    if name == "chunked_prefill":
+        assert all(len(d["itl_ms"]) == 2 * 15 for d in res["series"].values())   # every decoder's gaps
