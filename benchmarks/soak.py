@@ -418,13 +418,13 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak"))
     ap.add_argument("--png", default=None, help="also write the plot here (e.g. assets/soak.png)")
+    ap.add_argument("--no-png", action="store_true", help="HTML report only")
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def run_soak(args) -> dict:
+    """Start app.py (unless --url), run the users and the sampler, stop the app; the judged result."""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     proc = None
     if args.url:
         base, pid = args.url.rstrip("/"), args.pid
@@ -432,7 +432,7 @@ def main(argv=None) -> int:
         proc, base = start_app(args)
         pid = proc.pid
     try:
-        res = asyncio.run(run(base, pid, args))
+        return asyncio.run(run(base, pid, args))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
@@ -440,7 +440,11 @@ def main(argv=None) -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return report(res, out, args)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return report(run_soak(args), Path(args.out), args)
 
 
 def report(res: dict, out: Path, args) -> int:
@@ -452,7 +456,8 @@ def report(res: dict, out: Path, args) -> int:
     html = out / "soak.html"
     fig.write_html(str(html), include_plotlyjs="cdn")
     res["png"] = None
-    for png in filter(None, (out / "soak.png", Path(args.png) if args.png else None)):
+    pngs = [] if args.no_png else [out / "soak.png"] + ([Path(args.png)] if args.png else [])
+    for png in pngs:
         png.parent.mkdir(parents=True, exist_ok=True)
         if write_png(fig, png):
             res["png"] = str(png)

@@ -17,6 +17,8 @@ CSS = """
 .kv-progress[data-state=stopped] .kv-bar > div {background: #E15759;}
 .kv-err {color: #b00020; font-size: 12px; margin-top: 4px;}
 #kv-status {font-size: 13px;}
+#kv-req-stats table {display: block; overflow-x: auto;}
+#kv-req-stats th {white-space: nowrap; word-break: keep-all; overflow-wrap: normal;}
 footer {display: none !important;}
 """
 
