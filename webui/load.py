@@ -1,6 +1,7 @@
 """Load tab: simulated users against the in-process engine or an OpenAI-compatible HTTP server."""
 from __future__ import annotations
 
+import logging
 import math
 
 import gradio as gr
@@ -11,6 +12,8 @@ from webui.forms import make_http_runner, make_load_spec, make_slo
 from webui.host import EngineHost, EngineUnavailable, max_model_len
 from webui.render import progress_html, summary_md
 
+log = logging.getLogger("kvscope.app")
+
 
 def load_tab(host: EngineHost) -> None:
     with gr.Tab("Load", id="load"):
@@ -19,7 +22,11 @@ def load_tab(host: EngineHost) -> None:
                     "server's OpenAI-compatible API or any other (e.g. vLLM), timing TTFT/ITL over the wire. Arrivals are gamma distributed (shape = burstiness, scale = 1 / (rate · burstiness); "
                     "1 = Poisson) as in `vllm bench serve`. Prompts are random token ids of the chosen lengths; "
                     "outputs are greedy with EOS ignored, so lengths are exact.")
-        info0 = L.EngineInfo()
+        try:
+            info0 = host.engine_info()          # measures the engine's capacity once (seconds on a CPU)
+        except Exception:
+            log.exception("capacity measurement failed; presets use fixed rates")
+            info0 = host.engine_info(measure=False)
         spec0 = L.preset("Steady Poisson", info0)
         with gr.Row():
             preset_dd = gr.Dropdown(list(L.PRESETS), value="Steady Poisson", label="Preset", scale=2,
@@ -73,10 +80,8 @@ def load_tab(host: EngineHost) -> None:
                       shared, turns, think, load_seed, load_temp, load_ieos]
 
         def preset_fn(name):
-            loop = host.loop
             try:
-                info = L.EngineInfo.from_loop(loop) if loop is not None else L.EngineInfo()
-                s = L.preset(name, info)
+                s = L.preset(name, host.engine_info())
             except Exception as e:
                 raise gr.Error(str(e))
             inf = math.isinf(s.rate)
