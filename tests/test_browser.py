@@ -146,6 +146,11 @@ def test_app_in_a_real_browser(url, shots):
 
         # ---- Load: a small seeded load on a small KV pool (so it also preempts)
         page.get_by_role("tab", name="Load").click()
+        # the page load measured the engine and sized the preset from it
+        page.wait_for_function("() => (document.querySelector('#kv-preset-md')?.innerText || '').includes("
+                               "'Calibrated')", timeout=60000)
+        calibrated = float(re.search(r"Calibrated: ([\d.]+) req/s", page.inner_text("#kv-preset-md")).group(1))
+        assert float(page.locator("#kv-rate input").input_value()) == calibrated
         page.locator("#kv-nreq input").fill("16")
         page.locator("#kv-rate input").fill("8")
         page.locator("#kv-pmin input").fill("32")

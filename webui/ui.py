@@ -34,7 +34,7 @@ def build_ui(host: EngineHost):
         status_timer.tick(lambda: host.status_line(), None, status, concurrency_limit=None, show_progress="hidden",
                           queue=False, api_visibility="private")
         playground_tab(host)
-        load_tab(host)
+        load_tab(host, demo)
         inspector_tab(host)
         settings_tab(host)
         compare_tab(host)

@@ -69,10 +69,10 @@ def _tpot(outs) -> float:
     return statistics.median(per)
 
 
-def measure_capacity(loop, vocab_size: int, special_ids=(), seed: int = 1234, decode_steps: int = 16,
-                     timeout: float = 120.0) -> Capacity:
+def measure_capacity(loop, vocab_size: int, special_ids=(), seed: int = 1234, decode_steps: int = 8,
+                     timeout: float = 300.0) -> Capacity:
     """Run three small batches through `loop` (EngineLoop.submit): prefill-only prompts, then decodes at two
-    batch sizes. Takes a few seconds on a 2-core CPU with SmolLM2-135M, well under one on a GPU."""
+    batch sizes. About 5 s on an idle 2-core CPU with SmolLM2-135M, well under one on a GPU."""
     eng = loop.engine
     cfg = eng.config
     budget = int(cfg.max_num_batched_tokens)
@@ -88,15 +88,15 @@ def measure_capacity(loop, vocab_size: int, special_ids=(), seed: int = 1234, de
 
     t_start = time.perf_counter()
     # prefill: a few prompts of up to one step budget each, one output token
-    plen = max(16, min(256, budget, mml // 2))
-    n_pre = max(2, min(8, kv_tokens // (2 * plen), max_seqs))
+    plen = max(16, min(128, budget, mml // 2))
+    n_pre = max(2, min(4, kv_tokens // (2 * plen), max_seqs))
     outs = _run_together(loop, [prompt(plen) for _ in range(n_pre)], 1, timeout)
     start = min(o.metrics.first_scheduled_time or o.metrics.arrival_time for o in outs)
     end = max(o.metrics.first_token_time for o in outs)
     c_p = max(end - start, 1e-6) / (n_pre * plen)
     # decode at two batch sizes: TPOT(b) = a + c_d * b
     steps = max(4, min(decode_steps, mml - 9))
-    b2 = max(2, min(32, max_seqs, kv_tokens // (8 + steps + 16)))
+    b2 = max(2, min(16, max_seqs, kv_tokens // (8 + steps + 16)))
     b1 = max(1, min(4, b2 // 4))
     t1 = _tpot(_run_together(loop, [prompt(8) for _ in range(b1)], steps, timeout))
     t2 = _tpot(_run_together(loop, [prompt(8) for _ in range(b2)], steps, timeout))

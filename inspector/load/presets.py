@@ -60,7 +60,8 @@ def _sig(x: float) -> float:
 
 
 def _calibrated(spec: LoadSpec, info: EngineInfo, load: float,
-                prompt_tokens: Callable[[LoadSpec], float] | None = None, per_user: int = 1) -> LoadSpec:
+                prompt_tokens: Callable[[LoadSpec], float] | None = None, per_user: int = 1,
+                min_requests: int = MIN_REQUESTS) -> LoadSpec:
     """Set spec.rate to `load` x the measured capacity for its mix (prompt_tokens: the prompt tokens each
     request computes, default the mean new prompt; per_user: requests per simulated user) and size
     num_requests to about ARRIVAL_SPAN_S of arrivals. Unchanged when nothing was measured."""
@@ -72,7 +73,7 @@ def _calibrated(spec: LoadSpec, info: EngineInfo, load: float,
     o = _mean(spec.output_len)
     sustained = cap.req_per_s(p, o)
     rate = _sig(load * sustained / per_user)
-    users = max(MIN_REQUESTS // per_user, min(MAX_REQUESTS_PRESET // per_user, round(rate * ARRIVAL_SPAN_S)))
+    users = max(min_requests // per_user, min(MAX_REQUESTS_PRESET // per_user, round(rate * ARRIVAL_SPAN_S)))
     spec.rate, spec.num_requests = rate, users * per_user
     what = "users/s" if per_user > 1 else "req/s"
     spec.description += (f" **Calibrated: {rate:g} {what}** = {load:.0%} of the ≈{sustained / per_user:.3g} {what} this "
@@ -91,7 +92,7 @@ def _overload(info: EngineInfo) -> LoadSpec:
     spec = LoadSpec("Overload", 64, 16.0, 1.0, None, LengthDist("uniform", 64, 256), LengthDist("uniform", 32, 128),
                     description="The steady mix arriving faster than the engine can serve it: the waiting queue and "
                                 "TTFT grow for as long as arrivals last.")
-    return _calibrated(spec, info, OVERLOAD)
+    return _calibrated(spec, info, OVERLOAD, min_requests=32)
 
 
 def _burst(info: EngineInfo) -> LoadSpec:
