@@ -96,8 +96,8 @@ def measure_capacity(loop, vocab_size: int, special_ids=(), seed: int = 1234, de
     c_p = max(end - start, 1e-6) / (n_pre * plen)
     # decode at two batch sizes: TPOT(b) = a + c_d * b
     steps = max(4, min(decode_steps, mml - 9))
-    b2 = max(2, min(16, max_seqs, kv_tokens // (8 + steps + 16)))
-    b1 = max(1, min(4, b2 // 4))
+    b2 = max(2, min(32, max_seqs, kv_tokens // (8 + steps + 16)))
+    b1 = max(1, min(4, b2 // 8))
     t1 = _tpot(_run_together(loop, [prompt(8) for _ in range(b1)], steps, timeout))
     t2 = _tpot(_run_together(loop, [prompt(8) for _ in range(b2)], steps, timeout))
     c_d = max(0.0, (t2 - t1) / (b2 - b1))

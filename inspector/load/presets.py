@@ -13,7 +13,7 @@ from inspector.load.capacity import Capacity
 from inspector.load.spec import LengthDist, LoadSpec
 
 STEADY_LOAD = 0.55          # steady presets: this fraction of the measured capacity
-OVERLOAD = 2.0              # the overload preset: this multiple of it
+OVERLOAD = 3.0              # the overload preset: this multiple of it (the fit underrates big batches)
 ARRIVAL_SPAN_S = 30.0       # calibrated presets send about this many seconds of arrivals
 MIN_REQUESTS, MAX_REQUESTS_PRESET = 8, 512
 
