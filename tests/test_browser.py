@@ -59,11 +59,61 @@ def plot_box(page, elem_id, timeout=20.0):
     return box
 
 
+FIGURE_BOXES_JS = """(id) => {
+  const root = document.querySelector('#' + id);
+  const plot = root && root.querySelector('.js-plotly-plot');
+  const svg = plot && plot.querySelector('.main-svg');
+  if (!svg) return null;
+  const box = e => { const b = e.getBoundingClientRect(); return {x: b.x, y: b.y, w: b.width, h: b.height}; };
+  const texts = [...plot.querySelectorAll('.annotation, .gtitle')].filter(e => e.textContent.trim());
+  return {container: box(root), plot: box(svg), texts: texts.map(e => ({text: e.textContent, ...box(e)})),
+          legend: plot.querySelector('.legend') ? box(plot.querySelector('.legend')) : null};
+}"""
+
+# words of the table headers that the browser split over two lines (one word, several line boxes)
+BROKEN_HEADER_WORDS_JS = """(sel) => {
+  const broken = [];
+  for (const th of document.querySelectorAll(sel + ' th')) {
+    const walker = document.createTreeWalker(th, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const m of node.textContent.matchAll(/\\S+/g)) {
+        const r = document.createRange();
+        r.setStart(node, m.index); r.setEnd(node, m.index + m[0].length);
+        const lines = new Set([...r.getClientRects()].filter(b => b.width > 0).map(b => Math.round(b.top)));
+        if (lines.size > 1) broken.push(m[0]);
+      }
+    }
+  }
+  return broken;
+}"""
+
+
+def overlaps(a, b, slack=1.0):
+    return (a["x"] + slack < b["x"] + b["w"] and b["x"] + slack < a["x"] + a["w"]
+            and a["y"] + slack < b["y"] + b["h"] and b["y"] + slack < a["y"] + a["h"])
+
+
+def layout_problems(page, elem_id):
+    """Why a figure's layout is wrong: narrower than 90% of its container, or overlapping titles / legend."""
+    f = page.evaluate(FIGURE_BOXES_JS, elem_id)
+    if f is None:
+        return [f"{elem_id}: not rendered"]
+    bad = []
+    if f["plot"]["w"] < 0.9 * f["container"]["w"]:
+        bad.append(f"{elem_id}: figure {f['plot']['w']:.0f} px wide in a {f['container']['w']:.0f} px container")
+    boxes = f["texts"] + ([dict(text="(legend)", **f["legend"])] if f["legend"] else [])
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if overlaps(a, b):
+                bad.append(f"{elem_id}: {a['text'][:40]!r} overlaps {b['text'][:40]!r}")
+    return bad
+
+
 def test_app_in_a_real_browser(url, shots):
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1400, "height": 950})
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
@@ -79,6 +129,7 @@ def test_app_in_a_real_browser(url, shots):
                                "?.innerText || '')", timeout=60000)
         stats = page.inner_text("#kv-req-stats")
         assert "TTFT" in stats and "chat-" in stats
+        assert page.evaluate(BROKEN_HEADER_WORDS_JS, "#kv-req-stats") == []
         bubbles = page.locator("#kv-chatbot .message")
         assert bubbles.count() >= 2
         if os.environ.get("KVSCOPE_BROWSER_MODEL") == "bundled":       # greedy SmolLM2 knows this one
@@ -95,6 +146,11 @@ def test_app_in_a_real_browser(url, shots):
 
         # ---- Load: a small seeded load on a small KV pool (so it also preempts)
         page.get_by_role("tab", name="Load").click()
+        # the page load measured the engine and sized the preset from it
+        page.wait_for_function("() => (document.querySelector('#kv-preset-md')?.innerText || '').includes("
+                               "'Calibrated')", timeout=60000)
+        calibrated = float(re.search(r"Calibrated: ([\d.]+) req/s", page.inner_text("#kv-preset-md")).group(1))
+        assert float(page.locator("#kv-rate input").input_value()) == calibrated
         page.locator("#kv-nreq input").fill("16")
         page.locator("#kv-rate input").fill("8")
         page.locator("#kv-pmin input").fill("32")
@@ -136,12 +192,20 @@ def test_app_in_a_real_browser(url, shots):
         assert "first token excluded" in summary and "Output throughput" in summary
         page.screenshot(path=str(shots / "screenshot_load.png"), full_page=True)
 
-        # ---- Inspector after the load: latency histograms filled, timeline browsable
+        # ---- Inspector after the load (its figures were last updated while the tab was hidden): every figure
+        # fills its container, no subplot title / legend overlaps another, latency histograms filled
         page.get_by_role("tab", name="Inspector").click()
-        page.wait_for_timeout(1500)
-        box = plot_box(page, "kv-plot-latency")
-        assert box["height"] > 150
-        assert page.locator("#kv-plot-latency .bars path").count() > 0
+        page.wait_for_function("() => document.querySelectorAll('#kv-plot-latency .bars path').length > 0",
+                               timeout=20000)
+        figs = ("kv-plot-blockmap", "kv-plot-timeline", "kv-plot-throughput", "kv-plot-latency", "kv-plot-timings")
+        deadline = time.time() + 10                 # resizes follow the tab switch within a second
+        problems = None
+        while problems != [] and time.time() < deadline:
+            problems = [p for pid in figs for p in layout_problems(page, pid)]
+            time.sleep(0.3)
+        assert problems == []
+        lat_titles = page.locator("#kv-plot-latency .annotation").all_text_contents()
+        assert sum(t.startswith(("TTFT", "TPOT", "ITL", "E2EL")) for t in lat_titles) == 4, lat_titles
         page.screenshot(path=str(shots / "screenshot_inspector.png"), full_page=True)
         page.locator("#kv-plot-timeline").scroll_into_view_if_needed()
         page.locator("#kv-plot-timeline").screenshot(path=str(shots / "screenshot_timeline.png"))

@@ -64,6 +64,8 @@ class EngineHost:
         self._ids = 0
         self.api_options: dict = {}         # register() kwargs for the serving API (api_key, timeouts, ...)
         self.self_url: str | None = None    # this process's base URL once it serves (the HTTP load target)
+        self._capacity: tuple[Any, L.Capacity] | None = None    # (loop it was measured on, capacity)
+        self._capacity_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, inspect: bool = True) -> "EngineHost":
@@ -127,6 +129,23 @@ class EngineHost:
                 return f"Could not start the new engine ({msg}), and the previous one failed to come back."
             raise EngineUnavailable(f"could not start the engine with these settings: {msg}. "
                                     "The previous settings are back in use.") from e
+
+    def engine_info(self, measure: bool = True) -> L.EngineInfo:
+        """The current engine's limits, with its capacity measured once per engine (a few seconds on a CPU;
+        presets size their rates from it). Without an engine: the defaults."""
+        loop = self.loop
+        if loop is None:
+            return L.EngineInfo()
+        info = L.EngineInfo.from_loop(loop)
+        with self._capacity_lock:
+            if measure and (self._capacity is None or self._capacity[0] is not loop):
+                tok = getattr(loop.engine, "tokenizer", None)
+                cap = L.measure_capacity(loop, info.vocab_size, getattr(tok, "all_special_ids", None) or ())
+                log.info("engine capacity measured in %.1f s: %s", cap.measured_in_s, cap.describe(160, 80))
+                self._capacity = (loop, cap)
+            if self._capacity is not None and self._capacity[0] is loop:
+                info.capacity = self._capacity[1]
+        return info
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -9,13 +9,13 @@ import gradio as gr
 from inspector import figures as F
 from inspector.profile import can_profile, profile_one_step
 from webui.host import EngineHost, EngineUnavailable
-from webui.render import plot, spec_plot
+from webui.render import RESIZE_PLOTS_JS, plot, spec_plot
 
 log = logging.getLogger("kvscope.app")
 
 
 def inspector_tab(host: EngineHost) -> None:
-    with gr.Tab("Inspector", id="inspector"):
+    with gr.Tab("Inspector", id="inspector") as tab:
         with gr.Row():
             live = gr.Checkbox(value=True, label="live (refresh ~1 s)", scale=1)
             axis = gr.Radio(["time", "step"], value="time", label="timeline axis", scale=1)
@@ -144,3 +144,4 @@ def inspector_tab(host: EngineHost) -> None:
                     gr.update(value=spec_plot(F.profile_spec(rows)), visible=True))
 
         prof_btn.click(profile_fn, None, [prof_msg, p_prof], api_name="profile_step", concurrency_limit=1)
+    tab.select(None, None, None, js=RESIZE_PLOTS_JS, queue=False, api_visibility="private")

@@ -12,7 +12,7 @@ from webui.host import EngineHost, EngineUnavailable, max_model_len
 from webui.render import progress_html, summary_md
 
 
-def load_tab(host: EngineHost) -> None:
+def load_tab(host: EngineHost, demo: gr.Blocks) -> None:
     with gr.Tab("Load", id="load"):
         gr.Markdown("Simulated users drive the engine in-process through the same `submit()` API the playground "
                     "uses, or — target **HTTP** — send the same workload as streaming `/v1/completions` to this "
@@ -20,12 +20,11 @@ def load_tab(host: EngineHost) -> None:
                     "1 = Poisson) as in `vllm bench serve`. Prompts are random token ids of the chosen lengths, or chat-templated "
                     "text from a small bundled set; "
                     "outputs are greedy with EOS ignored, so lengths are exact.")
-        info0 = L.EngineInfo()
-        spec0 = L.preset("Steady Poisson", info0)
+        spec0 = L.preset("Steady Poisson", host.engine_info(measure=False))
         with gr.Row():
             preset_dd = gr.Dropdown(list(L.PRESETS), value="Steady Poisson", label="Preset", scale=2,
                                     elem_id="kv-preset")
-            preset_md = gr.Markdown(spec0.description)
+            preset_md = gr.Markdown(spec0.description, elem_id="kv-preset-md")
         with gr.Row():
             n_req = gr.Number(value=spec0.num_requests, precision=0, label="number of requests", elem_id="kv-nreq")
             rate = gr.Number(value=spec0.rate, label="rate (requests/s)", elem_id="kv-rate")
@@ -76,10 +75,8 @@ def load_tab(host: EngineHost) -> None:
                       shared, turns, think, load_seed, load_temp, load_ieos]
 
         def preset_fn(name):
-            loop = host.loop
             try:
-                info = L.EngineInfo.from_loop(loop) if loop is not None else L.EngineInfo()
-                s = L.preset(name, info)
+                s = L.preset(name, host.engine_info())
             except Exception as e:
                 raise gr.Error(str(e))
             inf = math.isinf(s.rate)
@@ -89,6 +86,9 @@ def load_tab(host: EngineHost) -> None:
                     s.ignore_eos)
 
         preset_dd.change(preset_fn, preset_dd, [preset_md, *load_knobs], api_name="preset", queue=False)
+        # the first page load measures the engine's capacity (seconds on a CPU, once per engine) and resizes
+        # the preset shown; later loads reuse the measurement
+        demo.load(preset_fn, preset_dd, [preset_md, *load_knobs], api_visibility="private")
 
         def start_fn(name, *args):
             knobs = args[:len(load_knobs)]

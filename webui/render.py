@@ -11,6 +11,14 @@ from inspector import figures as F
 from inspector import metrics as M
 
 
+# Run on a tab's .select: a Plotly chart drawn or updated while its tab was hidden had no width to measure and
+# kept Plotly's default; its responsive handler skips hidden charts, so send it a resize once the tab shows.
+RESIZE_PLOTS_JS = """() => {
+  const go = () => window.dispatchEvent(new Event('resize'));
+  requestAnimationFrame(go); setTimeout(go, 200); setTimeout(go, 800);
+}"""
+
+
 def plot(js: str):
     return PlotData(type="plotly", plot=js)
 

@@ -12,7 +12,7 @@ from inspector import figures as F
 from inspector import load as L
 from webui.forms import CHOICES, FIELD_HELP, config_field_specs, config_form_values, config_from_form, parse_num
 from webui.host import CompareJob, EngineHost, EngineUnavailable
-from webui.render import compare_table, spec_plot
+from webui.render import RESIZE_PLOTS_JS, compare_table, spec_plot
 
 
 def settings_tab(host: EngineHost) -> None:
@@ -62,7 +62,7 @@ def settings_tab(host: EngineHost) -> None:
 
 
 def compare_tab(host: EngineHost) -> None:
-    with gr.Tab("Compare", id="compare"):
+    with gr.Tab("Compare", id="compare") as tab:
         gr.Markdown("Run the **same seeded workload** under two configurations (each on a fresh engine with the "
                     "current model, one after the other) and compare metrics and timelines side by side. "
                     "The main engine keeps serving meanwhile.")
@@ -177,6 +177,7 @@ def compare_tab(host: EngineHost) -> None:
         cmp_timer = gr.Timer(1.0)
         cmp_timer.tick(compare_status, cmp_shown, [cmp_msg, cmp_table, cmp_tl_a, cmp_tl_b, cmp_shown],
                        concurrency_limit=None, show_progress="hidden", api_visibility="private")
+    tab.select(None, None, None, js=RESIZE_PLOTS_JS, queue=False, api_visibility="private")
 
 
 def export_tab(host: EngineHost) -> None:

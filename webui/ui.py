@@ -18,6 +18,8 @@ CSS = """
 .kv-progress[data-state=stopped] .kv-bar > div {background: #E15759;}
 .kv-err {color: #b00020; font-size: 12px; margin-top: 4px;}
 #kv-status {font-size: 13px;}
+#kv-req-stats table {display: block; overflow-x: auto;}
+#kv-req-stats th {white-space: nowrap; word-break: keep-all; overflow-wrap: normal;}
 footer {display: none !important;}
 """
 
@@ -33,7 +35,7 @@ def build_ui(host: EngineHost):
         status_timer.tick(lambda: host.status_line(), None, status, concurrency_limit=None, show_progress="hidden",
                           queue=False, api_visibility="private")
         playground_tab(host)
-        load_tab(host)
+        load_tab(host, demo)
         inspector_tab(host)
         settings_tab(host)
         compare_tab(host)

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from inspector import metrics as M
-from inspector.figures.layout import _axname, _fig, _grid, _layout, _lst, empty_spec
+from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, _lst, empty_spec
 from inspector.recorder import Snapshot, step_output_tokens
 
 
@@ -24,6 +24,10 @@ def histogram(values: np.ndarray, bins: int = 30) -> tuple[np.ndarray, np.ndarra
     return (edges[:-1] + edges[1:]) / 2, counts, np.diff(edges)
 
 
+def _ms(x: float) -> str:
+    return f"{x / 1000:.2f} s" if x >= 1000 else (f"{x:.0f} ms" if x >= 100 else f"{x:.1f} ms")
+
+
 def latency_spec(records, height: int = 300, bins: int = 30) -> dict:
     """TTFT / TPOT / ITL / E2EL histograms (binned here; the browser only gets the bars)."""
     title = "Latency distributions"
@@ -34,13 +38,13 @@ def latency_spec(records, height: int = 300, bins: int = 30) -> dict:
     series = {"TTFT": df["ttft"].to_numpy() * 1e3, "TPOT": df["tpot"].to_numpy() * 1e3,
               "ITL": M.itl_values(done) * 1e3, "E2EL": df["e2el"].to_numpy() * 1e3}
     titles = []
-    for name, v in series.items():
+    for name, v in series.items():     # two short lines each, so four fit side by side in a narrow figure
         s = M.stats(v, scale=1.0)
-        titles.append(f"<b>{name}</b> p50 {s['p50']:.1f} · p99 {s['p99']:.1f} ms" if s["n"] else f"<b>{name}</b> —")
+        titles.append(f"<b>{name}</b><br>p50 {_ms(s['p50'])} · p99 {_ms(s['p99'])}" if s["n"] else f"<b>{name}</b><br>—")
     lay = _layout(title, height, "latency", f"{len(done)} finished requests · TTFT arrival→first token · "
                   "TPOT (E2EL−TTFT)/(n−1) · ITL gap between outputs · E2EL arrival→last token",
-                  margin=dict(l=50, r=20, t=90, b=40), bargap=0.02, showlegend=False)
-    refs = _grid(lay, rows=[1.0], cols=[1, 1, 1, 1], hspace=0.05, titles=titles)
+                  margin=dict(l=50, r=20, t=100, b=40), bargap=0.02, showlegend=False)
+    refs = _grid(lay, rows=[1.0], cols=[1, 1, 1, 1], hspace=0.06, titles=titles)
     colors = {"TTFT": "#F28E2B", "TPOT": "#4E79A7", "ITL": "#76B7B2", "E2EL": "#B07AA1"}
     data = []
     for i, (name, v) in enumerate(series.items(), start=1):
@@ -61,7 +65,7 @@ def _nice(width: float) -> float:
     return 10 * e
 
 
-def throughput_spec(snap: Snapshot, height: int = 340, max_bins: int = 120) -> dict:
+def throughput_spec(snap: Snapshot, height: int = 380, max_bins: int = 120) -> dict:
     """Prompt / generation tok/s over time (binned from step events), KV usage, prefix-cache hit rate per
     bin (cached / queried prompt tokens of the requests admitted in it) and running / waiting."""
     title = "Throughput and KV usage"
@@ -86,7 +90,7 @@ def throughput_spec(snap: Snapshot, height: int = 340, max_bins: int = 120) -> d
                   f"{tot.get('output_tokens', 0)} tokens generated · {tot.get('prompt_tokens', 0)} prompt tokens computed · "
                   f"{tot.get('preemptions', 0)} preemptions · prefix-cache hits {tot.get('prefix_cache_hits', 0)}/"
                   f"{tot.get('prefix_cache_queries', 0)} tokens · bins of {width:g} s",
-                  margin=dict(l=60, r=50, t=70, b=40))
+                  margin=dict(l=60, r=50, t=70, b=40 + LEGEND_ROOM))
     refs = _grid(lay, rows=[0.55, 0.45], cols=[1.0], vspace=0.07, share_x=True, secondary=((2, 1),))
     (x1, y1), (x2, y2), y2b = refs[(1, 1)], refs[(2, 1)], refs[(2, 1, "y2")]
     sub = steps[-2000:]

@@ -52,12 +52,18 @@ def _axis(**kw) -> dict:
     return d
 
 
+# a horizontal legend on the figure's bottom edge (container coordinates), below the x-axis title: a legend above
+# the plot runs into the title on narrow figures; figures with one leave LEGEND_ROOM px at the bottom
+LEGEND_BELOW = dict(orientation="h", yref="container", y=0.0, yanchor="bottom", xanchor="left", x=0.0)
+LEGEND_ROOM = 34
+
+
 def _layout(title: str, height: int, revision: str, subtitle: str | None = None, **kw) -> dict:
     text = title if not subtitle else f"{title}<br><sup>{subtitle}</sup>"
     lay = dict(title=dict(text=text, x=0.01, xanchor="left", font=dict(size=14)), height=int(height),
                uirevision=revision, font=FONT, plot_bgcolor="white", paper_bgcolor="white",
                margin=dict(l=60, r=20, t=64 if subtitle else 44, b=40), hovermode="closest",
-               legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0, font=dict(size=11)))
+               legend=dict(LEGEND_BELOW, font=dict(size=11)))
     lay.update(kw)
     return lay
 

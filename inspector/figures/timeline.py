@@ -2,7 +2,7 @@
 batch composition below it."""
 from __future__ import annotations
 
-from inspector.figures.layout import _axname, _fig, _grid, _layout, empty_spec
+from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, empty_spec
 from inspector.figures.style import PHASE_COLORS, PHASE_LABELS
 from inspector.recorder import PHASES, Snapshot
 
@@ -19,11 +19,11 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
     t0 = snap.t0
     n_all = sum(1 for r in snap.requests if r.spans)
     steps = snap.steps[-max_steps:]
-    h = height or int(min(900, max(440, 220 + 16 * len(reqs))))
+    h = height or int(min(940, max(470, 250 + 16 * len(reqs))))
     lay = _layout(title, h, f"timeline-{axis}",
                   f"latest {len(reqs)} of {n_all} requests · last {len(steps)} steps · "
-                  "front end / waiting / prefill (chunks) / decode / preempted", margin=dict(l=90, r=50, t=70, b=40),
-                  barmode="stack", bargap=0.15)
+                  "front end / waiting / prefill (chunks) / decode / preempted",
+                  margin=dict(l=90, r=50, t=70, b=40 + LEGEND_ROOM), barmode="stack", bargap=0.15)
     refs = _grid(lay, rows=[0.72, 0.28], cols=[1.0], vspace=0.05, share_x=True, secondary=((2, 1),))
     (x1, y1), (x2, y2), y2b = refs[(1, 1)], refs[(2, 1)], refs[(2, 1, "y2")]
     data: list[dict] = []

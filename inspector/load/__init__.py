@@ -12,7 +12,8 @@ Modules, one concern each:
 
 - `arrivals`  gamma / Poisson arrival offsets (`arrival_times`)
 - `spec`      token-length distributions (`LengthDist`), the `LoadSpec` and its limits
-- `presets`   `EngineInfo` and the workload presets (`PRESETS`, `preset`)
+- `capacity`  what the engine sustains, measured in seconds (`Capacity`, `measure_capacity`)
+- `presets`   `EngineInfo` and the workload presets (`PRESETS`, `preset`), rates sized from `Capacity`
 - `text`      templated chat prompts from the bundled text set (`TextPrompts`)
 - `workload`  a spec turned into seeded requests (`LoadItem`, `build_workload`)
 - `runner`    `LoadRunner`, which drives the engine, and `format_progress`
@@ -22,6 +23,7 @@ The public names are re-exported here, so `from inspector import load as L; L.Lo
 from __future__ import annotations
 
 from inspector.load.arrivals import arrival_times  # noqa: F401
+from inspector.load.capacity import Capacity, measure_capacity  # noqa: F401
 from inspector.load.presets import PRESETS, EngineInfo, preset  # noqa: F401
 from inspector.load.runner import LoadRunner, format_progress  # noqa: F401
 from inspector.load.spec import (LENGTH_KINDS, MAX_CONCURRENCY, MAX_RATE, MAX_REQUESTS, PROMPT_SOURCES,  # noqa: F401

@@ -1,0 +1,481 @@
+"""Soak test: N simulated users over HTTP for a fixed time against `app.py` (Gradio UI + OpenAI API in one
+process, as users run it), mixing good and bad traffic, while a sampler records the server's health.
+
+    python benchmarks/soak.py --duration 1200 --users 16                  # starts `python app.py` itself
+    python benchmarks/soak.py --url http://127.0.0.1:7860 --pid 1234 ...  # against a running app
+
+Each user loops until the deadline, picking one action at a time (weights in ACTIONS):
+  stream      streaming /v1/completions, token-id prompt, greedy, ignore_eos: must finish "length" with
+              exactly max_tokens tokens (usage) and as many streamed tokens (logprobs)
+  chat        non-streamed /v1/chat/completions with ignore_eos: exactly max_tokens completion tokens
+  disconnect  a streaming request the client closes after a few tokens
+  cancel      a non-streamed request the client abandons after a random fraction of a second
+  bad         an invalid request (negative max_tokens, temperature < 0, top_p > 1, no prompt, broken JSON,
+              unknown model): must get a 4xx
+  too_long    a prompt longer than max_model_len: must get a 4xx
+  ui          GET / (the Gradio page): must get 200
+
+Every --sample-s the sampler reads `/metrics` (running / waiting requests, KV blocks in use = pool - 1
+reserved - free list, API responses by status) and the server's RSS (process + children), and writes a CSV
+row. At the end the script waits for the server to go idle and judges:
+  - every good request (stream, chat) completed with the right length; every ui page 200
+  - every bad / too-long request got a 4xx; the server answered no 5xx at all
+  - 0 KV blocks in use once idle
+  - memory flat after warm-up: a least-squares fit of RSS over the samples after the first
+    --warmup-frac of the run rises by at most --rss-tol-mib over that window
+It writes soak.csv, soak.json (counts, verdicts) and soak.html (Plotly), plus soak.png when kaleido or
+playwright + /usr/bin/chromium can render it; exit status 1 when a criterion fails.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+ACTIONS = {"stream": 45, "chat": 10, "disconnect": 12, "cancel": 10, "bad": 12, "too_long": 6, "ui": 5}
+GOOD, BAD = ("stream", "chat"), ("bad", "too_long")
+PROMPT_IDS = (100, 40000)          # token ids drawn from here (inside every preset's and SmolLM2's vocabulary)
+
+
+@dataclass
+class Tally:
+    sent: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
+    ok: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
+    num_failed: int = 0
+    failures: list = field(default_factory=list)     # (t, action, message), the first 50 kept
+
+    def fail(self, t0: float, action: str, msg: str) -> None:
+        self.num_failed += 1
+        if len(self.failures) < 50:
+            self.failures.append((round(time.monotonic() - t0, 1), action, msg[:300]))
+
+
+# ----------------------------------------------------------------------------- metrics
+_LINE = re.compile(r'^kvscope:(\w+)(\{[^}]*\})?\s+([-+0-9.eEinfaN]+)$')
+
+
+def parse_metrics(text: str) -> dict:
+    """The gauges the sampler needs, and API responses summed by status class."""
+    out = {"http_2xx": 0.0, "http_4xx": 0.0, "http_5xx": 0.0}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "api_requests_total":
+            st = re.search(r'status="(\d)', labels)
+            if st and f"http_{st.group(1)}xx" in out:
+                out[f"http_{st.group(1)}xx"] += value
+        elif name == "cache_config_info":
+            mm = re.search(r'max_model_len="(\d+)"', labels)
+            if mm:
+                out["max_model_len"] = int(mm.group(1))
+        elif not labels.count(",") and name in ("num_requests_running", "num_requests_waiting", "num_kv_blocks",
+                                                "num_free_kv_blocks", "num_preemptions_total"):
+            out[name] = value
+    if "num_kv_blocks" in out:
+        out["kv_blocks_in_use"] = out["num_kv_blocks"] - 1 - out["num_free_kv_blocks"]   # block 0 is reserved
+    return out
+
+
+def rss_mib(pid: int | None) -> float:
+    if not pid:
+        return float("nan")
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        procs = [p] + p.children(recursive=True)
+        return sum(q.memory_info().rss for q in procs if q.is_running()) / 2**20
+    except psutil.Error:
+        return float("nan")
+
+
+def slope_per_s(ts: list[float], ys: list[float]) -> float:
+    n = len(ts)
+    if n < 2:
+        return 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    den = sum((t - mt) ** 2 for t in ts)
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den if den else 0.0
+
+
+# ----------------------------------------------------------------------------- users
+class Soak:
+    def __init__(self, base: str, model: str, max_model_len: int, args, t0: float):
+        self.base, self.model, self.mml, self.args, self.t0 = base.rstrip("/"), model, max_model_len, args, t0
+        self.tally = Tally()
+        self.deadline = t0 + args.duration
+
+    def prompt(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(*PROMPT_IDS) for _ in range(n)]
+
+    async def user(self, uid: int) -> None:
+        rng = random.Random(self.args.seed * 1000 + uid)
+        names, weights = list(ACTIONS), list(ACTIONS.values())
+        timeout = httpx.Timeout(self.args.request_timeout, connect=30.0)
+        async with httpx.AsyncClient(base_url=self.base, timeout=timeout) as client:
+            while time.monotonic() < self.deadline:
+                action = rng.choices(names, weights)[0]
+                self.tally.sent[action] += 1
+                try:
+                    ok, why = await getattr(self, action)(client, rng)
+                except Exception as e:           # a transport error counts against the action
+                    ok, why = False, f"{type(e).__name__}: {e}"
+                if ok:
+                    self.tally.ok[action] += 1
+                elif action in (*GOOD, *BAD, "ui"):
+                    self.tally.fail(self.t0, action, why)
+                await asyncio.sleep(rng.uniform(0, self.args.think_s))
+
+    def _body(self, rng, **kw) -> dict:
+        return dict(model=self.model, prompt=self.prompt(rng, rng.randint(*self.args.prompt_len)),
+                    max_tokens=rng.randint(*self.args.output_len), temperature=0, ignore_eos=True, **kw)
+
+    async def stream(self, client, rng):
+        body = self._body(rng, stream=True, logprobs=0, stream_options={"include_usage": True})
+        n_tok, finish, usage = 0, None, None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return False, f"status {r.status_code}: {(await r.aread())[:200]!r}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                for ch in ev.get("choices") or []:
+                    n_tok += len((ch.get("logprobs") or {}).get("tokens") or [])
+                    finish = ch.get("finish_reason") or finish
+                usage = ev.get("usage") or usage
+        want = body["max_tokens"]
+        got = (usage or {}).get("completion_tokens")
+        if finish != "length" or got != want or n_tok != want:
+            return False, f"finish={finish} usage={got} streamed={n_tok} want={want}"
+        return True, ""
+
+    async def chat(self, client, rng):
+        want = rng.randint(*self.args.output_len)
+        body = dict(model=self.model, max_tokens=want, temperature=0, ignore_eos=True,
+                    messages=[{"role": "user", "content": f"Count to {rng.randint(3, 30)}, please."}])
+        r = await client.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            return False, f"status {r.status_code}: {r.text[:200]}"
+        got = r.json()["usage"]["completion_tokens"]
+        fin = r.json()["choices"][0]["finish_reason"]
+        return (got == want and fin == "length"), f"finish={fin} usage={got} want={want}"
+
+    async def disconnect(self, client, rng):
+        body = self._body(rng, stream=True)
+        body["max_tokens"] = max(body["max_tokens"], 8)
+        stop_after = rng.randint(1, 4)
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= stop_after:
+                    break                     # leaving the block closes the connection mid-stream
+        return True, ""
+
+    async def cancel(self, client, rng):
+        try:
+            await asyncio.wait_for(client.post("/v1/completions", json=self._body(rng)), rng.uniform(0.05, 1.0))
+        except asyncio.TimeoutError:
+            pass
+        return True, ""
+
+    async def bad(self, client, rng):
+        kind = rng.randrange(6)
+        body = self._body(rng)
+        if kind == 0:
+            body["max_tokens"] = -1
+        elif kind == 1:
+            body["temperature"] = -0.5
+        elif kind == 2:
+            body["top_p"] = 1.5
+        elif kind == 3:
+            del body["prompt"]
+        elif kind == 4:
+            body["model"] = "no-such-model"
+        if kind == 5:
+            r = await client.post("/v1/completions", content=b'{"prompt": [1, 2,', headers={"content-type":
+                                                                                            "application/json"})
+        else:
+            r = await client.post("/v1/completions", json=body)
+        return 400 <= r.status_code < 500, f"bad #{kind}: status {r.status_code}"
+
+    async def too_long(self, client, rng):
+        body = dict(model=self.model, prompt=self.prompt(rng, self.mml + rng.randint(1, 64)), max_tokens=4)
+        r = await client.post("/v1/completions", json=body)
+        return 400 <= r.status_code < 500, f"status {r.status_code}"
+
+    async def ui(self, client, rng):
+        r = await client.get("/")
+        return r.status_code == 200, f"status {r.status_code}"
+
+
+async def sampler(base: str, pid: int | None, soak: Soak, rows: list, period: float, stop: asyncio.Event):
+    async with httpx.AsyncClient(base_url=base, timeout=30.0) as client:
+        while True:
+            done = stop.is_set()
+            t = time.monotonic() - soak.t0
+            try:
+                m = parse_metrics((await client.get("/metrics")).text)
+            except Exception as e:
+                m = {"error": str(e)}
+            ta = soak.tally
+            rows.append(dict(t_s=round(t, 2), rss_mib=round(rss_mib(pid), 1),
+                             kv_blocks_in_use=m.get("kv_blocks_in_use"), kv_blocks_total=m.get("num_kv_blocks"),
+                             running=m.get("num_requests_running"), waiting=m.get("num_requests_waiting"),
+                             preemptions=m.get("num_preemptions_total"), server_2xx=m.get("http_2xx"),
+                             server_4xx=m.get("http_4xx"), server_5xx=m.get("http_5xx"),
+                             requests_sent=sum(ta.sent.values()), good_ok=sum(ta.ok[a] for a in GOOD),
+                             bad_4xx=sum(ta.ok[a] for a in BAD), client_failures=ta.num_failed))
+            if done:
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def wait_idle(base: str, timeout: float) -> dict:
+    """Poll /metrics until nothing runs or waits and no KV block is in use (or the timeout)."""
+    end = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=base, timeout=30.0) as client:
+        while True:
+            m = parse_metrics((await client.get("/metrics")).text)
+            idle = not m.get("num_requests_running") and not m.get("num_requests_waiting")
+            if (idle and m.get("kv_blocks_in_use") == 0) or time.monotonic() > end:
+                return m
+            await asyncio.sleep(0.5)
+
+
+async def run(base: str, pid: int | None, args) -> dict:
+    async with httpx.AsyncClient(base_url=base, timeout=30.0) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        mml = parse_metrics((await c.get("/metrics")).text)["max_model_len"]
+    t0 = time.monotonic()
+    soak = Soak(base, model, mml, args, t0)
+    rows: list[dict] = []
+    stop = asyncio.Event()
+    samp = asyncio.create_task(sampler(base, pid, soak, rows, args.sample_s, stop))
+    await asyncio.gather(*(soak.user(u) for u in range(args.users)))
+    t_users = time.monotonic() - t0
+    final = await wait_idle(base, args.idle_timeout)
+    stop.set()
+    await samp
+    return judge(soak, rows, final, t_users, args)
+
+
+def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args) -> dict:
+    ta = soak.tally
+    warm_t = args.warmup_frac * t_users
+    post = [r for r in rows if r["t_s"] >= warm_t and r["t_s"] <= t_users and r["rss_mib"] == r["rss_mib"]]
+    slope = slope_per_s([r["t_s"] for r in post], [r["rss_mib"] for r in post])
+    window = (post[-1]["t_s"] - post[0]["t_s"]) if len(post) > 1 else 0.0
+    growth = slope * window
+    checks = {
+        "good requests complete with the right length": all(ta.sent[a] == ta.ok[a] for a in GOOD) and
+        sum(ta.ok[a] for a in GOOD) > 0,
+        "bad requests get a 4xx": all(ta.sent[a] == ta.ok[a] for a in BAD) and sum(ta.sent[a] for a in BAD) > 0,
+        "UI page served": ta.sent["ui"] == ta.ok["ui"],
+        "no 5xx from the server": not final.get("http_5xx"),
+        "0 KV blocks in use at the end": final.get("kv_blocks_in_use") == 0,
+        f"RSS flat after warm-up (fit rises <= {args.rss_tol_mib:g} MiB)": len(post) >= 3 and
+        growth <= args.rss_tol_mib,
+    }
+    return dict(users=args.users, duration_s=args.duration, users_done_s=round(t_users, 1),
+                sent=ta.sent, ok=ta.ok, requests=sum(ta.sent.values()),
+                final={k: final.get(k) for k in ("kv_blocks_in_use", "num_kv_blocks", "num_requests_running",
+                                                 "num_requests_waiting", "http_2xx", "http_4xx", "http_5xx",
+                                                 "num_preemptions_total")},
+                rss_mib_first=rows[0]["rss_mib"] if rows else None, rss_mib_last=rows[-1]["rss_mib"] if rows else None,
+                rss_mib_peak=max((r["rss_mib"] for r in rows), default=None),
+                rss_warmup_s=round(warm_t, 1), rss_slope_mib_per_min=round(slope * 60, 3),
+                rss_fit_growth_mib=round(growth, 1), rss_tol_mib=args.rss_tol_mib,
+                checks=checks, passed=all(checks.values()), failures=ta.failures, rows=rows)
+
+
+# ----------------------------------------------------------------------------- report
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def figure(rows: list[dict], res: dict, title: str):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    t = [r["t_s"] / 60 for r in rows]
+    fig = make_subplots(rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.09,
+                        subplot_titles=("Server RSS (MiB)", "KV blocks in use",
+                                        "Requests running / waiting", "Cumulative outcomes"))
+    fig.add_trace(go.Scatter(x=t, y=[r["rss_mib"] for r in rows], name="RSS", line_color="#4E79A7"), 1, 1)
+    fig.add_vline(x=res["rss_warmup_s"] / 60, line_dash="dot", line_color="#888", row=1, col=1)
+    fig.add_trace(go.Scatter(x=t, y=[r["kv_blocks_in_use"] for r in rows], name="blocks in use",
+                             line_color="#F28E2B"), 1, 2)
+    fig.add_trace(go.Scatter(x=t, y=[r["running"] for r in rows], name="running", line_color="#59A14F"), 2, 1)
+    fig.add_trace(go.Scatter(x=t, y=[r["waiting"] for r in rows], name="waiting", line_color="#E15759"), 2, 1)
+    for key, name, color in (("good_ok", "good, right length", "#59A14F"), ("bad_4xx", "bad → 4xx", "#B07AA1"),
+                             ("client_failures", "failures", "#FF9DA7"), ("server_5xx", "server 5xx", "#000")):
+        fig.add_trace(go.Scatter(x=t, y=[r[key] for r in rows], name=name, line_color=color), 2, 2)
+    fig.update_xaxes(title_text="minutes", row=2)
+    fig.update_layout(title=dict(text=title, x=0.01, font_size=15), height=640, width=1100,
+                      margin=dict(l=60, r=20, t=80, b=50), template="plotly_white",
+                      legend=dict(orientation="h", y=-0.12, x=0))
+    return fig
+
+
+def write_png(fig, png: Path) -> str | None:
+    try:
+        fig.write_image(str(png), scale=1)         # kaleido, when installed
+        return "kaleido"
+    except Exception:
+        pass
+    if not os.path.exists("/usr/bin/chromium"):
+        return None
+    import tempfile
+    try:
+        from playwright.sync_api import sync_playwright
+        with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
+            html = Path(tmp) / "soak.html"               # plotly.js inline: the browser is offline
+            fig.write_html(str(html), include_plotlyjs=True)
+            b = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
+            page = b.new_page(viewport={"width": 1120, "height": 660})
+            page.goto(html.resolve().as_uri())
+            page.wait_for_selector(".main-svg", timeout=30000)
+            page.locator(".js-plotly-plot").first.screenshot(path=str(png))
+            b.close()
+        return "chromium"
+    except Exception as e:
+        print(f"(no PNG: {type(e).__name__}: {e})", file=sys.stderr)
+        return None
+
+
+# ----------------------------------------------------------------------------- server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(args) -> tuple[subprocess.Popen, str]:
+    port = args.port or free_port()
+    cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    for s in args.set:
+        cmd += ["--set", s]
+    log = open(Path(args.out) / "soak_server.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    end = time.time() + args.start_timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"app.py exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"app.py did not answer /health within {args.start_timeout} s")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=1200.0, help="seconds the users keep sending")
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--url", default=None, help="a running app's base URL (default: start app.py)")
+    ap.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for RSS")
+    ap.add_argument("--model", default=None, help="app.py --model (default: the bundled SmolLM2)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="app.py --set")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(8, 96), metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(4, 48), metavar=("MIN", "MAX"))
+    ap.add_argument("--think-s", type=float, default=0.5, help="max pause between a user's requests")
+    ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--warmup-frac", type=float, default=0.25, help="RSS fit starts after this part of the run")
+    ap.add_argument("--rss-tol-mib", type=float, default=32.0,
+                    help="most the fitted RSS may rise between the end of warm-up and the end")
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--idle-timeout", type=float, default=60.0, help="wait this long for the server to go idle")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak"))
+    ap.add_argument("--png", default=None, help="also write the plot here (e.g. assets/soak.png)")
+    ap.add_argument("--no-png", action="store_true", help="HTML report only")
+    return ap.parse_args(argv)
+
+
+def run_soak(args) -> dict:
+    """Start app.py (unless --url), run the users and the sampler, stop the app; the judged result."""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    proc = None
+    if args.url:
+        base, pid = args.url.rstrip("/"), args.pid
+    else:
+        proc, base = start_app(args)
+        pid = proc.pid
+    try:
+        return asyncio.run(run(base, pid, args))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return report(run_soak(args), Path(args.out), args)
+
+
+def report(res: dict, out: Path, args) -> int:
+    rows = res.pop("rows")
+    write_csv(rows, out / "soak.csv")
+    title = (f"kvscope soak: {args.users} users × {args.duration / 60:.3g} min, {res['requests']} requests — "
+             f"{'PASS' if res['passed'] else 'FAIL'}")
+    fig = figure(rows, res, title)
+    html = out / "soak.html"
+    fig.write_html(str(html), include_plotlyjs="cdn")
+    res["png"] = None
+    pngs = [] if args.no_png else [out / "soak.png"] + ([Path(args.png)] if args.png else [])
+    for png in pngs:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        if write_png(fig, png):
+            res["png"] = str(png)
+    (out / "soak.json").write_text(json.dumps(res, indent=1))
+    print(f"{'action':<11}{'sent':>7}{'ok':>7}")
+    for a in ACTIONS:
+        print(f"{a:<11}{res['sent'][a]:>7}{res['ok'][a]:>7}")
+    print(f"RSS first/peak/last {res['rss_mib_first']}/{res['rss_mib_peak']}/{res['rss_mib_last']} MiB; "
+          f"after {res['rss_warmup_s']} s warm-up slope {res['rss_slope_mib_per_min']} MiB/min "
+          f"(fit +{res['rss_fit_growth_mib']} MiB, tolerance {res['rss_tol_mib']} MiB)")
+    print(f"final: {res['final']}")
+    for name, ok in res["checks"].items():
+        print(f"  [{'PASS' if ok else 'FAIL'}] {name}")
+    for f in res["failures"][:10]:
+        print("  failure:", f)
+    print(f"wrote {out}/soak.csv, soak.json, soak.html" + (f", {res['png']}" if res["png"] else ""))
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
