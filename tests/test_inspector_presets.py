@@ -12,7 +12,7 @@ from inspector.recorder import Recorder
 from webui.host import EngineHost
 
 STEADY = ("Steady Poisson", "Long prompts (chunked prefill)", "Many short chats",
-          "Shared system prompt (prefix caching)", "Multi-turn chat")
+          "Shared system prompt (prefix caching)", "Multi-turn chat", "Real text (speculative decoding)")
 MAX_SEQS = 4
 
 
