@@ -38,8 +38,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class CudaGraphRunner:
     """Graphs keyed by (padded batch P, query rows per sequence Q, layers or None for all).
-    capture=False replays the same padded static-buffer forward eagerly (no CUDA needed): the padding
-    layout can be checked on CPU."""
+    capture=False runs the same padded static-buffer forward eagerly instead of replaying (no CUDA needed), so
+    the padding layout can be checked on CPU with any kernels."""
 
     def __init__(self, runner, config: EngineConfig, capture: bool = True):
         self.runner = runner
@@ -86,12 +86,15 @@ class CudaGraphRunner:
     def can_run(self, md: AttentionMetadata, num_layers: int | None = None) -> bool:
         return self._key(md, num_layers) is not None
 
-    def _static_md(self, P: int, Q: int) -> AttentionMetadata:
+    def _static_md(self, P: int, Q: int, lens: list[int] | None = None) -> AttentionMetadata:
+        """The metadata a graph is captured with: device tensors are the static buffers; host lengths are the
+        fixed maximum (graph kernels never read them), or the padded lengths when replaying eagerly."""
         T = P * Q
+        lens = lens or [self.max_len] * P
         return AttentionMetadata(
             positions=self.positions[:T], slot_mapping=self.slots[:T], cu_seqlens_q=self.cu_q[Q][:P + 1],
             seq_lens=self.seq_lens[:P], block_tables=self.block_tables[:P], logits_indices=self.logits_idx[:T],
-            q_lens=[Q] * P, seq_lens_cpu=[self.max_len] * P, max_seqlen_q=Q, max_seqlen_k=self.max_len,
+            q_lens=[Q] * P, seq_lens_cpu=lens, max_seqlen_q=Q, max_seqlen_k=max(lens),
             block_size=self.runner.block_size)
 
     @torch.inference_mode()
@@ -134,11 +137,14 @@ class CudaGraphRunner:
         hidden = self.model(self.input_ids[:P * Q], md, num_layers=layers)
         return self.model.compute_logits(hidden)
 
-    def _replay(self, key: tuple) -> torch.Tensor:
+    def _replay(self, key: tuple, md: AttentionMetadata) -> torch.Tensor:
         if self.use_graphs:
             self.graphs[key].replay()
             return self.outputs[key]
-        return self._forward(key, self._static_md(key[0], key[1]))
+        P, Q, _ = key                               # eager: host lengths as padded (torch kernels read them)
+        B = md.num_seqs
+        lens = [n + Q - q for n, q in zip(md.seq_lens_cpu, md.q_lens)] + [Q] * (P - B)
+        return self._forward(key, self._static_md(P, Q, lens))
 
     def run(self, input_ids: torch.Tensor, md: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
         """-> float32 logits [len(md.logits_indices), vocab], as an eager forward would give."""
@@ -161,7 +167,7 @@ class CudaGraphRunner:
                 self.slots[B:P].zero_()
                 self.seq_lens[B:P].fill_(1)
                 self.block_tables[B:P, 0].zero_()
-            return self._replay(key)[:B]
+            return self._replay(key, md)[:B]
         # packed row r = cu[i] + j of sequence i -> padded row i*Q + j; context extended by Q - q_i
         q_lens = np.asarray(md.q_lens, dtype=np.int64)
         T = int(q_lens.sum())
@@ -185,5 +191,5 @@ class CudaGraphRunner:
         if P > B:                                   # padded sequences: Q rows in the null block
             self.seq_lens[B:P].fill_(Q)
             self.block_tables[B:P, :-(-Q // self.runner.block_size)].zero_()
-        out = self._replay(key)                     # [P*Q, V]
+        out = self._replay(key, md)                 # [P*Q, V]
         return out.index_select(0, pad_rows.index_select(0, md.logits_indices))

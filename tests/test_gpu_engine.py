@@ -66,7 +66,7 @@ def run_spec(num_kv_blocks=512, n=8, **cfg):
     keys = []
     g = eng.runner.graphs
     replay = g._replay
-    g._replay = lambda key: (keys.append(key), replay(key))[1]
+    g._replay = lambda key, md: (keys.append(key), replay(key, md))[1]
     gen = torch.Generator().manual_seed(1)
     for i in range(n):
         body = torch.randint(10, 49000, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen).tolist()

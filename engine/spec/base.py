@@ -105,6 +105,11 @@ def _batch_bucket(b: int) -> int:
     return max(1, b).bit_length()          # 1, 2-3, 4-7, 8-15, ...
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return p.greedy and not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+
+
 def best_draft_len(a: float, k_max: int, cost: float) -> int:
     """The k in [0, k_max] maximising (1 + a + ... + a^k) / (1 + k * cost)."""
     best_k, best, tokens = 0, 1.0, 1.0
@@ -263,13 +268,16 @@ class Drafter:
         eng = self.engine
         rows, groups = [], []
         r = 0
+        # plain greedy rows (no penalties, logprobs or min_tokens ban) need only the argmax: no SampleRow per row
+        plain = all(_plain_greedy(seq) for seq, m in zip(sched.seqs, sample_mask) if m)
         for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
             if not m:
                 continue
             k = sched.num_spec_tokens[i]
             drafts = list(seq.spec_token_ids[:k])
-            for j in range(k + 1):
-                rows.append(eng._sample_row(seq, drafts[:j]))
+            if not plain:
+                for j in range(k + 1):
+                    rows.append(eng._sample_row(seq, drafts[:j]))
             groups.append((i, seq, drafts, r))
             r += k + 1
         new_tokens: list[list[int]] = [[] for _ in sched.seqs]
