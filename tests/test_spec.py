@@ -351,8 +351,8 @@ def test_bundled_smollm2_greedy_identical():
         assert st["spec_decode_num_accepted_tokens"] > 0, name
 
 
-def _auto_off_run(models, prompts, sp, auto_off: bool, events=None):
-    eng = LLMEngine(model=models["target"], **dict(BASE, **METHODS["ngram"], speculative_auto_off=auto_off))
+def _auto_off_run(models, prompts, sp, auto_off: bool, events=None, **cfg):
+    eng = LLMEngine(model=models["target"], **dict(BASE, **METHODS["ngram"], speculative_auto_off=auto_off, **cfg))
     if events is not None:
         eng.events.subscribe(events)
     checks = StepChecks(eng)
@@ -404,3 +404,17 @@ def test_auto_off_keeps_drafting_on_repetitive_text(models):
     assert auto["spec_decode_num_draft_tokens"] >= 0.8 * on["spec_decode_num_draft_tokens"]
     steps = [e for e in events if isinstance(e, StepEvent) and e.spec is not None]
     assert sum(e.spec["num_off"] for e in steps) <= 0.1 * sum(e.spec["num_decoding"] for e in steps)
+
+
+def test_auto_off_hands_over_to_multi_step(models):
+    """With every request's drafting off (random text sampled at temperature 1), decode steps become multi-step
+    blocks (several iterations per host round trip); the blocks' tokens are not taken for verified drafts (KV
+    accounting and blocks stay right: StepChecks every step, no leak) and every request completes."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
+    sp = SamplingParams(temperature=1.0, max_tokens=56, ignore_eos=True)
+    events = []
+    got, st = _auto_off_run(models, prompts, sp, auto_off=True, events=events.append, num_scheduler_steps=4)
+    assert [len(o) for o in got] == [56] * 4
+    blocks = [e for e in events if isinstance(e, StepEvent) and e.num_decode_steps > 1]
+    assert blocks and all(e.spec["num_drafts"] == 0 for e in blocks)

@@ -340,6 +340,8 @@ class Drafter:
 
     def accept(self, seq: Sequence, num_spec: int, toks: list[int]) -> None:
         """After verification (before the tokens are appended): the KV of the accepted drafts is valid."""
+        if not num_spec and len(toks) > 1:
+            return          # a multi-step block (auto-off): its K tokens are all computed, the next block in flight
         seq.num_computed_tokens += len(toks) - 1
         seq.spec_token_ids = []
         # blocks beyond the last token's slot only hold rejected drafts (or unused draft slots)
