@@ -3,12 +3,16 @@
 Workloads (chat-templated, greedy, so every method must reproduce the baseline tokens exactly):
   rewrite - repetition-friendly: repeat / fix typos / rename a variable in code / summarise a given text;
   chat    - plain questions whose answers are not in the prompt.
-Modes: "b1" runs the requests one after another (batch 1, the latency case speculation targets);
-       "b4" submits them together (continuous batching, 4 requests).
+Modes: "b1" runs the first 4 requests one after another (batch 1, the latency case speculation targets);
+       "bN" (b4, b8, ...) submits N requests together (continuous batching; the workload's prompts, cycled).
+Speculative engines run with their defaults: auto-off on (EngineConfig.speculative_auto_off), verify and
+self-drafting steps in CUDA graphs on a GPU (spec_cuda_graphs); "+noauto" turns auto-off off for a method,
+"+eager" runs its verify / draft steps eagerly (spec_cuda_graphs=False, a separate engine).
 Methods: none; ngram (prompt lookup); self (SmolLM2's first L layers + final norm + LM head); draft (a
 separate model: SmolLM2 truncated to its first layers, saved as its own folder, own KV pool: no training).
 
 Usage: python benchmarks/bench_spec.py [--threads 1] [--max-tokens 128] [--methods none,ngram,self,draft]
+GPU (the issue-12 run): python benchmarks/bench_spec.py --device cuda --methods none,ngram,self --modes b1,b8 --reps 2
 Writes benchmarks/results/spec_<device>.json and prints a table.
 """
 from __future__ import annotations
@@ -55,12 +59,20 @@ WORKLOADS = {
         f"Rename the parameter `data` to `values` in this Python function and output the complete "
         f"updated code:\n\n```python\n{CODE}```",
         f"Summarize the following text in three sentences, reusing its wording:\n\n{PARAGRAPH}",
+        f"Copy this function exactly, then add a one-line comment above it:\n\n```python\n{CODE}```",
+        f"Repeat this text twice, separated by a blank line:\n\n{PARAGRAPH}",
+        f"Correct the typos and repeat the text:\n\n{TYPOS}",
+        f"Add type hints to this function and output the full code:\n\n```python\n{CODE}```",
     ],
     "chat": [
         "What are three good habits for sleeping better? Explain each one.",
         "Write a short story about a robot who learns to paint.",
         "Explain how a bicycle works to a ten-year-old.",
         "What should I pack for a weekend hiking trip in the mountains?",
+        "Give me five ideas for a birthday party for a seven-year-old.",
+        "Why is the sky blue? Answer in a short paragraph.",
+        "Describe the water cycle in simple words.",
+        "What are the pros and cons of working from home?",
     ],
 }
 
@@ -115,9 +127,10 @@ def run_mode(llm: LLM, prompts: list[str], mode: str, sp: SamplingParams):
         texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     t0 = time.perf_counter()
     if mode == "b1":
-        outs = [llm.generate([t], sp, use_tqdm=False)[0] for t in texts]
+        outs = [llm.generate([t], sp, use_tqdm=False)[0] for t in texts[:4]]
     else:
-        outs = llm.generate(texts, sp, use_tqdm=False)
+        n = int(mode[1:])
+        outs = llm.generate([texts[i % len(texts)] for i in range(n)], sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     return outs, wall
 
@@ -129,7 +142,9 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--methods", default="none,ngram,ngram+a,self,self+a,draft,draft+a",
-                    help="a '+a' suffix turns on adaptive draft lengths (Drafter.adaptive)")
+                    help="a '+a' suffix turns on adaptive draft lengths (Drafter.adaptive), '+noauto' turns "
+                         "auto-off off (Drafter.auto_off)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (fewer CUDA graphs)")
     ap.add_argument("--modes", default="b1,b4")
     ap.add_argument("--workloads", default="rewrite,chat")
     ap.add_argument("--k-ngram", type=int, default=4)
@@ -165,27 +180,36 @@ def main():
     # one engine per drafter, all loaded up front; runs are interleaved method by method for each
     # (workload, mode) so that load from other processes on a shared machine hits all methods alike
     engines = {}
+    extra = {} if args.max_num_seqs is None else dict(max_num_seqs=args.max_num_seqs)
+    def parse(method: str) -> tuple[str, bool, bool, bool]:
+        """'ngram+a+noauto+eager' -> ('ngram', adaptive, noauto, eager)"""
+        parts = method.split("+")
+        return parts[0], "a" in parts[1:], "noauto" in parts[1:], "eager" in parts[1:]
+
     for method in chosen:
-        base = method.removesuffix("+a")
-        if base not in engines:
+        base, _, _, eager = parse(method)
+        if (base, eager) not in engines:
+            cfg = dict(methods[base], **({"spec_cuda_graphs": False} if eager else {}))
             llm = LLM(model=args.model, device=args.device, dtype=args.dtype, cpu_kv_cache_gib=0.25,
-                      max_model_len=2048, gpu_memory_utilization=0.4, **methods[base])
+                      max_model_len=2048, gpu_memory_utilization=0.3, **extra, **cfg)
             llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4), use_tqdm=False)    # warm-up
-            engines[base] = llm
+            engines[(base, eager)] = llm
     rows, baseline = [], {}
     load0 = os.getloadavg()
     best: dict = {}
     for wl, mode, rep in itertools.product(args.workloads.split(","), args.modes.split(","), range(args.reps)):
         for method in chosen:
-            base, adaptive = method.removesuffix("+a"), method.endswith("+a")
-            llm = engines[base]
+            base, adaptive, noauto, eager = parse(method)
+            llm = engines[(base, eager)]
             eng = llm.engine
             if eng.drafter:
                 eng.drafter.adaptive = adaptive
+                eng.drafter.auto_off = eng.config.speculative_auto_off and not noauto
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
             ntok = sum(len(o.token_ids) for o in outs)
-            label = labels[base] + (" adaptive" if adaptive else "")
+            label = labels[base] + (" adaptive" if adaptive else "") + (" no-auto-off" if noauto else "") + \
+                (" eager-verify" if eager else "")
             row = dict(workload=wl, mode=mode, method=label, out_tokens=ntok, wall_s=wall,
                        tok_s=ntok / wall,
                        tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs),

@@ -66,6 +66,11 @@ class EngineConfig:
     ngram_max: int = 4
     draft_layers: int = 8
     speculative_adaptive: bool = False  # per-request draft length from the estimated acceptance
+    speculative_auto_off: bool = True   # per request, stop drafting while the measured acceptance would not pay
+    #                                     for the measured cost of drafting + verifying (re-probed now and then)
+    spec_cuda_graphs: bool = True       # verify steps (k+1 tokens per request) and self-drafting steps replay
+    #                                     CUDA graphs per (batch, k) bucket; False: they run eagerly
+    spec_cuda_graph_max_batch: int = 32  # largest batch whose verify / draft steps are captured
 
     def __post_init__(self):
         self.validate()
@@ -118,6 +123,8 @@ class EngineConfig:
                                                and 0 <= self.gemv_max_tokens <= 16),
              "gemv_max_tokens", "must be None or an int in [0, 16]")
         need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
+        need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
+             "spec_cuda_graph_max_batch", "must be an int in [1, 256]")
         need(self.speculative_method != "draft" or self.draft_model is not None,
              "draft_model", "is required when speculative_method='draft'")
         if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):

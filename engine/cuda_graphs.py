@@ -1,15 +1,27 @@
-"""CUDA graphs for decode-only steps: one graph per captured batch size, replayed with static buffers.
+"""CUDA graphs: decode steps, speculative verify steps and self-speculative draft steps, replayed with static
+buffers.
 
-Capture sizes follow vLLM: 1, 2, 4, 8, then every 8 up to 256, then every 16. A decode step of B
-sequences pads to the next captured size; padded rows read and write only the null block 0. The split
-count of the decode attention is fixed per size (computed from max_model_len), so the launch never
-depends on run-time lengths. Steps with prefill chunks run eagerly.
+Decode graphs (one query per sequence) are captured per batch size; sizes follow vLLM: 1, 2, 4, 8, then every
+8 up to 256, then every 16. A decode step of B sequences pads to the next captured size; padded rows read and
+write only the null block 0. The split count of the decode attention is fixed per size (computed from
+max_model_len), so the launch never depends on run-time lengths.
+
+With speculative decoding (`EngineConfig.spec_cuda_graphs`), steps whose sequences each compute at most
+k+1 tokens (a verify step: the last token + up to k drafts; or a short prefill chunk riding along) replay a
+graph per (batch bucket, Q) with Q = 2 .. num_speculative_tokens + 1: every sequence is padded to Q query
+rows. Sequence i's real rows sit at padded rows i*Q .. i*Q + q_i - 1 and its context length is extended by
+Q - q_i, so the causal mask inside the speculative tokens is unchanged for the real rows (each sees keys up
+to its own position); padded rows write their K/V to the null block's slot 0 and only they see the key
+positions past the real ones. Logits are computed for every padded row and the needed rows gathered after
+the replay. Self-speculative drafting (the first `draft_layers` layers) replays decode-shaped graphs of its
+own per batch size. Other steps run eagerly.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 
+import numpy as np
 import torch
 
 from .config import EngineConfig
@@ -25,78 +37,159 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, config: EngineConfig):
+    """Graphs keyed by (padded batch P, query rows per sequence Q, layers or None for all).
+    capture=False runs the same padded static-buffer forward eagerly instead of replaying (no CUDA needed), so
+    the padding layout can be checked on CPU with any kernels."""
+
+    def __init__(self, runner, config: EngineConfig, capture: bool = True):
         self.runner = runner
         self.model = runner.model
         self.max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
         self.sizes = capture_sizes(self.max_batch)
         self.max_len = runner.max_model_len
         self.max_blocks = -(-self.max_len // runner.block_size)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        spec = config.speculative_method is not None and config.spec_cuda_graphs
+        self.max_q = config.num_speculative_tokens + 1 if spec else 1
+        self.spec_sizes = capture_sizes(min(config.spec_cuda_graph_max_batch, self.max_batch)) if spec else []
+        self.draft_layers = min(config.draft_layers, runner.mcfg.num_layers) \
+            if spec and config.speculative_method == "self" else None
+        self.use_graphs = capture
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
         self.captured = False
 
-    def can_run(self, md: AttentionMetadata) -> bool:
-        return md.decode_only and md.num_seqs == len(md.logits_indices) and md.num_seqs <= self.sizes[-1] \
-            and md.max_seqlen_k <= self.max_len
+    def keys(self) -> list[tuple[int, int, int | None]]:
+        keys = [(B, 1, None) for B in self.sizes]
+        keys += [(P, Q, None) for Q in range(2, self.max_q + 1) for P in self.spec_sizes]
+        if self.draft_layers is not None:
+            keys += [(P, 1, self.draft_layers) for P in self.spec_sizes]
+        return keys
 
-    def _static_md(self, B: int) -> AttentionMetadata:
+    def _key(self, md: AttentionMetadata, num_layers: int | None) -> tuple | None:
+        B, Q = md.num_seqs, md.max_seqlen_q
+        if B == 0 or Q > self.max_q:
+            return None
+        if Q == 1:
+            if md.num_seqs != md.logits_indices.shape[0] or md.max_seqlen_k > self.max_len:
+                return None
+            sizes = self.sizes if num_layers is None else self.spec_sizes
+            if num_layers is not None and num_layers != self.draft_layers:
+                return None
+        else:
+            if num_layers is not None or md.max_seqlen_k + Q - 1 > self.max_len:
+                return None
+            sizes = self.spec_sizes
+        if not sizes or B > sizes[-1]:
+            return None
+        return sizes[bisect.bisect_left(sizes, B)], Q, num_layers
+
+    def can_run(self, md: AttentionMetadata, num_layers: int | None = None) -> bool:
+        return self._key(md, num_layers) is not None
+
+    def _static_md(self, P: int, Q: int, lens: list[int] | None = None) -> AttentionMetadata:
+        """The metadata a graph is captured with: device tensors are the static buffers; host lengths are the
+        fixed maximum (graph kernels never read them), or the padded lengths when replaying eagerly."""
+        T = P * Q
+        lens = lens or [self.max_len] * P
         return AttentionMetadata(
-            positions=self.positions[:B], slot_mapping=self.slots[:B], cu_seqlens_q=self.cu_q[:B + 1],
-            seq_lens=self.seq_lens[:B], block_tables=self.block_tables[:B], logits_indices=self.logits_idx[:B],
-            q_lens=[1] * B, seq_lens_cpu=[self.max_len] * B, max_seqlen_q=1, max_seqlen_k=self.max_len,
+            positions=self.positions[:T], slot_mapping=self.slots[:T], cu_seqlens_q=self.cu_q[Q][:P + 1],
+            seq_lens=self.seq_lens[:P], block_tables=self.block_tables[:P], logits_indices=self.logits_idx[:T],
+            q_lens=[Q] * P, seq_lens_cpu=lens, max_seqlen_q=Q, max_seqlen_k=max(lens),
             block_size=self.runner.block_size)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        dev, N = self.runner.device, self.sizes[-1]
+        dev = self.runner.device
+        keys = sorted(self.keys(), key=lambda k: (-k[0] * k[1], k[1], k[2] or 0))   # largest first: one pool
+        N = max(P * Q for P, Q, _ in keys)
         self.input_ids = torch.zeros(N, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(N, dtype=torch.int64, device=dev)
         self.slots = torch.zeros(N, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(N, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.full((N,), self.max_q, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(N, self.max_blocks, dtype=torch.int32, device=dev)
-        self.cu_q = torch.arange(N + 1, dtype=torch.int32, device=dev)
+        ar = torch.arange(N + 1, dtype=torch.int32, device=dev)
+        self.cu_q = {Q: ar * Q for Q in range(1, self.max_q + 1)}       # [N+1] per Q
         self.logits_idx = torch.arange(N, dtype=torch.int64, device=dev)
+        if not self.use_graphs:
+            self.captured = True
+            return
         saved_timer = self.model.timer
         self.model.timer = NullTimer()
         pool = None
         try:
-            for B in reversed(self.sizes):          # largest first, so smaller graphs reuse its pool
-                md = self._static_md(B)
+            for key in keys:
+                md = self._static_md(key[0], key[1])
                 for _ in range(2):                  # warm-up: Triton compiles / autotunes outside capture
-                    self._forward(B, md)
+                    self._forward(key, md)
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self.outputs[B] = self._forward(B, md)
+                    self.outputs[key] = self._forward(key, md)
                 pool = g.pool()
-                self.graphs[B] = g
+                self.graphs[key] = g
             torch.cuda.synchronize(dev)
         finally:
             self.model.timer = saved_timer
         self.captured = True
 
-    def _forward(self, B: int, md: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:B], md)
+    def _forward(self, key: tuple, md: AttentionMetadata) -> torch.Tensor:
+        P, Q, layers = key
+        hidden = self.model(self.input_ids[:P * Q], md, num_layers=layers)
         return self.model.compute_logits(hidden)
 
-    def run(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def _replay(self, key: tuple, md: AttentionMetadata) -> torch.Tensor:
+        if self.use_graphs:
+            self.graphs[key].replay()
+            return self.outputs[key]
+        P, Q, _ = key                               # eager: host lengths as padded (torch kernels read them)
+        B = md.num_seqs
+        lens = [n + Q - q for n, q in zip(md.seq_lens_cpu, md.q_lens)] + [Q] * (P - B)
+        return self._forward(key, self._static_md(P, Q, lens))
+
+    def run(self, input_ids: torch.Tensor, md: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """-> float32 logits [len(md.logits_indices), vocab], as an eager forward would give."""
         if not self.captured:
             self.capture()
+        key = self._key(md, num_layers)
+        P, Q, _ = key
         B = md.num_seqs
-        P = self.sizes[bisect.bisect_left(self.sizes, B)]
         nb = md.block_tables.shape[1]
-        self.input_ids[:B].copy_(input_ids)
-        self.positions[:B].copy_(md.positions)
-        self.slots[:B].copy_(md.slot_mapping)
-        self.seq_lens[:B].copy_(md.seq_lens)
+        md.graphed = self.use_graphs
+        if Q == 1:
+            self.input_ids[:B].copy_(input_ids)
+            self.positions[:B].copy_(md.positions)
+            self.slots[:B].copy_(md.slot_mapping)
+            self.seq_lens[:B].copy_(md.seq_lens)
+            self.block_tables[:B, :nb].copy_(md.block_tables)
+            if P > B:                               # padded rows: length 1 in the null block
+                self.input_ids[B:P].zero_()
+                self.positions[B:P].zero_()
+                self.slots[B:P].zero_()
+                self.seq_lens[B:P].fill_(1)
+                self.block_tables[B:P, 0].zero_()
+            return self._replay(key, md)[:B]
+        # packed row r = cu[i] + j of sequence i -> padded row i*Q + j; context extended by Q - q_i
+        q_lens = np.asarray(md.q_lens, dtype=np.int64)
+        T = int(q_lens.sum())
+        starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+        host = torch.from_numpy(np.concatenate([
+            np.repeat(np.arange(B, dtype=np.int64) * Q - starts, q_lens) + np.arange(T, dtype=np.int64),
+            Q - q_lens]))
+        if self.runner.device.type == "cuda":
+            host = host.pin_memory()
+        d = host.to(self.runner.device, non_blocking=True)
+        pad_rows, extend = d[:T], d[T:].to(torch.int32)                  # [T], [B]
+        n = P * Q
+        self.input_ids[:n].zero_()
+        self.positions[:n].zero_()
+        self.slots[:n].zero_()                      # padded rows: K/V to the null block's slot 0
+        self.input_ids.index_copy_(0, pad_rows, input_ids)
+        self.positions.index_copy_(0, pad_rows, md.positions)
+        self.slots.index_copy_(0, pad_rows, md.slot_mapping)
+        torch.add(md.seq_lens, extend, out=self.seq_lens[:B])
         self.block_tables[:B, :nb].copy_(md.block_tables)
-        if P > B:                                   # padded rows: length 1 in the null block
-            self.input_ids[B:P].zero_()
-            self.positions[B:P].zero_()
-            self.slots[B:P].zero_()
-            self.seq_lens[B:P].fill_(1)
-            self.block_tables[B:P, 0].zero_()
-        self.graphs[P].replay()
-        md.graphed = True
-        return self.outputs[P][:B]
+        if P > B:                                   # padded sequences: Q rows in the null block
+            self.seq_lens[B:P].fill_(Q)
+            self.block_tables[B:P, :-(-Q // self.runner.block_size)].zero_()
+        out = self._replay(key, md)                 # [P*Q, V]
+        return out.index_select(0, pad_rows.index_select(0, md.logits_indices))

@@ -211,7 +211,7 @@ class LLMEngine(OutputProcessor):
         self.runner.set_timer(timer)
         timer.start_step()
         t0 = time.perf_counter()
-        if self.drafter is not None:
+        if self.drafter is not None and self._inflight is None:     # (a multi-step block in flight: all off)
             self.drafter.propose(self.scheduler.running)
         if self._inflight is not None and all(s.is_finished for s in self._inflight.sched.seqs):
             self._inflight = None               # every request of the in-flight block ended (aborts, stops)
@@ -239,13 +239,17 @@ class LLMEngine(OutputProcessor):
         sample_mask = [start + n == seq.num_tokens + len(seq.spec_token_ids)
                        for seq, n, start in zip(sched.seqs, sched.num_new_tokens, sched.computed_before)]
         extra = [k for k in sched.num_spec_tokens] if self.drafter is not None else None
+        decode_only = self.drafter is not None and all(       # auto-off measures decode-only step times
+            seq.num_output_tokens and start == seq.num_tokens - 1 and n == k + 1
+            for seq, n, start, k in zip(sched.seqs, sched.num_new_tokens, sched.computed_before, sched.num_spec_tokens))
         input_ids, md = self.runner.prepare(sched, sample_mask, extra)
         t_prep = time.perf_counter()
         logits = self.runner.execute(input_ids, md)
         t_fwd = time.perf_counter()
-        if self.drafter is not None:
+        num_spec = max(sched.num_spec_tokens, default=0)
+        if num_spec:
             outputs_tokens, lp_rows = self.drafter.verify(sched, sample_mask, logits)
-        else:
+        else:                                           # no drafts this step: a plain step
             outputs_tokens, lp_rows = self._sample(sched, sample_mask, logits)
         t_sample = time.perf_counter()
         outputs, finished = self._postprocess(sched, sample_mask, outputs_tokens, lp_rows)
@@ -253,6 +257,8 @@ class LLMEngine(OutputProcessor):
         self.step_index += 1
         if self.config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
             multi_step.observe_iteration(self, t_end - t0)        # a decode-only step: one iteration
+        if decode_only:
+            self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
         if observe:
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_fwd, "postprocess": t_end - t_sample}

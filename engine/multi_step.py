@@ -7,7 +7,8 @@ K more tokens are allocated up front. Sampling stays on the device, so the host 
 (CUDA-graph replays on GPU) without a sync and then post-processes K tokens per request like a step
 that accepted K speculative tokens: a request that stops early discards the rest.
 
-It applies only where it cannot change results: no drafter, KV cache on, every running request decoding,
+It applies only where it cannot change results: no drafter (or one whose auto-off has every request's
+drafting off, with no probe due within the block), KV cache on, every running request decoding,
 nothing waiting that could be admitted, and every request sampling on the device alone (greedy, or
 unseeded temperature / top-k / top-p / min-p; no penalties, logprobs or min_tokens ban). Otherwise the
 engine takes a normal step.
@@ -51,8 +52,10 @@ def plan(engine, ahead: InFlight | None = None) -> int:
     would follow that in-flight one, whose K tokens per request are not known on the host yet."""
     K = engine.num_scheduler_steps
     sch = engine.scheduler
-    if K <= 1 or engine.drafter is not None or not engine.config.enable_kv_cache or not sch.running:
+    if K <= 1 or not engine.config.enable_kv_cache or not sch.running:
         return 1
+    if engine.drafter is not None and engine.drafter.blocks_fast_path(sch.running, K + (ahead.K if ahead else 0)):
+        return 1                                    # a request drafts (or probes) within the block
     if _admit_now(engine):
         return 1                                    # admit the newcomers with a normal step
     if len(sch.running) > engine.config.max_num_batched_tokens:
@@ -196,6 +199,8 @@ def step(engine, K: int, observe: bool, timer) -> list:
     if engine._last_block_done is not None and prev.t_launched < engine._last_block_done:
         began = engine._last_block_done
     observe_iteration(engine, (t_sample - began) / prev.K)
+    if engine.drafter is not None:                  # auto-off: the plain decode iteration it compares against
+        engine.drafter.observe_step(len(prev.sched.seqs), 0, (t_sample - began) / prev.K)
     engine._last_block_done = t_sample if engine._inflight is not None else None
     sched = prev.sched
     if observe:

@@ -342,9 +342,11 @@ class Recorder:
                 acc.extend([0] * (len(per) - len(acc)))
             for i, v in enumerate(per):
                 acc[i] += int(v)
+            # (step, end, drafts, draft tokens, accepted, decoding requests with drafting auto-off, decoding)
             sp["history"].append((s, ev.end, int(ev.spec.get("num_drafts", 0)),
                                   int(ev.spec.get("num_draft_tokens", 0)),
-                                  int(ev.spec.get("num_accepted_tokens", 0))))
+                                  int(ev.spec.get("num_accepted_tokens", 0)),
+                                  int(ev.spec.get("num_off", 0) or 0), int(ev.spec.get("num_decoding", 0) or 0)))
 
     def snapshot(self, kv: dict | None = None) -> Snapshot:
         with self._lock:

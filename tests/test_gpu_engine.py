@@ -56,3 +56,65 @@ def test_multi_step_time_cap_matches_single_step():
     capped, logs = run_capture("float32", num_scheduler_steps=8, multi_step_max_ms=2.0)
     assert capped == one
     assert sum(g for g, _ in logs) > 10
+
+
+# ---- speculative decoding under CUDA graphs (verify steps per (batch, Q) bucket, self-drafting steps) ----
+
+def run_spec(num_kv_blocks=512, n=8, **cfg):
+    eng = LLMEngine(model="dummy:smollm2-135m", device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16,
+                    max_num_batched_tokens=256, num_kv_blocks=num_kv_blocks, spec_cuda_graph_max_batch=8, **cfg)
+    keys = []
+    g = eng.runner.graphs
+    replay = g._replay
+    g._replay = lambda key, md: (keys.append(key), replay(key, md))[1]
+    gen = torch.Generator().manual_seed(1)
+    for i in range(n):
+        body = torch.randint(10, 49000, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen).tolist()
+        eng.add_request(body * 2, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+    return [outs[k] for k in sorted(outs)], keys, eng.stats()
+
+
+SPEC_METHODS = {
+    "ngram": dict(speculative_method="ngram", num_speculative_tokens=3),
+    "self": dict(speculative_method="self", num_speculative_tokens=2, draft_layers=10),
+}
+
+
+@pytest.mark.parametrize("setup", ["alone", "batched", "preemption"])
+@pytest.mark.parametrize("method", list(SPEC_METHODS))
+def test_spec_greedy_identical_under_cuda_graphs(method, setup):
+    kw = dict(alone=dict(n=1), batched=dict(n=8), preemption=dict(n=8, num_kv_blocks=40))[setup]
+    ref, _, _ = run_spec(**kw)
+    got, keys, st = run_spec(**kw, **SPEC_METHODS[method], speculative_auto_off=False)
+    assert got == ref
+    assert st["spec_decode_num_drafts"] > 0
+    assert any(q > 1 for _, q, _ in keys)                  # verify steps replayed (batch, Q) graphs
+    if method == "self":
+        assert any(layers == 10 for _, _, layers in keys)   # draft steps replayed the first-layers graphs
+    if setup == "preemption":
+        assert st["num_preemptions_total"] > 0
+    eager, _, _ = run_spec(**kw, **SPEC_METHODS[method], speculative_auto_off=False, spec_cuda_graphs=False)
+    assert eager == ref
+
+
+def test_spec_auto_off_under_cuda_graphs_and_multi_step():
+    """Random-weight output sampled at temperature 1: drafts are (almost) never accepted, auto-off turns drafting
+    off and the plain decode fast path (multi-step blocks of decode graphs) takes over."""
+    eng = LLMEngine(model="dummy:smollm2-135m", device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16,
+                    num_kv_blocks=512, speculative_method="ngram", num_speculative_tokens=3)
+    steps = []
+    eng.events.subscribe(lambda e: steps.append(e) if hasattr(e, "num_decode_steps") else None)
+    gen = torch.Generator().manual_seed(2)
+    for i in range(4):
+        eng.add_request(torch.randint(10, 49000, (30,), generator=gen).tolist(),
+                        SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = eng.stats()
+    assert st["generation_tokens"] == 800
+    assert st["spec_decode_num_draft_tokens"] < 0.2 * 800
+    assert sum(e.num_decode_steps for e in steps if e.num_decode_steps > 1) > 400   # multi-step blocks ran

@@ -71,7 +71,9 @@ def _workload():
 
 # KVSCOPE_TEST_DEVICE=cuda runs the same checks through the Triton kernels (fp32 keeps greedy ties exact)
 DEVICE = os.environ.get("KVSCOPE_TEST_DEVICE", "cpu")
-BASE = dict(device=DEVICE, dtype="float32", block_size=4, max_model_len=80, num_kv_blocks=400, max_num_batched_tokens=256)
+# auto-off is switched on per method below: the mechanics checks need drafts in (almost) every step
+BASE = dict(device=DEVICE, dtype="float32", block_size=4, max_model_len=80, num_kv_blocks=400, max_num_batched_tokens=256,
+            speculative_auto_off=False)
 METHODS = {
     "ngram": dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3),
     "self": dict(speculative_method="self", num_speculative_tokens=3, draft_layers=2),
@@ -85,6 +87,12 @@ METHODS = {
     "self-gemv": dict(speculative_method="self", num_speculative_tokens=3, draft_layers=2, gemv_max_tokens=8),
     "draft-bad-gemv": dict(speculative_method="draft", num_speculative_tokens=2, draft_model="draft",
                            gemv_max_tokens=8),
+    # auto-off: drafting stops and resumes per request, plain steps between verify steps
+    "ngram-auto": dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3,
+                       speculative_auto_off=True),
+    "self-auto": dict(speculative_method="self", num_speculative_tokens=3, draft_layers=2, speculative_auto_off=True),
+    "draft-bad-auto": dict(speculative_method="draft", num_speculative_tokens=2, draft_model="draft",
+                           speculative_auto_off=True),
 }
 SETUPS = {
     "alone": dict(n=1),
@@ -223,9 +231,10 @@ def test_greedy_identical_with_speculation(models, reference, method, setup):
     if setup == "pressure":
         assert st["num_preemptions_total"] > 0
         assert eng.checks.mixed_phases > 0             # verification shared a forward with prefill chunks
-    if setup != "alone" and "adaptive" not in method:
+    fixed_len = "adaptive" not in method and "auto" not in method
+    if setup != "alone" and fixed_len:
         assert eng.checks.mixed_lengths > 0            # different draft lengths verified in one step
-    if setup != "alone" and "adaptive" not in method and st["acceptance_rate"] < 1:
+    if setup != "alone" and fixed_len and st["acceptance_rate"] < 1:
         assert eng.checks.rollbacks_crossing_blocks > 0  # rejected drafts whose blocks had to be returned
     if method == "draft-bad-adaptive" and setup == "batched":
         fixed = _run(models, METHODS["draft-bad"] | dict(num_speculative_tokens=3), SETUPS[setup])[1].stats()
@@ -340,3 +349,72 @@ def test_bundled_smollm2_greedy_identical():
         assert results[name] == results["base"], name
         st = drafters[name].total_stats()
         assert st["spec_decode_num_accepted_tokens"] > 0, name
+
+
+def _auto_off_run(models, prompts, sp, auto_off: bool, events=None, **cfg):
+    eng = LLMEngine(model=models["target"], **dict(BASE, **METHODS["ngram"], speculative_auto_off=auto_off, **cfg))
+    if events is not None:
+        eng.events.subscribe(events)
+    checks = StepChecks(eng)
+    for p in prompts:
+        eng.add_request(p, sp)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    _check_no_leak(eng)
+    checks.check_totals(eng.stats(), 3)
+    return [outs[k] for k in sorted(outs)], eng.stats()
+
+
+def test_auto_off_stops_drafting_when_nothing_is_accepted(models):
+    """Random prompts sampled at temperature 1 from a near-uniform random model: an n-gram draft is accepted
+    with probability ~1/64, so drafting never pays; auto-off turns it off (with occasional probes) while
+    every request still completes."""
+    from inspector.figures import spec_spec
+    from inspector.recorder import Recorder
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
+    sp = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=5)
+    _, on = _auto_off_run(models, prompts, sp, auto_off=False)
+    rec = Recorder()
+    events = []
+    outs, auto = _auto_off_run(models, prompts, sp, auto_off=True, events=lambda e: (events.append(e), rec(e)))
+    assert on["acceptance_rate"] < 0.15
+    assert all(len(o) == 60 for o in outs)
+    assert auto["spec_decode_num_draft_tokens"] < on["spec_decode_num_draft_tokens"] / 3
+    steps = [e for e in events if isinstance(e, StepEvent) and e.spec is not None]
+    late = steps[len(steps) // 2:]
+    assert sum(e.spec["num_off"] for e in late) >= 0.8 * sum(e.spec["num_decoding"] for e in late)
+    assert all(e.spec["num_draft_tokens"] == 0 for e in late if e.spec["num_off"] == e.spec["num_decoding"])
+    fig = spec_spec(rec.snapshot())                  # the inspector's panel shows when drafting was off
+    off = [t for t in fig["data"] if t.get("name") == "requests with drafting off"]
+    assert off and max(off[0]["y"]) == 1.0
+
+
+def test_auto_off_keeps_drafting_on_repetitive_text(models):
+    """Repetitive text (the model loops on a repeated prompt): most n-gram drafts are accepted, drafting stays on,
+    and greedy output is the same as without speculation."""
+    prompts = [[5, 9, 13, 22, 31, 40, 7] * 4, [8, 3, 8, 3, 8, 3, 8, 3, 12]]
+    sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    events = []
+    outs, auto = _auto_off_run(models, prompts, sp, auto_off=True, events=events.append)
+    ref, on = _auto_off_run(models, prompts, sp, auto_off=False)
+    assert outs == ref
+    assert on["acceptance_rate"] > 0.7
+    assert auto["spec_decode_num_draft_tokens"] >= 0.8 * on["spec_decode_num_draft_tokens"]
+    steps = [e for e in events if isinstance(e, StepEvent) and e.spec is not None]
+    assert sum(e.spec["num_off"] for e in steps) <= 0.1 * sum(e.spec["num_decoding"] for e in steps)
+
+
+def test_auto_off_hands_over_to_multi_step(models):
+    """With every request's drafting off (random text sampled at temperature 1), decode steps become multi-step
+    blocks (several iterations per host round trip); the blocks' tokens are not taken for verified drafts (KV
+    accounting and blocks stay right: StepChecks every step, no leak) and every request completes."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
+    sp = SamplingParams(temperature=1.0, max_tokens=56, ignore_eos=True)
+    events = []
+    got, st = _auto_off_run(models, prompts, sp, auto_off=True, events=events.append, num_scheduler_steps=4)
+    assert [len(o) for o in got] == [56] * 4
+    blocks = [e for e in events if isinstance(e, StepEvent) and e.num_decode_steps > 1]
+    assert blocks and all(e.spec["num_drafts"] == 0 for e in blocks)

