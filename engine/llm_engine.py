@@ -18,6 +18,7 @@ from .model_runner import ModelRunner
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
 from .output_processor import OutputProcessor
+from .quant.linear import weight_bytes
 from .outputs import RequestOutput
 from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
@@ -73,8 +74,10 @@ class LLMEngine(OutputProcessor):
             and torch.cuda.get_device_capability(self.device) >= (8, 9)
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
                                  max_pos=self.max_model_len + spec_margin, seed=config.seed,
-                                 quantization=config.quantization, fp8_activations=fp8_act)
+                                 quantization=config.quantization, fp8_activations=fp8_act,
+                                 int4_group_size=config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
+        self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
             (1 if self.kernels == "triton" else 0)
         self.model.gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)

@@ -18,6 +18,7 @@ ROUND_TRIP_BOUND = {"fp8": 0.035, "int8": 0.01, "int4": 0.12}
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_error_bound(fmt):
+    """Relative error on N(0, 1) weights, and every weight within half a grid step."""
     torch.manual_seed(0)
     w = torch.randn(257, 389)
     t = quantize(w, fmt)
@@ -46,12 +47,12 @@ def test_int4_layout_nibbles():
     assert torch.equal(dequantize("int4", quantize(w, "int4"), (N, K)), w)   # integers 0..15 - 8 are exact
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 128), ("int4", 32)])
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
-def test_quant_gemv_matches_reference(fmt, prologue):
+def test_quant_gemv_matches_reference(fmt, group, prologue):
     torch.manual_seed(1)
     N, K = 37, 333                                       # K not a multiple of the 128 block
-    t = quantize(torch.randn(N, K) * 0.05, fmt)
+    t = quantize(torch.randn(N, K) * 0.05, fmt, group)
     for M, dtype in ((1, torch.float32), (3, torch.float16)):
         x = torch.randn(M, 2 * K if prologue == "silu_mul" else K).to(dtype)
         kw = dict(prologue=prologue, norm_weight=(torch.rand(K) + 0.5).to(dtype), eps=1e-5,
@@ -63,11 +64,11 @@ def test_quant_gemv_matches_reference(fmt, prologue):
         torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_quant_gemm_matches_reference(fmt):
+@pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 128), ("int4", 64)])
+def test_quant_gemm_matches_reference(fmt, group):
     torch.manual_seed(2)
     M, N, K = 37, 75, 333
-    t = quantize(torch.randn(N, K) * 0.05, fmt)
+    t = quantize(torch.randn(N, K) * 0.05, fmt, group)
     for dtype in (torch.float32, torch.float16):
         x, bias = torch.randn(M, K).to(dtype), torch.randn(N).to(dtype)
         y = quant_matmul(x, fmt, t, (N, K), bias, config=(16, 32, 4, 1))
@@ -176,20 +177,47 @@ def test_prequantized_checkpoint_matches_on_load_quantization(tmp_path, fmt, qcf
         LLMEngine(model=str(tmp_path / "pre"), quantization="int4", **common)
 
 
-def test_quantized_engine_triton_matches_torch():
-    """The Triton kernels inside the model (fused GEMV decode, GEMM prefill) give the torch path's tokens."""
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = [[5, 9, 13, 200, 7], [11, 3, 8]]
-    for fmt in ("int4",):                               # int8 / fp8 share one GEMV kernel, tested above
-        out = {}
-        for kernels in ("torch", "triton"):
-            eng = LLMEngine(model="dummy:tiny", quantization=fmt, kernels=kernels, device="cpu", num_kv_blocks=16,
-                            max_model_len=64, dtype="float32", seed=4)
-            for i, p in enumerate(prompts):
-                eng.add_request(p, params, request_id=str(i))
-            from helpers import drain
-            out[kernels] = {k: v.token_ids for k, v in drain(eng).items()}
-        assert out["torch"] == out["triton"], fmt
+def _attach_cache(model, num_blocks=8, bs=16):
+    c = model.cfg
+    kv = torch.zeros(2, c.num_layers, num_blocks, bs, c.num_kv_heads, c.head_dim, dtype=model.cos_sin.dtype)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0, i], kv[1, i]
+
+
+def _md(start, n, bs=16):
+    """One sequence computing positions [start, start + n), blocks 1, 2, ...; logits for every position."""
+    end = start + n
+    return AttentionMetadata(positions=torch.arange(start, end), slot_mapping=torch.arange(bs + start, bs + end),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([end], dtype=torch.int32),
+                             block_tables=torch.arange(1, -(-end // bs) + 1, dtype=torch.int32)[None],
+                             logits_indices=torch.arange(n), q_lens=[n], seq_lens_cpu=[end], max_seqlen_q=n,
+                             max_seqlen_k=end, block_size=bs)
+
+
+@torch.inference_mode()
+def _prefill_then_decode(model, ids):
+    """Logits of a prefill of ids[:-1] (the GEMM path) and of a one-token decode of ids[-1] (the fused GEMV)."""
+    _attach_cache(model)
+    n = len(ids) - 1
+    pre = model.compute_logits(model(torch.tensor(ids[:-1]), _md(0, n)))
+    model.gemv_max_tokens = 1
+    dec = model.compute_logits(model(torch.tensor(ids[-1:]), _md(n, 1)))
+    return pre, dec
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_quantized_model_triton_matches_torch(fmt):
+    """Inside the model the Triton kernels (GEMM for a prefill, the fused GEMV with its prologues and residual
+    for a decode step) give the torch path's logits."""
+    from engine.kernels.ops import get_ops
+    from engine.models.loader import build_model
+    cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}
+    out = [_prefill_then_decode(build_model(cfg, None, get_ops(k), torch.device("cpu"), torch.float32, max_pos=64,
+                                            seed=5, quantization=fmt), [5, 9, 13, 200, 7, 11, 3])
+           for k in ("torch", "triton")]
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_weight_bytes_shrink():
@@ -203,32 +231,41 @@ def test_weight_bytes_shrink():
         wb = weight_bytes(model)
         sizes[fmt] = sum(sum(d.values()) for d in wb["per_layer"])
         assert wb["total"] == sum(wb["by_dtype"].values())
-    assert sizes["int8"] < 0.6 * sizes[None] and sizes["int4"] < 0.6 * sizes["int8"]
+    assert sizes["int8"] < 0.55 * sizes[None] and sizes["int4"] < 0.6 * sizes["int8"]
 
 
 # ---- the bundled SmolLM2 under each format -------------------------------------------------------------
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden press. Within fifty years, printers in more than two "
         "hundred European cities had produced millions of books, and the cost of knowledge fell sharply.")
-# mean KL(bf16 || quantized) of next-token distributions over TEXT, and top-1 agreement (measured: see README)
-KL_BOUND = {"int8": 0.02, "fp8": 0.06, "int4": 0.35}
-TOP1_MIN = {"int8": 0.95, "fp8": 0.9, "int4": 0.75}
+# mean KL(float || quantized) of next-token distributions over TEXT and top-1 agreement; measured (54 positions):
+# int8 0.0045 / 0.963, fp8 0.0174 / 0.889, int4 g128 0.568 / 0.574. The bundled weights are a dequantized Q4_1
+# GGUF (4-bit, groups of 32): int4 with 128-groups cannot hold that grid, int4 with 32-groups reproduces it.
+KL_BOUND = {("int8", 128): 0.01, ("fp8", 128): 0.03, ("int4", 128): 0.7, ("int4", 32): 0.002}
+TOP1_MIN = {("int8", 128): 0.92, ("fp8", 128): 0.85, ("int4", 128): 0.5, ("int4", 32): 0.98}
 
 
 @pytest.fixture(scope="module")
 def smollm2_reference():
-    eng = LLMEngine(model=None, device="cpu", kernels="torch", num_kv_blocks=16, max_model_len=128)
-    ids = eng.tokenize(TEXT)
-    return ids, _logits(eng, ids).log_softmax(-1)
+    from engine.kernels.ops import get_ops
+    from engine.models.loader import build_model, load_tokenizer, resolve
+    hf_cfg, folder, tok = resolve(None)
+    model = build_model(hf_cfg, folder, get_ops("torch"), torch.device("cpu"), torch.float32, max_pos=128, seed=0)
+    ids = load_tokenizer(tok).encode(TEXT, add_special_tokens=False)
+    return model, ids, _prefill_then_decode(model, ids)[0].log_softmax(-1)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
-def test_smollm2_quantized_kl_and_greedy(fmt, smollm2_reference):
-    ids, ref = smollm2_reference
-    eng = LLMEngine(model=None, quantization=fmt, device="cpu", kernels="torch", num_kv_blocks=16,
-                    max_model_len=128)
-    lp = _logits(eng, ids).log_softmax(-1)
+@pytest.mark.parametrize("fmt,group", list(KL_BOUND))
+def test_smollm2_quantized_kl_and_top1(fmt, group, smollm2_reference):
+    """Next-token distributions over a fixed text: mean KL to the float model and top-1 (greedy) agreement."""
+    import copy
+
+    from engine.quant.linear import quantize_model
+    model, ids, ref = smollm2_reference
+    qmodel = copy.deepcopy(model)
+    quantize_model(qmodel, fmt, "torch", group=group)
+    lp = _prefill_then_decode(qmodel, ids)[0].log_softmax(-1)
     kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
     top1 = float((ref.argmax(-1) == lp.argmax(-1)).float().mean())
-    print(f"\n{fmt}: mean KL {kl:.4f}, top-1 agreement {top1:.3f} over {len(ids)} positions")
-    assert 0 < kl < KL_BOUND[fmt] and top1 >= TOP1_MIN[fmt]
+    print(f"\n{fmt} (group {group}): mean KL {kl:.5f}, top-1 agreement {top1:.3f} over {len(ids) - 1} positions")
+    assert 0 < kl < KL_BOUND[fmt, group] and top1 >= TOP1_MIN[fmt, group]

@@ -96,7 +96,7 @@ def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: 
                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] = x @ W.T (+ bias), W the [N, K] weight the format's tensors qt stand for.
     act_fp8 (fp8 only): quantize activations per token and 128-group and multiply on FP8 tensor cores."""
-    from ..quant.formats import BLOCK
+    from ..quant.formats import BLOCK, int4_group
     M, K = x.shape
     N = shape[0]
     assert K == shape[1] and x.stride(-1) == 1
@@ -109,7 +109,7 @@ def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: 
         w, s, z = qt["qweight"], qt["scales"], qt["mins"]
         _gemm_w4_kernel[grid](x, w, s, z, bias if bias is not None else w, out, M, N, K, s.shape[1],
                               x.stride(0), w.stride(0), s.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                              HALF=BLOCK // 2, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                              HALF=int4_group(qt) // 2, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         assert not act_fp8 or fmt == "fp8"
         w = qt["weight"]

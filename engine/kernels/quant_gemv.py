@@ -146,7 +146,7 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
                        config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] for silu_mul) -> [M, N] = prologue(x) @ W.T (+ bias) (+ residual), W the [N, K]
     weight the format's tensors qt stand for (engine/quant/formats.py). M is small (a decode step)."""
-    from ..quant.formats import BLOCK
+    from ..quant.formats import BLOCK, int4_group
     M = x.shape[0]
     N, K = shape
     assert prologue in PROLOGUES and x.stride(-1) == 1
@@ -169,7 +169,7 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
         w, s, z = qt["qweight"], qt["scales"], qt["mins"]
         _gemv_w4_kernel[(triton.cdiv(N, bn),)](
             x, w, s, z, *args_tail, M, N, K, w.shape[1], x.stride(0), w.stride(0), s.stride(0), rs,
-            out.stride(0), eps, HALF=BLOCK // 2, BLOCK_B=bk, **common)
+            out.stride(0), eps, HALF=int4_group(qt) // 2, BLOCK_B=bk, **common)
     else:
         w = qt["weight"]
         s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]

@@ -160,9 +160,9 @@ def resolve_quantization(hf_cfg: dict, weights: Path | None, quantization: str |
 
 def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, dtype: torch.dtype,
                 max_pos: int, seed: int, quantization: str | None = None,
-                fp8_activations: bool = False) -> LlamaForCausalLM:
+                fp8_activations: bool = False, int4_group_size: int = 128) -> LlamaForCausalLM:
     """quantization: quantize the decoder projections on load ("fp8" | "int8" | "int4"), unless the checkpoint
-    is pre-quantized (then its format is used); fp8_activations: see EngineConfig."""
+    is pre-quantized (then its format is used); fp8_activations, int4_group_size: see EngineConfig."""
     cfg = ModelConfig.from_hf(hf_cfg)
     fmt, prequantized = resolve_quantization(hf_cfg, weights, quantization)
     with torch.device("meta"):
@@ -179,6 +179,6 @@ def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, d
     else:
         load_weights(model, weights)
     if fmt is not None and not prequantized:
-        quantize_model(model, fmt, ops.name, fp8_activations)
+        quantize_model(model, fmt, ops.name, fp8_activations, int4_group_size)
     model.quantization = fmt
     return model.eval()

@@ -4,10 +4,11 @@
         [ceil(N/128), ceil(K/128)] (w = q * scale; the layout of the published Qwen3/DeepSeek FP8 checkpoints).
 - int8: symmetric per-output-channel int8 weight [N, K] and fp32 `weight_scale` [N, 1] (w = q * scale; the
         compressed-tensors w8a8 layout).
-- int4: asymmetric group-wise 4-bit along K, groups of 128: `qweight` uint8 [N, Kp / 2] (Kp = K rounded up to
-        128) holding two codes per byte, `scales` and `mins` fp16 [N, Kp / 128] (w = q * scale + min, q in 0..15).
-        Byte i of group g holds k = 128 g + i in its low nibble and k = 128 g + 64 + i in its high one, so a
-        kernel reads a group as two contiguous 64-wide halves of the activation.
+- int4: asymmetric group-wise 4-bit along K, groups of G (128 by default; 32 or 64): `qweight` uint8 [N, Kp / 2]
+        (Kp = K rounded up to G) holding two codes per byte, `scales` and `mins` fp16 [N, Kp / G]
+        (w = q * scale + min, q in 0..15). Byte i of group g holds k = G g + i in its low nibble and
+        k = G g + G / 2 + i in its high one, so a kernel reads a group as two contiguous halves of the
+        activation. G is implied by the shapes (int4_group).
 """
 from __future__ import annotations
 
@@ -28,8 +29,16 @@ def _pad_to(w: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.
     return torch.nn.functional.pad(w, (0, cols - K, 0, rows - N), value=value)
 
 
-def quantize(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """[N, K] float weight -> the format's tensors (on w's device), named as QuantLinear's parameters."""
+INT4_GROUPS = (32, 64, 128)
+
+
+def int4_group(tensors: dict[str, torch.Tensor]) -> int:
+    return 2 * tensors["qweight"].shape[1] // tensors["scales"].shape[1]
+
+
+def quantize(w: torch.Tensor, fmt: str, group: int = BLOCK) -> dict[str, torch.Tensor]:
+    """[N, K] float weight -> the format's tensors (on w's device), named as QuantLinear's parameters.
+    group: the int4 group size."""
     w = w.detach().float()
     N, K = w.shape
     if fmt == "int8":
@@ -44,15 +53,16 @@ def quantize(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
         q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return {"weight": q, "weight_scale_inv": scale}
     if fmt == "int4":
-        g = _pad_to(w, N, kb * BLOCK).view(N, kb, BLOCK)                               # [N, G, 128]
-        valid = (torch.arange(kb * BLOCK, device=w.device) < K).view(1, kb, BLOCK)
+        kb = -(-K // group)
+        g = _pad_to(w, N, kb * group).view(N, kb, group)                               # [N, groups, G]
+        valid = (torch.arange(kb * group, device=w.device) < K).view(1, kb, group)
         mn = torch.where(valid, g, torch.inf).amin(dim=2)
         mx = torch.where(valid, g, -torch.inf).amax(dim=2)
         scales = ((mx - mn) / 15.0).clamp(min=1e-6).half()                           # [N, G]
         mins = mn.half()
         q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15).to(torch.uint8)
-        packed = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)                    # [N, G, 64]
-        return {"qweight": packed.reshape(N, kb * BLOCK // 2), "scales": scales, "mins": mins}
+        packed = q[..., :group // 2] | (q[..., group // 2:] << 4)                    # [N, groups, G / 2]
+        return {"qweight": packed.reshape(N, kb * group // 2), "scales": scales, "mins": mins}
     raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
 
 
@@ -67,15 +77,15 @@ def dequantize(fmt: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int
         full = s.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
         w = tensors["weight"].float() * full
     elif fmt == "int4":
-        p = tensors["qweight"].view(N, -1, BLOCK // 2)                                 # [N, G, 64]
-        q = torch.cat((p & 15, p >> 4), dim=2).float()                                 # [N, G, 128]
+        p = tensors["qweight"].view(N, -1, int4_group(tensors) // 2)                   # [N, groups, G / 2]
+        q = torch.cat((p & 15, p >> 4), dim=2).float()                                 # [N, groups, G]
         w = (q * tensors["scales"].float()[..., None] + tensors["mins"].float()[..., None]).view(N, -1)[:, :K]
     else:
         raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
     return w.to(dtype)
 
 
-def empty(fmt: str, N: int, K: int, device) -> dict[str, torch.Tensor]:
+def empty(fmt: str, N: int, K: int, device, group: int = BLOCK) -> dict[str, torch.Tensor]:
     """Uninitialised tensors of the format for an [N, K] weight (a pre-quantized checkpoint fills them)."""
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
     if fmt == "int8":
@@ -85,7 +95,8 @@ def empty(fmt: str, N: int, K: int, device) -> dict[str, torch.Tensor]:
         return {"weight": torch.empty(N, K, dtype=FP8_DTYPE, device=device),
                 "weight_scale_inv": torch.empty(nb, kb, dtype=torch.float32, device=device)}
     if fmt == "int4":
-        return {"qweight": torch.empty(N, kb * BLOCK // 2, dtype=torch.uint8, device=device),
+        kb = -(-K // group)
+        return {"qweight": torch.empty(N, kb * group // 2, dtype=torch.uint8, device=device),
                 "scales": torch.empty(N, kb, dtype=torch.float16, device=device),
                 "mins": torch.empty(N, kb, dtype=torch.float16, device=device)}
     raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")

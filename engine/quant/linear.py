@@ -84,13 +84,14 @@ def _set_kernels(model, kernels: str, act_fp8: bool) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model, fmt: str, kernels: str, act_fp8: bool = False) -> None:
-    """Quantize the decoder projections in place, one at a time (the float weight is freed as each goes)."""
+def quantize_model(model, fmt: str, kernels: str, act_fp8: bool = False, group: int = formats.BLOCK) -> None:
+    """Quantize the decoder projections in place, one at a time (the float weight is freed as each goes).
+    group: the int4 group size."""
     for parent, attr, lin in _layer_linears(model):
         if isinstance(lin, QuantLinear):
             continue
         q = QuantLinear(fmt, lin.in_features, lin.out_features, lin.bias, lin.weight.device,
-                        formats.quantize(lin.weight, fmt))
+                        formats.quantize(lin.weight, fmt, group))
         setattr(parent, attr, q)
         del lin
     _set_kernels(model, kernels, act_fp8)
