@@ -64,7 +64,6 @@ def bench_kernels() -> list[dict]:
                     extra["gemm256_fp8act_us"] = _time_us(lambda: quant_matmul(xb, fmt, t, (N, K), act_fp8=True))
             rows.append(dict(bench="kernel", proj=name, format=fmt or "bf16", MB=nbytes / 1e6, gemv1_us=gemv,
                              gemv1_GBs=nbytes / gemv / 1e3, gemm256_us=gemm, **extra))
-        del w
     torch.cuda.empty_cache()
     return rows
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref
@@ -269,3 +269,18 @@ def test_smollm2_quantized_kl_and_top1(fmt, group, smollm2_reference):
     top1 = float((ref.argmax(-1) == lp.argmax(-1)).float().mean())
     print(f"\n{fmt} (group {group}): mean KL {kl:.5f}, top-1 agreement {top1:.3f} over {len(ids) - 1} positions")
     assert 0 < kl < KL_BOUND[fmt, group] and top1 >= TOP1_MIN[fmt, group]
+
+
+def test_weights_figure_sums_to_the_model():
+    from engine.kernels.ops import get_ops
+    from engine.models.loader import build_model
+    from inspector.figures import as_figure, weights_spec
+    model = build_model({**TINY, "tie_word_embeddings": True}, None, get_ops("torch"), torch.device("cpu"),
+                        torch.bfloat16, max_pos=32, seed=0, quantization="int4")
+    wb = weight_bytes(model)
+    spec = weights_spec(wb, "int4")
+    bars = {t["name"]: sum(t["y"]) for t in spec["data"]}
+    assert set(bars) == {"bfloat16", "float16", "uint8 (int4 codes)"}
+    assert abs(sum(bars.values()) * 2**20 - wb["total"]) < 1
+    assert len(spec["data"][0]["x"]) == TINY["num_hidden_layers"] + 1 and "int4" in spec["layout"]["title"]["text"]
+    as_figure(spec)                                          # a valid plotly figure

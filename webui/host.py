@@ -162,7 +162,8 @@ class EngineHost:
         eng = loop.engine
         return (f"{getattr(eng, 'model_name', self.config.model)} · {getattr(eng, 'device', '?')} · "
                 f"{str(getattr(eng, 'dtype', '')).replace('torch.', '')} · "
-                f"{getattr(eng, 'quantization', None) or 'unquantized'} weights · {getattr(eng, 'kernels', '')} kernels · "
+                f"{getattr(eng, 'quantization', None) or 'unquantized'} weights · "
+                f"{getattr(eng, 'kernels', '')} kernels · "
                 f"{eng.num_blocks} KV blocks × {eng.block_size} tokens · max_model_len "
                 f"{getattr(eng, 'max_model_len', '?')}")
 

@@ -15,12 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.formats import BLOCK, dequantize, int4_group, quantize_activations_fp8_ref
+
 FMT_IDS = {"int8": 0, "fp8": 1}
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b; fp32 operands in full fp32 (IEEE) rather than TF32, as torch's fp32 matmul."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _gemm_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                    FMT: tl.constexpr, ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    FMT: tl.constexpr, ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -34,7 +44,7 @@ def _gemm_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, str
         a = tl.load(x_rows + offs_k[None, :], mask=mm[:, None] & km[None, :], other=0.0)        # [BM, BK]
         w = tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & km[None, :], other=0.0)        # [BN, BK]
         if FMT == 0:
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+            acc += _dot(a, tl.trans(w.to(a.dtype)), IEEE)
         else:
             ws = tl.load(s_ptr + (offs_n // BLOCK_K) * stride_sn + k0 // BLOCK_K, mask=nm, other=0.0)  # [BN]
             if ACT_FP8:
@@ -43,7 +53,7 @@ def _gemm_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, str
                 aq = (af / a_s[:, None]).to(w.dtype)
                 acc += tl.dot(aq, tl.trans(w)) * a_s[:, None] * ws[None, :]
             else:
-                acc += tl.dot(a, tl.trans(w.to(a.dtype))) * ws[None, :]
+                acc += _dot(a, tl.trans(w.to(a.dtype)), IEEE) * ws[None, :]
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]
     if HAS_BIAS:
@@ -54,7 +64,7 @@ def _gemm_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, str
 
 @triton.jit
 def _gemm_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_sn,
-                    stride_om, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
+                    stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,8 +82,8 @@ def _gemm_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, stri
         a_hi = tl.load(x_rows + HALF + k_lo[None, :], mask=mm[:, None] & (k_lo + HALF < K)[None, :], other=0.0)
         w_lo = ((b & 15).to(tl.float32) * s + z).to(a_lo.dtype)
         w_hi = ((b >> 4).to(tl.float32) * s + z).to(a_lo.dtype)
-        acc += tl.dot(a_lo, tl.trans(w_lo))
-        acc += tl.dot(a_hi, tl.trans(w_hi))
+        acc += _dot(a_lo, tl.trans(w_lo), IEEE)
+        acc += _dot(a_hi, tl.trans(w_hi), IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
@@ -96,7 +106,6 @@ def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: 
                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] = x @ W.T (+ bias), W the [N, K] weight the format's tensors qt stand for.
     act_fp8 (fp8 only): quantize activations per token and 128-group and multiply on FP8 tensor cores."""
-    from ..quant.formats import BLOCK, int4_group
     M, K = x.shape
     N = shape[0]
     assert K == shape[1] and x.stride(-1) == 1
@@ -105,25 +114,26 @@ def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: 
         return out
     bm, bn, warps, stages = config or quant_gemm_config(M)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    ieee = x.dtype == torch.float32
     if fmt == "int4":
         w, s, z = qt["qweight"], qt["scales"], qt["mins"]
         _gemm_w4_kernel[grid](x, w, s, z, bias if bias is not None else w, out, M, N, K, s.shape[1],
                               x.stride(0), w.stride(0), s.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                              HALF=int4_group(qt) // 2, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                              IEEE=ieee, HALF=int4_group(qt) // 2, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                              num_stages=stages)
     else:
         assert not act_fp8 or fmt == "fp8"
         w = qt["weight"]
         s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]
         _gemm_w8_kernel[grid](x, w, s, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0),
                               s.stride(0), out.stride(0), FMT=FMT_IDS[fmt], ACT_FP8=act_fp8,
-                              HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
+                              HAS_BIAS=bias is not None, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
                               num_warps=warps, num_stages=stages)
     return out
 
 
 def quant_matmul_ref(x, fmt, qt, shape, bias=None, act_fp8=False):
     """Dequantize, then F.linear in fp32; act_fp8: activations first round-tripped through fp8 per 128-group."""
-    from ..quant.formats import dequantize, quantize_activations_fp8_ref
     w = dequantize(fmt, qt, shape)
     xf = quantize_activations_fp8_ref(x) if act_fp8 else x.float()
     y = torch.nn.functional.linear(xf, w, None if bias is None else bias.float())

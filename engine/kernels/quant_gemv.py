@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.formats import BLOCK, dequantize, int4_group
 from . import torch_ops
 from .gemv import PROLOGUES, _activation
 
@@ -146,7 +147,6 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
                        config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] for silu_mul) -> [M, N] = prologue(x) @ W.T (+ bias) (+ residual), W the [N, K]
     weight the format's tensors qt stand for (engine/quant/formats.py). M is small (a decode step)."""
-    from ..quant.formats import BLOCK, int4_group
     M = x.shape[0]
     N, K = shape
     assert prologue in PROLOGUES and x.stride(-1) == 1
@@ -182,7 +182,6 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
 def quant_fused_linear_ref(x, fmt, qt, shape, bias=None, *, prologue=None, norm_weight=None, eps=1e-6,
                            residual=None, pdl=False):
     """Dequantize, then the unfused torch composition."""
-    from ..quant.formats import dequantize
     w = dequantize(fmt, qt, shape, x.dtype)
     return torch_ops.fused_linear(x, w, bias, prologue=prologue, norm_weight=norm_weight, eps=eps,
                                   residual=residual)
