@@ -2,8 +2,8 @@
 weight instead of 2, with the same RMSNorm / SiLU-mul prologues and residual epilogue.
 
 Formats (engine/quant/formats.py): int8 per-channel (the row scale is applied once, after the dot), fp8
-block-wise (each weight times its 128x128 block's scale as it is loaded), int4 group-wise (two codes per byte,
-q * scale + min per 128-group; a byte tile covers two 64-wide halves of each group's activations).
+block-wise (each weight times its 128x128 block's scale as it is loaded), int4 group-wise (two codes per byte, a
+tile is [rows, groups, bytes]: each group's scale and min multiply its partial dots once, not every weight).
 Weight-only: activations stay in the model dtype and accumulate in fp32.
 """
 from __future__ import annotations
@@ -69,49 +69,64 @@ def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
 
 
 @triton.jit
-def _w4_tile(w_rows, s_rows, z_rows, offs_b, nm, NB, HALF: tl.constexpr):
-    """[BN, BB] packed bytes -> (low, high) fp32 weight tiles; byte j is k = 2 HALF (j // HALF) + j % HALF (low)
-    and that + HALF (high); its group is j // HALF."""
-    bmask = nm[:, None] & (offs_b < NB)[None, :]
-    b = tl.load(w_rows + offs_b[None, :], mask=bmask, other=0).to(tl.int32)
-    grp = (offs_b // HALF)[None, :]
-    s = tl.load(s_rows + grp, mask=bmask, other=0.0).to(tl.float32)
-    z = tl.load(z_rows + grp, mask=bmask, other=0.0).to(tl.float32)
-    return (b & 15).to(tl.float32) * s + z, (b >> 4).to(tl.float32) * s + z
+def _activation3(x_rows, nw_ptr, k3, mm, K, PROLOGUE: tl.constexpr):
+    """_activation (gemv.py) over a [1, NG, H] block of k offsets: [BM, NG, H] fp32 tile and its rows' sums of
+    squares (rms_norm; else zeros). x_rows [BM, 1, 1]."""
+    xmask = mm[:, None, None] & (k3 < K)
+    if PROLOGUE == 2:
+        g = tl.load(x_rows + k3, mask=xmask, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + k3, mask=xmask, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * u).to(x_rows.dtype.element_ty).to(tl.float32)
+        sq = tl.zeros_like(tl.sum(tl.sum(a, axis=2), axis=1))
+    else:
+        a = tl.load(x_rows + k3, mask=xmask, other=0.0).to(tl.float32)
+        sq = tl.sum(tl.sum(a * a, axis=2), axis=1)
+        if PROLOGUE == 1:
+            a = a * tl.load(nw_ptr + k3, mask=k3 < K, other=0.0).to(tl.float32)
+    return a, sq
 
 
 @triton.jit
-def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K, NB,
+def _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE: tl.constexpr,
+             HALF: tl.constexpr, NG: tl.constexpr):
+    """Groups [g0, g0 + NG) of BN rows: -> ([BM, BN] partial dot, [BM] sum of squares). A group's scale and min
+    multiply its two partial dots (q . a) and sum(a) once, not every weight."""
+    offs_g = g0 + tl.arange(0, NG)
+    offs_h = tl.arange(0, HALF)
+    gm = offs_g < G
+    b = tl.load(w_rows + (offs_g[:, None] * HALF + offs_h[None, :])[None, :, :],
+                mask=nm[:, None, None] & gm[None, :, None], other=0).to(tl.int32)        # [BN, NG, H] bytes
+    s = tl.load(s_rows + offs_g[None, :], mask=nm[:, None] & gm[None, :], other=0.0).to(tl.float32)   # [BN, NG]
+    z = tl.load(z_rows + offs_g[None, :], mask=nm[:, None] & gm[None, :], other=0.0).to(tl.float32)
+    k3 = (offs_g[:, None] * (2 * HALF) + offs_h[None, :])[None, :, :]                    # [1, NG, H] low k's
+    a_lo, sq_lo = _activation3(x_rows, nw_ptr, k3, mm, K, PROLOGUE)                      # [BM, NG, H]
+    a_hi, sq_hi = _activation3(x_rows, nw_ptr, k3 + HALF, mm, K, PROLOGUE)
+    qa = tl.sum(a_lo[:, None, :, :] * (b & 15).to(tl.float32)[None, :, :, :], axis=3) \
+        + tl.sum(a_hi[:, None, :, :] * (b >> 4).to(tl.float32)[None, :, :, :], axis=3)  # [BM, BN, NG]
+    sa = tl.sum(a_lo, axis=2) + tl.sum(a_hi, axis=2)                                    # [BM, NG]
+    part = tl.sum(qa * s[None, :, :] + sa[:, None, :] * z[None, :, :], axis=2)         # [BM, BN]
+    return part, sq_lo + sq_hi
+
+
+@triton.jit
+def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K, G,
                     stride_xm, stride_wn, stride_sn, stride_rm, stride_om, eps,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
-                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1] packed rows
-    s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+    x_rows = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm            # [BM, 1, 1]
+    w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn            # [BN, 1, 1] packed rows
+    s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn                  # [BN, 1]
     z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
-    offs_b = tl.arange(0, BLOCK_B)
-    w_lo, w_hi = _w4_tile(w_rows, s_rows, z_rows, offs_b, nm, NB, HALF)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    k_lo = (offs_b // HALF) * (2 * HALF) + offs_b % HALF
-    a, ss = _activation(x_rows, nw_ptr, k_lo, mm, K, PROLOGUE, BLOCK_M)
-    acc = tl.sum(a[:, None, :] * w_lo[None, :, :], axis=2)                      # [BM, BN]
-    a, sq = _activation(x_rows, nw_ptr, k_lo + HALF, mm, K, PROLOGUE, BLOCK_M)
-    acc += tl.sum(a[:, None, :] * w_hi[None, :, :], axis=2)
-    ss += sq
-    for b0 in range(BLOCK_B, NB, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        w_lo, w_hi = _w4_tile(w_rows, s_rows, z_rows, offs_b, nm, NB, HALF)
-        k_lo = (offs_b // HALF) * (2 * HALF) + offs_b % HALF
-        a, sq = _activation(x_rows, nw_ptr, k_lo, mm, K, PROLOGUE, BLOCK_M)
-        acc += tl.sum(a[:, None, :] * w_lo[None, :, :], axis=2)
-        ss += sq
-        a, sq = _activation(x_rows, nw_ptr, k_lo + HALF, mm, K, PROLOGUE, BLOCK_M)
-        acc += tl.sum(a[:, None, :] * w_hi[None, :, :], axis=2)
+    acc, ss = _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, 0, nm, mm, K, G, PROLOGUE, HALF, NG)
+    for g0 in range(NG, G, NG):
+        part, sq = _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE, HALF, NG)
+        acc += part
         ss += sq
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(ss / K + eps)[:, None]
@@ -167,9 +182,10 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
     rs = residual.stride(0) if residual is not None else 0
     if fmt == "int4":
         w, s, z = qt["qweight"], qt["scales"], qt["mins"]
+        half = int4_group(qt) // 2
         _gemv_w4_kernel[(triton.cdiv(N, bn),)](
-            x, w, s, z, *args_tail, M, N, K, w.shape[1], x.stride(0), w.stride(0), s.stride(0), rs,
-            out.stride(0), eps, HALF=int4_group(qt) // 2, BLOCK_B=bk, **common)
+            x, w, s, z, *args_tail, M, N, K, s.shape[1], x.stride(0), w.stride(0), s.stride(0), rs,
+            out.stride(0), eps, HALF=half, NG=max(1, bk // half), **common)
     else:
         w = qt["weight"]
         s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]
