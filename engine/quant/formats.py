@@ -102,11 +102,6 @@ def empty(fmt: str, N: int, K: int, device, group: int = BLOCK) -> dict[str, tor
     raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
 
 
-def weight_bytes_per_param(fmt: str | None) -> float:
-    """Approximate bytes per weight of a large matrix in the format (payload plus scales)."""
-    return {None: 2.0, "fp8": 1.0 + 4 / BLOCK**2, "int8": 1.0, "int4": 0.5 + 4 / BLOCK}[fmt]
-
-
 def quantize_activations_fp8_ref(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> fp32 values of x quantized to fp8 per row and 128-wide group (dynamic scales), dequantized."""
     M, K = x.shape
