@@ -9,6 +9,7 @@ _KERNELS = ("auto", "torch", "triton")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SPEC = (None, "ngram", "draft", "self")
 _LAYOUTS = ("paged", "contiguous")
+_QUANT = (None, "fp8", "int8", "int4")
 
 
 @dataclass
@@ -17,6 +18,12 @@ class EngineConfig:
     device: str = "auto"                # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"                 # auto: bfloat16 on cuda, float32 on cpu
     seed: int = 0                       # random weights of presets and unseeded sampling
+    quantization: str | None = None     # decoder projection weights: None (dtype), "fp8" (block-wise 128x128),
+    #                                     "int8" (per-channel), "int4" (group-wise, 128); quantized on load, or
+    #                                     detected from a pre-quantized checkpoint's quantization_config
+    int4_group_size: int = 128          # int4: weights per (scale, min) group along K: 32, 64 or 128
+    fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
+    #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: derived from the memory budget below
@@ -103,6 +110,8 @@ class EngineConfig:
         need(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}")
         need(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
              "device", "must be 'auto', 'cpu' or 'cuda[:N]'")
+        need(self.quantization in _QUANT, "quantization", f"must be one of {_QUANT}")
+        need(self.int4_group_size in (32, 64, 128), "int4_group_size", "must be 32, 64 or 128")
         need(self.speculative_method in _SPEC, "speculative_method", f"must be one of {_SPEC}")
         need(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
              "num_speculative_tokens", "must be an int in [1, 16]")

@@ -51,6 +51,7 @@ class FrontendEngine:
         self.block_size = info["block_size"]
         self.model_config = SimpleNamespace(vocab_size=info["vocab_size"])
         self.eos_token_ids = set(info["eos_token_ids"])
+        self.quantization, self.weight_summary = info["quantization"], info["weight_summary"]
         self.tokenizer = tokenizer
         self._ids = itertools.count()
 

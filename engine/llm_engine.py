@@ -18,6 +18,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
 from .output_processor import OutputProcessor
+from .quant.linear import weight_bytes
 from .outputs import RequestOutput
 from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
@@ -69,8 +70,14 @@ class LLMEngine(OutputProcessor):
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = derive_max_model_len(config, mcfg)
         spec_margin = config.num_speculative_tokens + 1 if config.speculative_method else 1
+        fp8_act = config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \
+            and torch.cuda.get_device_capability(self.device) >= (8, 9)
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
-                                 max_pos=self.max_model_len + spec_margin, seed=config.seed)
+                                 max_pos=self.max_model_len + spec_margin, seed=config.seed,
+                                 quantization=config.quantization, fp8_activations=fp8_act,
+                                 int4_group_size=config.int4_group_size)
+        self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
+        self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
             (1 if self.kernels == "triton" else 0)
         self.model.gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
@@ -350,7 +357,8 @@ class LLMEngine(OutputProcessor):
                     prefix_cache_queries=bm.total_queries, prefix_cache_hits=bm.total_hits,
                     max_model_len=self.max_model_len, block_size=self.block_size,
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
-                    kernels=self.kernels, model=self.model_name, **self.stats_total,
+                    kernels=self.kernels, model=self.model_name, quantization=self.quantization,
+                    **self.stats_total,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))
 
     def memory_stats(self) -> dict:

@@ -189,8 +189,8 @@ def test_export_csv_and_trace(client):
 
 
 def test_compare_two_configs(client):
-    msg = client.predict(True, True, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3,
-                         False, False, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3,
+    msg = client.predict(True, True, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3, "none",
+                         False, False, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3, "int8",
                          "One burst", 6, 0, 8, api_name="/compare")
     assert msg.startswith("Running"), msg
     deadline = time.time() + 120
@@ -216,6 +216,7 @@ def test_settings_validate_and_restart(client):
     from engine.config import EngineConfig
     vals = dict(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_seqs=16).to_dict())
     vals["speculative_method"] = "off"
+    vals["quantization"] = "none"
     vals["draft_model"] = ""
     bad = dict(vals, block_size=3)
     msg = client.predict(*bad.values(), api_name="/apply_settings")

@@ -129,7 +129,8 @@ def make_slo(ttft, tpot, e2el) -> M.SLO:
 CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "float16", "bfloat16"],
             "scheduling": ["continuous", "static"], "scheduling_policy": ["fcfs", "priority"],
             "kernels": ["auto", "torch", "triton"], "kv_cache_layout": ["paged", "contiguous"],
-            "speculative_method": ["off", "ngram", "draft", "self"]}
+            "speculative_method": ["off", "ngram", "draft", "self"], "quantization": ["none", "fp8", "int8", "int4"]}
+_NONE_CHOICE = {"speculative_method": "off", "quantization": "none"}   # the choice that stands for None
 _OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
 _OPTIONAL_STR = {"model", "draft_model"}
 _ZERO_IS_A_VALUE = {"gemv_max_tokens"}           # optional ints where 0 means "off", not "default"
@@ -146,6 +147,8 @@ FIELD_HELP = {
     "cpu_kv_cache_gib": "KV pool size on CPU", "enable_step_timings": "per-region timings in step events",
     "gemv_max_tokens": "empty: 1 with Triton kernels; 0 = off (cuBLAS linears, separate norm/activation kernels)",
     "enable_pdl": "Hopper+: small-batch kernels launch as programmatic dependents",
+    "quantization": "decoder weights: fp8 (128x128 blocks), int8 (per channel), int4 (groups); a pre-quantized "
+                    "checkpoint's format is detected",
 }
 
 
@@ -183,7 +186,7 @@ def config_from_form(names: list[str], values: list) -> EngineConfig:
         if kind == "bool":
             kw[name] = bool(v)
         elif kind == "choice":
-            kw[name] = None if (name == "speculative_method" and v in ("off", "", None)) else str(v)
+            kw[name] = None if (name in _NONE_CHOICE and v in (_NONE_CHOICE[name], "", None)) else str(v)
         elif kind == "opt_int":
             x = parse_num(v, name, integer=True, allow_none=True)
             kw[name] = None if x is None or (x == 0 and name not in _ZERO_IS_A_VALUE) else x
@@ -206,8 +209,8 @@ def config_form_values(cfg: EngineConfig, names: list[str]) -> list:
     kinds = {n: k for n, k, _ in config_field_specs()}
     for n in names:
         v = d[n]
-        if n == "speculative_method":
-            v = v or "off"
+        if n in _NONE_CHOICE:
+            v = v or _NONE_CHOICE[n]
         elif kinds.get(n) == "opt_str":
             v = v or ""
         out.append(v)

@@ -180,7 +180,9 @@ class EngineHost:
             return f"engine {self.state}"
         eng = loop.engine
         return (f"{getattr(eng, 'model_name', self.config.model)} · {getattr(eng, 'device', '?')} · "
-                f"{str(getattr(eng, 'dtype', '')).replace('torch.', '')} · {getattr(eng, 'kernels', '')} kernels · "
+                f"{str(getattr(eng, 'dtype', '')).replace('torch.', '')} · "
+                f"{getattr(eng, 'quantization', None) or 'unquantized'} weights · "
+                f"{getattr(eng, 'kernels', '')} kernels · "
                 f"{eng.num_blocks} KV blocks × {eng.block_size} tokens · max_model_len "
                 f"{getattr(eng, 'max_model_len', '?')}")
 
@@ -214,6 +216,11 @@ class EngineHost:
         snap = self.recorder.snapshot(kv=kv)
         names = [n for n in F.SPECS if n != "timeline_step" or time.monotonic() < self.want_step_axis_until]
         specs = F.build_specs(snap, names)
+        eng = loop.engine if loop is not None else None
+        try:
+            specs["weights"] = F.weights_spec(getattr(eng, "weight_summary", None), getattr(eng, "quantization", None))
+        except Exception as e:
+            specs["weights"] = F.error_spec("Model weights", e)
         plots, hashes = {}, {}
         for name, spec in specs.items():
             try:

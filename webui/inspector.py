@@ -32,20 +32,21 @@ def inspector_tab(host: EngineHost) -> None:
         p_mem = gr.Plot(label="Memory", show_label=False, elem_id="kv-plot-memory")
         p_lat = gr.Plot(label="Latency", show_label=False, elem_id="kv-plot-latency")
         p_timings = gr.Plot(label="Step timings", show_label=False, elem_id="kv-plot-timings")
+        p_weights = gr.Plot(label="Model weights", show_label=False, elem_id="kv-plot-weights")
         with gr.Row():
             prof_btn = gr.Button("Profile one step (torch.profiler)", elem_id="kv-profile")
             prof_msg = gr.Markdown()
         p_prof = gr.Plot(label="Profile", show_label=False, visible=False, elem_id="kv-plot-profile")
         p_spec = gr.Plot(label="Speculative decoding", show_label=False, elem_id="kv-plot-spec")
         sent = gr.State({})
-        outs = [p_block, p_table, p_timeline, p_tp, p_mem, p_lat, p_timings, p_spec, req_dd, insp_info, sent]
+        outs = [p_block, p_table, p_timeline, p_tp, p_mem, p_lat, p_timings, p_spec, p_weights, req_dd, insp_info, sent]
 
         def inspector_fn(selected, ax, is_live, sent_state, force=False):
             """Timer handler: read the producer's latest snapshot; send only what changed."""
             pub = host.published
             sent_state = dict(sent_state or {})
             if (not is_live and not force) or pub.snapshot is None:
-                return (*[gr.skip()] * 10, sent_state)
+                return (*[gr.skip()] * (len(outs) - 1), sent_state)
             res = []
 
             def send(key, sig, make):
@@ -77,7 +78,7 @@ def inspector_tab(host: EngineHost) -> None:
                     res.append(send("timeline", (tl, pub.hashes.get(tl)), lambda: plot(pub.plots[tl])))
             else:
                 res.append(send("timeline", (tl, pub.hashes.get(tl)), lambda: plot(pub.plots[tl])))
-            for name in ("throughput", "memory", "latency", "timings", "spec"):
+            for name in ("throughput", "memory", "latency", "timings", "spec", "weights"):
                 res.append(send(name, pub.hashes.get(name), lambda n=name: plot(pub.plots[n])))
             snap = pub.snapshot
             holding = sorted((pub.kv or {}).get("block_tables", {}).keys())

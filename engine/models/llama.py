@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..kernels.metadata import AttentionMetadata
+from ..quant.linear import fused_linear
 from ..timing import NullTimer
 from .config import ModelConfig
 
@@ -68,9 +69,10 @@ class Attention(nn.Module):
                             pdl: bool) -> torch.Tensor:
         """h [T, hidden] residual stream -> attention output [T, H * D]: RMSNorm, q/k/v, RoPE and the KV store
         in one fused linear (two kernels with q/k norm), then attention."""
-        if self.qk_norm:                                        # the head norm sits between projection and RoPE
-            qkv = self.ops.fused_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, prologue="rms_norm",
-                                        norm_weight=norm.weight, eps=norm.eps, pdl=pdl)
+        # the head norm sits between projection and RoPE; a quantized qkv has no RoPE/store epilogue
+        if self.qk_norm or not isinstance(self.qkv_proj, nn.Linear):
+            qkv = fused_linear(self.ops, self.qkv_proj, h, prologue="rms_norm", norm_weight=norm.weight,
+                               eps=norm.eps, pdl=pdl)
             return self.attend(qkv, md, cos_sin, pdl).reshape(h.shape[0], self.h * self.d)
         q = self.ops.fused_qkv_rope_store(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps,
                                           self.h, self.hk, md.positions, cos_sin, self.k_cache, self.v_cache,
@@ -172,11 +174,11 @@ class LlamaForCausalLM(nn.Module):
             a, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             with t.region("attention"):
                 o = a.forward_small_batch(h, ln1, md, self.cos_sin, pdl)    # [T, H * D]
-                h = ops.fused_linear(o, a.o_proj.weight, residual=h, pdl=pdl)
+                h = fused_linear(ops, a.o_proj, o, residual=h, pdl=pdl)
             with t.region("mlp"):
-                gu = ops.fused_linear(h, mlp.gate_up_proj.weight, prologue="rms_norm", norm_weight=ln2.weight,
-                                      eps=ln2.eps, pdl=pdl)
-                h = ops.fused_linear(gu, mlp.down_proj.weight, prologue="silu_mul", residual=h, pdl=pdl)
+                gu = fused_linear(ops, mlp.gate_up_proj, h, prologue="rms_norm", norm_weight=ln2.weight,
+                                  eps=ln2.eps, pdl=pdl)
+                h = fused_linear(ops, mlp.down_proj, gu, prologue="silu_mul", residual=h, pdl=pdl)
         with t.region("norms"):
             x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)
         return x

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+from ..quant.checkpoint import checkpoint_format, skip_tensor
+from ..quant.formats import ROW_BLOCKED
+from ..quant.linear import prepare_model, quantize_model
 from .bundled import DEFAULT_CACHE, ensure_bundled
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -61,12 +64,12 @@ def _fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     h, hk, d, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, cfg.intermediate_size
     del d
     out = {}
-    for kind in ("weight", "bias"):
+    for kind in ("weight", "bias", "weight_scale", "weight_scale_inv"):   # the last two: pre-quantized
         out[f"self_attn.q_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", 0, h)
         out[f"self_attn.k_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", h, hk)
         out[f"self_attn.v_proj.{kind}"] = (f"self_attn.qkv_proj.{kind}", h + hk, hk)
-    out["mlp.gate_proj.weight"] = ("mlp.gate_up_proj.weight", 0, i)
-    out["mlp.up_proj.weight"] = ("mlp.gate_up_proj.weight", i, i)
+        out[f"mlp.gate_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", 0, i)
+        out[f"mlp.up_proj.{kind}"] = (f"mlp.gate_up_proj.{kind}", i, i)
     return out
 
 
@@ -86,6 +89,8 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                 if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                     continue
                 tensor = sf.get_tensor(name)
+                if skip_tensor(name, tensor):
+                    continue
                 target, off, rows = name, 0, None
                 if name.startswith("model.layers."):
                     prefix, rest = name.split(".", 3)[:3], name.split(".", 3)[3]
@@ -95,6 +100,17 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                 if target not in params:
                     raise ValueError(f"model: unexpected weight {name!r} in {f.name}")
                 p = params[target]
+                if p.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) and tensor.dtype != p.dtype:
+                    raise ValueError(f"model: weight {name!r} is {tensor.dtype}, the checkpoint's "
+                                     f"quantization_config says {p.dtype}")
+                if rows is not None and target.rsplit(".", 1)[1] in ROW_BLOCKED:   # block scales: rows / block
+                    blk = ROW_BLOCKED[target.rsplit(".", 1)[1]]
+                    if off % blk:
+                        raise ValueError(f"model: {name!r} starts at row {off} of a fused projection, not on a "
+                                         f"{blk}-row scale block")
+                    p[off // blk:off // blk + tensor.shape[0]].copy_(tensor)
+                    loaded.add(f"{target}@{off}")
+                    continue
                 if rows is None:
                     if tuple(p.shape) != tuple(tensor.shape):
                         raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, "
@@ -123,6 +139,8 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
 def init_random(model: LlamaForCausalLM, seed: int) -> None:
     """Deterministic random weights: N(0, 0.02) for matrices and biases, ones for norms."""
     for idx, (name, p) in enumerate(sorted(model.named_parameters())):
+        if not p.is_floating_point() or p.element_size() == 1:
+            raise ValueError(f"model: random init of quantized parameter {name!r}: quantize after init")
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:
@@ -130,12 +148,28 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+def resolve_quantization(hf_cfg: dict, weights: Path | None, quantization: str | None) -> tuple[str | None, bool]:
+    """-> (the weight format, whether the checkpoint is pre-quantized): EngineConfig.quantization, or the one a
+    checkpoint's quantization_config names (detected; the two must agree)."""
+    pre = checkpoint_format(hf_cfg) if weights is not None else None
+    if pre is not None and quantization not in (None, pre):
+        raise ValueError(f"EngineConfig.quantization: the checkpoint is pre-quantized as {pre!r}; "
+                         f"use None or {pre!r} (got {quantization!r})")
+    return pre or quantization, pre is not None
+
+
 def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, dtype: torch.dtype,
-                max_pos: int, seed: int) -> LlamaForCausalLM:
+                max_pos: int, seed: int, quantization: str | None = None,
+                fp8_activations: bool = False, int4_group_size: int = 128) -> LlamaForCausalLM:
+    """quantization: quantize the decoder projections on load ("fp8" | "int8" | "int4"), unless the checkpoint
+    is pre-quantized (then its format is used); fp8_activations, int4_group_size: see EngineConfig."""
     cfg = ModelConfig.from_hf(hf_cfg)
+    fmt, prequantized = resolve_quantization(hf_cfg, weights, quantization)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops, max_pos=1)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(cfg, ops, max_pos=1).to(dtype)
+        if prequantized:                     # quantized parameters from the start: no float copy is allocated
+            prepare_model(model, fmt, ops.name, fp8_activations)
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     from .llama import rope_cos_sin
@@ -144,4 +178,7 @@ def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, d
         init_random(model, seed)
     else:
         load_weights(model, weights)
+    if fmt is not None and not prequantized:
+        quantize_model(model, fmt, ops.name, fp8_activations, int4_group_size)
+    model.quantization = fmt
     return model.eval()

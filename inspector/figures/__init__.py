@@ -22,6 +22,7 @@ Modules, one concern each:
 - `latency`      latency histograms and throughput / KV usage over time
 - `lessons`      one chart per lesson result (inspector.lessons)
 - `memory`       allocated / KV reserved / KV used memory over time
+- `weights`      model weight bytes per layer and dtype (quantization)
 - `registry`     `SPECS`, `TITLES`, `build_specs`, `build_all`
 
 The public names are re-exported here, so `from inspector import figures as F; F.timeline_spec(...)` works.
@@ -43,3 +44,4 @@ from inspector.figures.style import (CACHED_COLOR, CATEGORY_COLORS, FONT, FREE_C
 from inspector.figures.timeline import timeline_figure, timeline_spec  # noqa: F401
 from inspector.figures.timings import (REGION_ORDER, SUBREGIONS, profile_figure, profile_spec,  # noqa: F401
                                        step_regions, timings_figure, timings_spec)
+from inspector.figures.weights import weights_figure, weights_spec  # noqa: F401

@@ -1,0 +1,1 @@
+"""Quantized weights: formats (quantize / dequantize references), QuantLinear, checkpoint detection."""

@@ -1,0 +1,111 @@
+"""Weight formats and their torch references: quantize a [N, K] float weight, dequantize it back.
+
+- fp8:  float8_e4m3fn weight [N, K] and one fp32 scale per 128x128 block, `weight_scale_inv`
+        [ceil(N/128), ceil(K/128)] (w = q * scale; the layout of the published Qwen3/DeepSeek FP8 checkpoints).
+- int8: symmetric per-output-channel int8 weight [N, K] and fp32 `weight_scale` [N, 1] (w = q * scale; the
+        compressed-tensors w8a8 layout).
+- int4: asymmetric group-wise 4-bit along K, groups of G (128 by default; 32 or 64): `qweight` uint8 [N, Kp / 2]
+        (Kp = K rounded up to G) holding two codes per byte, `scales` and `mins` fp16 [N, Kp / G]
+        (w = q * scale + min, q in 0..15). Byte i of group g holds k = G g + i in its low nibble and
+        k = G g + G / 2 + i in its high one, so a kernel reads a group as two contiguous halves of the
+        activation. G is implied by the shapes (int4_group).
+"""
+from __future__ import annotations
+
+import torch
+
+FORMATS = ("fp8", "int8", "int4")
+BLOCK = 128                     # fp8 block edge; int4 group size
+FP8_MAX = 448.0                 # largest float8_e4m3fn
+FP8_DTYPE = torch.float8_e4m3fn
+# checkpoint parameters whose rows cover BLOCK weight rows (a fused q|k|v or gate|up concatenates them at /BLOCK)
+ROW_BLOCKED = {"weight_scale_inv": BLOCK}
+
+
+def _pad_to(w: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    N, K = w.shape
+    if (rows, cols) == (N, K):
+        return w
+    return torch.nn.functional.pad(w, (0, cols - K, 0, rows - N), value=value)
+
+
+INT4_GROUPS = (32, 64, 128)
+
+
+def int4_group(tensors: dict[str, torch.Tensor]) -> int:
+    return 2 * tensors["qweight"].shape[1] // tensors["scales"].shape[1]
+
+
+def quantize(w: torch.Tensor, fmt: str, group: int = BLOCK) -> dict[str, torch.Tensor]:
+    """[N, K] float weight -> the format's tensors (on w's device), named as QuantLinear's parameters.
+    group: the int4 group size."""
+    w = w.detach().float()
+    N, K = w.shape
+    if fmt == "int8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)         # [N, 1]
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        return {"weight": q, "weight_scale": scale}
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    if fmt == "fp8":
+        blocks = _pad_to(w, nb * BLOCK, kb * BLOCK).view(nb, BLOCK, kb, BLOCK)
+        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)          # [nb, kb]
+        full = scale.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+        q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return {"weight": q, "weight_scale_inv": scale}
+    if fmt == "int4":
+        kb = -(-K // group)
+        g = _pad_to(w, N, kb * group).view(N, kb, group)                               # [N, groups, G]
+        valid = (torch.arange(kb * group, device=w.device) < K).view(1, kb, group)
+        mn = torch.where(valid, g, torch.inf).amin(dim=2)
+        mx = torch.where(valid, g, -torch.inf).amax(dim=2)
+        scales = ((mx - mn) / 15.0).clamp(min=1e-6).half()                           # [N, G]
+        mins = mn.half()
+        q = torch.round((g - mins.float()[..., None]) / scales.float()[..., None]).clamp(0, 15).to(torch.uint8)
+        packed = q[..., :group // 2] | (q[..., group // 2:] << 4)                    # [N, groups, G / 2]
+        return {"qweight": packed.reshape(N, kb * group // 2), "scales": scales, "mins": mins}
+    raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
+
+
+def dequantize(fmt: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The format's tensors -> the [N, K] weight they stand for, in dtype (computed in fp32)."""
+    N, K = shape
+    if fmt == "int8":
+        w = tensors["weight"].float() * tensors["weight_scale"].float().view(N, 1)
+    elif fmt == "fp8":
+        s = tensors["weight_scale_inv"].float()
+        full = s.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+        w = tensors["weight"].float() * full
+    elif fmt == "int4":
+        p = tensors["qweight"].view(N, -1, int4_group(tensors) // 2)                   # [N, groups, G / 2]
+        q = torch.cat((p & 15, p >> 4), dim=2).float()                                 # [N, groups, G]
+        w = (q * tensors["scales"].float()[..., None] + tensors["mins"].float()[..., None]).view(N, -1)[:, :K]
+    else:
+        raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
+    return w.to(dtype)
+
+
+def empty(fmt: str, N: int, K: int, device, group: int = BLOCK) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors of the format for an [N, K] weight (a pre-quantized checkpoint fills them)."""
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    if fmt == "int8":
+        return {"weight": torch.empty(N, K, dtype=torch.int8, device=device),
+                "weight_scale": torch.empty(N, 1, dtype=torch.float32, device=device)}
+    if fmt == "fp8":
+        return {"weight": torch.empty(N, K, dtype=FP8_DTYPE, device=device),
+                "weight_scale_inv": torch.empty(nb, kb, dtype=torch.float32, device=device)}
+    if fmt == "int4":
+        kb = -(-K // group)
+        return {"qweight": torch.empty(N, kb * group // 2, dtype=torch.uint8, device=device),
+                "scales": torch.empty(N, kb, dtype=torch.float16, device=device),
+                "mins": torch.empty(N, kb, dtype=torch.float16, device=device)}
+    raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
+
+
+def quantize_activations_fp8_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> fp32 values of x quantized to fp8 per row and 128-wide group (dynamic scales), dequantized."""
+    M, K = x.shape
+    kb = -(-K // BLOCK)
+    g = _pad_to(x.float(), M, kb * BLOCK).view(M, kb, BLOCK)
+    s = g.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return ((g / s).to(FP8_DTYPE).float() * s).view(M, -1)[:, :K]

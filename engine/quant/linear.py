@@ -1,0 +1,134 @@
+"""QuantLinear: a linear layer over a quantized weight, and the model-wide swap from nn.Linear.
+
+The kernels it runs (by EngineConfig.kernels): triton -> the fused dequantizing GEMV for decode steps
+(kernels/quant_gemv.py) and the dequantizing GEMM above that (kernels/quant_gemm.py); torch (the CPU path)
+-> dequantize, then F.linear. Only the decoder layers' projections are quantized; embeddings, norms and
+lm_head stay in the model dtype, as in the published FP8 / w8a8 checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import formats
+
+# the projections a decoder layer quantizes (module paths inside model.model.layers[i])
+QUANTIZED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, fmt: str, in_features: int, out_features: int, bias: torch.Tensor | None, device,
+                 tensors: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
+        self.kernels = "torch"           # "triton": the Triton kernels (set by quantize_model / prepare_model)
+        self.act_fp8 = False             # fp8 GEMM: activations quantized per token-group, FP8 tensor cores
+        tensors = tensors if tensors is not None else formats.empty(fmt, out_features, in_features, device)
+        for name, t in tensors.items():
+            self.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        self.bias = bias
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.named_parameters(recurse=False) if n != "bias"}
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The [N, K] weight this layer stands for (the reference its kernels are tested against)."""
+        return formats.dequantize(self.fmt, self.tensors(), self.shape, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N]."""
+        if self.kernels != "triton":
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        from ..kernels.quant_gemm import quant_matmul
+        return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, act_fp8=self.act_fp8)
+
+    def fused(self, x: torch.Tensor, *, prologue: str | None = None, norm_weight: torch.Tensor | None = None,
+              eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+        """ops.fused_linear's contract (kernels/gemv.py) over this layer's weight and bias."""
+        if self.kernels != "triton":
+            from ..kernels import torch_ops
+            return torch_ops.fused_linear(x, self.dequantize(x.dtype), self.bias, prologue=prologue,
+                                          norm_weight=norm_weight, eps=eps, residual=residual)
+        from ..kernels.quant_gemv import quant_fused_linear
+        return quant_fused_linear(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
+                                  norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl)
+
+    def extra_repr(self) -> str:
+        return f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def fused_linear(ops, layer: nn.Module, x: torch.Tensor, **fusions) -> torch.Tensor:
+    """ops.fused_linear over a plain or a quantized linear layer."""
+    if isinstance(layer, QuantLinear):
+        return layer.fused(x, **fusions)
+    return ops.fused_linear(x, layer.weight, layer.bias, **fusions)
+
+
+def _layer_linears(model):
+    for layer in model.model.layers:
+        for path in QUANTIZED:
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            yield parent, attr, getattr(parent, attr)
+
+
+def _set_kernels(model, kernels: str, act_fp8: bool) -> None:
+    for _, _, lin in _layer_linears(model):
+        lin.kernels = kernels
+        lin.act_fp8 = act_fp8 and lin.fmt == "fp8"
+
+
+@torch.no_grad()
+def quantize_model(model, fmt: str, kernels: str, act_fp8: bool = False, group: int = formats.BLOCK) -> None:
+    """Quantize the decoder projections in place, one at a time (the float weight is freed as each goes).
+    group: the int4 group size."""
+    for parent, attr, lin in _layer_linears(model):
+        if isinstance(lin, QuantLinear):
+            continue
+        q = QuantLinear(fmt, lin.in_features, lin.out_features, lin.bias, lin.weight.device,
+                        formats.quantize(lin.weight, fmt, group))
+        setattr(parent, attr, q)
+        del lin
+    _set_kernels(model, kernels, act_fp8)
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()          # the freed float weights go back to the driver: sizing sees them
+
+
+def prepare_model(model, fmt: str, kernels: str, act_fp8: bool = False) -> None:
+    """Swap the decoder projections for empty QuantLinears that a pre-quantized checkpoint fills."""
+    for parent, attr, lin in _layer_linears(model):
+        setattr(parent, attr, QuantLinear(fmt, lin.in_features, lin.out_features, lin.bias, lin.weight.device))
+    _set_kernels(model, kernels, act_fp8)
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def weight_bytes(model) -> dict:
+    """The model's parameter bytes: by dtype, and per decoder layer by dtype (tied weights counted once)."""
+    seen: set[int] = set()
+
+    def tally(module, out: dict) -> None:
+        for p in module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            key = str(p.dtype).replace("torch.", "")
+            out[key] = out.get(key, 0) + p.numel() * p.element_size()
+
+    per_layer = []
+    for layer in model.model.layers:
+        d: dict = {}
+        tally(layer, d)
+        per_layer.append(d)
+    other: dict = {}
+    tally(model, other)                    # what is left: embeddings, final norm, lm_head (if untied)
+    total: dict = dict(other)
+    for d in per_layer:
+        for k, v in d.items():
+            total[k] = total.get(k, 0) + v
+    return {"by_dtype": total, "per_layer": per_layer, "other": other, "total": sum(total.values())}

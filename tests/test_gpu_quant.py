@@ -1,0 +1,80 @@
+"""GPU-only: the quantized-weight kernels at 8B sizes against their references, the quantized model on the
+Triton path against the torch path, and the KV pool growing as the weights shrink (skipped on CPU)."""
+import gc
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
+from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref
+from engine.quant.formats import quantize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_kernels_full_size(fmt):
+    torch.manual_seed(0)
+    for name, (N, K) in SHAPES.items():
+        w = torch.randn(N, K, device="cuda") * 0.02
+        t = quantize(w, fmt)
+        for M, prologue in ((1, "rms_norm"), (4, "silu_mul"), (1, None)):
+            x = torch.randn(M, 2 * K if prologue == "silu_mul" else K, device="cuda", dtype=torch.bfloat16)
+            kw = dict(prologue=prologue, norm_weight=torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5,
+                      residual=torch.randn(M, N, device="cuda", dtype=torch.bfloat16))
+            y = quant_fused_linear(x, fmt, t, (N, K), **kw)
+            ref = quant_fused_linear_ref(x.float(), fmt, t, (N, K), **{**kw, "norm_weight": kw["norm_weight"].float(),
+                                                                      "residual": kw["residual"].float()})
+            assert _rel(y, ref) < 1e-2, (name, M, prologue)
+        for M in (17, 300):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = quant_matmul_ref(x.float(), fmt, t, (N, K))
+            assert _rel(quant_matmul(x, fmt, t, (N, K)), ref) < 1e-2, (name, M)
+            if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
+                y = quant_matmul(x, fmt, t, (N, K), act_fp8=True)
+                assert _rel(y, quant_matmul_ref(x.float(), fmt, t, (N, K), act_fp8=True)) < 1e-2, (name, M)
+                assert _rel(y, ref) < 0.06, (name, M)            # fp8 activations: ~2^-4 per element
+
+
+def _run(**cfg):
+    eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", max_model_len=512, max_num_seqs=8,
+                    max_num_batched_tokens=256, num_kv_blocks=256, **cfg)
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 300, 37, 1):
+        eng.add_request(torch.randint(0, 150000, (n,), generator=g).tolist(),
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    eng.close()
+    return [outs[k] for k in sorted(outs)]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quantized_triton_graphs_match_torch_fp32(fmt):
+    """fp32 weights-only: the fused GEMV (decode, CUDA graphs) and GEMM (prefill) match dequantize + matmul."""
+    ref = _run(dtype="float32", quantization=fmt, kernels="torch", enable_cuda_graphs=False)
+    got = _run(dtype="float32", quantization=fmt, kernels="triton", fp8_activations=False)
+    # the first token comes from the prefill (GEMM), the second from a graphed decode (fused GEMV); later tokens
+    # may part after a near-tie of random weights
+    assert [r[:2] for r in ref] == [g[:2] for g in got]
+
+
+def test_kv_pool_grows_with_smaller_weights():
+    blocks = {}
+    for fmt in (None, "int4"):
+        eng = LLMEngine(model="dummy:llama-3.2-1b", device="cuda", max_model_len=1024, quantization=fmt,
+                        enable_cuda_graphs=False)
+        blocks[fmt] = eng.num_blocks
+        eng.close()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert blocks["int4"] > blocks[None], blocks
