@@ -57,6 +57,8 @@ class StepEvent:
     num_decode_steps: int = 1        # > 1: a multi-step decode (each request computed this many tokens)
     spec: dict | None = None         # {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
     #                                   "accepted_per_pos": list[int]} when speculative decoding ran
+    rank_timings: dict[int, dict[str, float]] | None = None   # tensor parallelism: the other ranks' forward
+    #                                   regions (seconds, incl. all_reduce), by rank; rank 0's are in timings
     kind: str = "step"
 
     def to_dict(self) -> dict:

@@ -13,6 +13,8 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
+from .distributed.parallel_state import SINGLE
+from .distributed.start import parallel_layout, start_workers
 from .kernels.ops import get_ops, pdl_supported
 from .model_runner import ModelRunner
 from .models.config import ModelConfig
@@ -69,13 +71,30 @@ class LLMEngine(OutputProcessor):
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = derive_max_model_len(config, mcfg)
         spec_margin = config.num_speculative_tokens + 1 if config.speculative_method else 1
-        self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
-                                 max_pos=self.max_model_len + spec_margin, seed=config.seed)
-        self.model.gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
+        gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
             (1 if self.kernels == "triton" else 0)
-        self.model.gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
+        gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
+        self.executor = None
+        if config.tensor_parallel_size > 1:
+            self.executor = start_workers(config, hf_cfg, weights, self.device, self.dtype, self.kernels,
+                                          self.max_model_len + spec_margin, gemv_max_tokens, gemv_pdl)
+        try:
+            self._build(config, hf_cfg, weights, tok_folder, mcfg, spec_margin, gemv_max_tokens, gemv_pdl)
+        except BaseException:
+            self.stop_workers()
+            raise
+
+    def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelConfig,
+               spec_margin: int, gemv_max_tokens: int, gemv_pdl: bool) -> None:
+        ex = self.executor
+        self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
+                                 max_pos=self.max_model_len + spec_margin, seed=config.seed,
+                                 tp=ex.tp if ex is not None else SINGLE)
+        self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
+        if ex is not None:
+            ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
-        self.num_blocks = derive_num_blocks(config, mcfg, self.device, self.dtype)
+        self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype)   # this rank's heads
         self.block_size = config.block_size
         cap = (self.num_blocks - 1) * config.block_size
         if cap < self.max_model_len:
@@ -94,7 +113,12 @@ class LLMEngine(OutputProcessor):
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
                                   self.max_model_len + spec_margin)
+        if ex is not None:
+            ex.send("cache", self.num_blocks, self.max_model_len + spec_margin)
+            self.runner.executor = ex
         self.runner.warmup()
+        if ex is not None:
+            ex.send("warmup")
         self.detok = Detokenizer(self.tokenizer)
         self.events = EventBus()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -113,6 +137,8 @@ class LLMEngine(OutputProcessor):
         if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
             from .cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
+            if ex is not None:
+                ex.send("capture")                  # every rank captures the same graphs, collectives included
             self.runner.graphs.capture()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -244,6 +270,8 @@ class LLMEngine(OutputProcessor):
         else:
             outputs_tokens, lp_rows = self._sample(sched, sample_mask, logits)
         t_sample = time.perf_counter()
+        if self.executor is not None:
+            self.executor.check()               # a rank that died mid-step leaves these tokens meaningless
         outputs, finished = self._postprocess(sched, sample_mask, outputs_tokens, lp_rows)
         t_end = time.perf_counter()
         self.step_index += 1
@@ -253,7 +281,8 @@ class LLMEngine(OutputProcessor):
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_fwd, "postprocess": t_end - t_sample}
             timings.update({k: v for k, v in timer.collect().items()})
-            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False))
+            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False),
+                            rank_timings=self.collect_rank_timings())
         else:
             self.block_manager.pop_step_stats()
         return outputs
@@ -309,7 +338,8 @@ class LLMEngine(OutputProcessor):
         return "decode" if not self.config.enable_kv_cache and start == 0 and n == seq.num_tokens else "prefill"
 
     def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str],
-                   timings: dict, cuda_graph: bool = False, num_decode_steps: int = 1):
+                   timings: dict, cuda_graph: bool = False, num_decode_steps: int = 1,
+                   rank_timings: dict | None = None):
         scheduled = []
         n_pre = n_dec = 0
         for seq, n, start, k, phase, total in zip(sched.seqs, sched.num_new_tokens, sched.computed_before,
@@ -327,6 +357,7 @@ class LLMEngine(OutputProcessor):
             preempted=[s.request_id for s in sched.preempted], finished=finished,
             kv_usage=self.block_manager.usage, num_blocks=self.num_blocks,
             timings=timings, cuda_graph=cuda_graph, num_decode_steps=num_decode_steps, spec=spec,
+            rank_timings=rank_timings,
             **self.block_manager.pop_step_stats()))
 
     # ---- introspection -------------------------------------------------------------------------
@@ -340,6 +371,8 @@ class LLMEngine(OutputProcessor):
                     max_model_len=self.max_model_len, block_size=self.block_size,
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     kernels=self.kernels, model=self.model_name, **self.stats_total,
+                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    parallel_layout=parallel_layout(self.config.tensor_parallel_size, self.device),
                     **(self.drafter.total_stats() if self.drafter is not None else {}))
 
     def kv_snapshot(self) -> dict:
@@ -349,11 +382,28 @@ class LLMEngine(OutputProcessor):
         return dict(num_blocks=self.num_blocks, block_size=self.block_size, ref_counts=list(pool.ref_counts),
                     cached=[h is not None for h in pool.block_hash], block_tables=tables)
 
+    def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
+        """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""
+        if self.executor is None:
+            return None
+        ahead = self._inflight
+        return self.executor.collect_timings(keep=ahead.K if ahead is not None else 0)
+
+    def stop_workers(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing without tensor parallelism); the engine cannot
+        step afterwards."""
+        ex, self.executor = self.executor, None
+        if ex is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.executor = None
+            ex.shutdown()
+
     def close(self) -> None:
         """Release the KV pool, graphs and weights now (engines otherwise wait for the garbage collector)."""
         import gc
         for seq in list(self.seqs.values()):
             self.abort_request(seq.request_id)
+        self.stop_workers()
         self.runner.graphs = None
         self._inflight = None
         self.drafter = None                     # a draft model and its KV pool go with it

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.parallel_state import SINGLE, TensorParallel
+from ..distributed.sharding import ShardLayout, init_dummy, local_config, read_shard, shard_layout
 from .bundled import DEFAULT_CACHE, ensure_bundled
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -71,7 +73,8 @@ def _fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+def load_weights(model: LlamaForCausalLM, folder: Path, layout: ShardLayout | None = None) -> None:
+    """Copy the safetensors weights in; with a layout, read only that rank's slices."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -85,8 +88,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     continue
                 if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                     continue
-                tensor = sf.get_tensor(name)
-                target, off, rows = name, 0, None
+                target, off, rows, rest = name, 0, None, name
                 if name.startswith("model.layers."):
                     prefix, rest = name.split(".", 3)[:3], name.split(".", 3)[3]
                     if rest in fused:
@@ -94,6 +96,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                         target = ".".join(prefix) + "." + our
                 if target not in params:
                     raise ValueError(f"model: unexpected weight {name!r} in {f.name}")
+                tensor = read_shard(sf, name, rest, model.cfg, layout)
                 p = params[target]
                 if rows is None:
                     if tuple(p.shape) != tuple(tensor.shape):
@@ -119,29 +122,23 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
         raise ValueError(f"model: {len(missing)} weights missing from {folder}, e.g. {missing[:3]}")
 
 
-@torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """Deterministic random weights: N(0, 0.02) for matrices and biases, ones for norms."""
-    for idx, (name, p) in enumerate(sorted(model.named_parameters())):
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + idx)
-            p.normal_(0.0, 0.02, generator=gen)
-
-
 def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, dtype: torch.dtype,
-                max_pos: int, seed: int) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_hf(hf_cfg)
+                max_pos: int, seed: int, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """The model (or, with tp.size > 1, this rank's shard of it); random weights (sharding.init_dummy) are the
+    same full model for every tensor_parallel_size."""
+    full = ModelConfig.from_hf(hf_cfg)
+    layout = shard_layout(full, tp.size, tp.rank)
+    cfg = full if tp.size == 1 else local_config(full, layout)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops, max_pos=1)
+        model = LlamaForCausalLM(cfg, ops, max_pos=1, tp=tp)
+    model.vocab_size, model.vocab_start = full.vocab_size, layout.v_start
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     from .llama import rope_cos_sin
     model.cos_sin = rope_cos_sin(cfg, max_pos).to(device)
     if weights is None:
-        init_random(model, seed)
+        init_dummy(model, full, layout, seed)
     else:
-        load_weights(model, weights)
+        load_weights(model, weights, layout if tp.size > 1 else None)
     return model.eval()
