@@ -121,7 +121,10 @@ class TPExecutor:
                     self.check()
                 if time.monotonic() > deadline:
                     raise RankFailure(f"tensor parallel: rank {i + 1} sent no {kind!r} in {JOIN_TIMEOUT_S} s")
-            msg = c.recv()
+            try:
+                msg = c.recv()
+            except EOFError as e:
+                raise self.explain(e) from e
             if msg[0] == "error":
                 raise RankFailure(f"tensor parallel: rank {i + 1} failed: {msg[1].strip().splitlines()[-1]}")
             if msg[0] != kind:

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -74,7 +75,8 @@ def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
     store = torch.distributed.TCPStore("127.0.0.1", port, size, False)
     tp: TensorParallel = init_group(rank, size, store, device)
     ops = get_ops(args["kernels"])
-    model = build_model(args["hf_config"], args["weights"], ops, device, dtype, max_pos=args["max_pos"],
+    weights = None if args["weights"] is None else Path(args["weights"])
+    model = build_model(args["hf_config"], weights, ops, device, dtype, max_pos=args["max_pos"],
                         seed=config.seed, tp=tp)
     model.gemv_max_tokens, model.gemv_pdl = args["gemv_max_tokens"], args["gemv_pdl"]
     conn.send(("loaded",))
