@@ -13,6 +13,8 @@ from engine.async_engine import EngineLoop
 from engine.distributed.parallel_state import TensorParallel
 from engine.kernels.ops import get_ops
 from engine.models.loader import build_model, resolve
+from inspector.figures.timings import timings_spec
+from inspector.recorder import Recorder
 
 CHATS = ["What is the capital of France?", "Count from one to ten in words, separated by commas, please."]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -128,16 +130,19 @@ def test_tiny_tp2_multi_step_and_rank_timings():
                max_num_batched_tokens=32)
     ref = run(LLMEngine(**cfg), prompts, GREEDY)
     eng = LLMEngine(tensor_parallel_size=2, **cfg)
-    steps = []
-    eng.events.subscribe(lambda e: steps.append(e) if getattr(e, "kind", "") == "step" else None)
+    rec = Recorder().attach(eng.events)
     try:
         out = run(eng, prompts, GREEDY)
     finally:
         eng.close()
     assert out == ref
+    steps = rec.snapshot().steps
     assert any(s.num_decode_steps > 1 for s in steps)
     assert all(s.timings.get("all_reduce", 0) > 0 for s in steps)
     assert all(s.rank_timings and s.rank_timings[1].get("all_reduce", 0) > 0 for s in steps)
+    fig = timings_spec(rec.snapshot())
+    names = {t.get("name") for t in fig["data"]}
+    assert {"all_reduce", "rank 0 model", "rank 1 model", "rank 1 all-reduce + gather"} <= names
 
 
 def test_killed_worker_fails_requests_clearly_and_leaves_no_process():

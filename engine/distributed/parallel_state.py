@@ -58,7 +58,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def init_group(rank: int, size: int, store: "torch.distributed.Store", device: torch.device) -> TensorParallel:
     """Join the engine's process group. NVLink multicast (NVLS) stays off: it is not available on the lent
     multi-GPU machines, and nothing here calls cuMulticastCreate."""
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
