@@ -75,6 +75,7 @@ class LLMEngine(OutputProcessor):
             (1 if self.kernels == "triton" else 0)
         gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
         self.executor = None
+        self.parallel_layout = parallel_layout(config.tensor_parallel_size, self.device)
         if config.tensor_parallel_size > 1:
             self.executor = start_workers(config, hf_cfg, weights, self.device, self.dtype, self.kernels,
                                           self.max_model_len + spec_margin, gemv_max_tokens, gemv_pdl)
@@ -372,7 +373,7 @@ class LLMEngine(OutputProcessor):
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     kernels=self.kernels, model=self.model_name, **self.stats_total,
                     tensor_parallel_size=self.config.tensor_parallel_size,
-                    parallel_layout=parallel_layout(self.config.tensor_parallel_size, self.device),
+                    parallel_layout=self.parallel_layout,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))
 
     def kv_snapshot(self) -> dict:

@@ -143,6 +143,8 @@ FIELD_HELP = {
     "cpu_kv_cache_gib": "KV pool size on CPU", "enable_step_timings": "per-region timings in step events",
     "gemv_max_tokens": "empty: 1 with Triton kernels; 0 = off (cuBLAS linears, separate norm/activation kernels)",
     "enable_pdl": "Hopper+: small-batch kernels launch as programmatic dependents",
+    "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "
+                            "GPUs, gloo on CPU); num_heads must split by KV-head groups",
 }
 
 

@@ -163,7 +163,7 @@ class EngineHost:
         return (f"{getattr(eng, 'model_name', self.config.model)} · {getattr(eng, 'device', '?')} · "
                 f"{str(getattr(eng, 'dtype', '')).replace('torch.', '')} · {getattr(eng, 'kernels', '')} kernels · "
                 f"{eng.num_blocks} KV blocks × {eng.block_size} tokens · max_model_len "
-                f"{getattr(eng, 'max_model_len', '?')}")
+                f"{getattr(eng, 'max_model_len', '?')} · {getattr(eng, 'parallel_layout', 'single device')}")
 
     # ------------------------------------------------------------------ figure producer
     def _produce(self) -> None:

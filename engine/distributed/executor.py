@@ -43,14 +43,22 @@ class TPExecutor:
                                            timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
                                            wait_for_workers=False)
         self.procs, self.conns = [], []
-        for rank in range(1, size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(rank, size, store.port, args, child), daemon=True,
-                            name=f"kvscope-tp-rank{rank}")
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+        # the server's engine-core process is daemonic, and multiprocessing refuses children there; the
+        # workers stop with their parent anyway (worker._watch_parent, and shutdown() here)
+        me = mp.current_process()
+        daemonic = me._config.get("daemon", False)
+        me._config["daemon"] = False
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=worker_main, args=(rank, size, store.port, args, child), daemon=True,
+                                name=f"kvscope-tp-rank{rank}")
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+        finally:
+            me._config["daemon"] = daemonic
         try:
             self._expect("joining")
             self.tp: TensorParallel = init_group(0, size, store, device)
