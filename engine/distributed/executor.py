@@ -191,6 +191,8 @@ class TPExecutor:
                 c.send(("close",))
             except Exception:
                 pass
+        # leave the group while the workers leave it too (an NCCL teardown may wait for its peers)
+        abort_group(force=self.failure is not None)
         for p in self.procs:
             p.join(timeout=10.0)
             if p.is_alive():
@@ -202,4 +204,3 @@ class TPExecutor:
                 p.join()
         for c in self.conns:
             c.close()
-        abort_group(force=self.failure is not None)

@@ -59,6 +59,9 @@ def init_group(rank: int, size: int, store: "torch.distributed.Store", device: t
     """Join the engine's process group. NVLink multicast (NVLS) stays off: it is not available on the lent
     multi-GPU machines, and nothing here calls cuMulticastCreate."""
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    # a dead worker is handled here (executor.py aborts the group and fails the requests); NCCL's own
+    # error handling would take the engine process down with it
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -72,10 +75,15 @@ def abort_group(force: bool = False) -> None:
     dist = torch.distributed
     if not dist.is_initialized():
         return
+    c10d = dist.distributed_c10d
     try:
         if force and dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
+            if hasattr(c10d, "_abort_process_group"):
+                c10d._abort_process_group()
+            else:
+                c10d._get_default_group()._get_backend(torch.device("cuda")).abort()
+                dist.destroy_process_group()
         else:
             dist.destroy_process_group()
-    except Exception:       # already torn down, or an older torch without abort: nothing more to release
+    except Exception:       # already torn down: nothing more to release
         pass

@@ -132,7 +132,7 @@ def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, d
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, ops, max_pos=1, tp=tp)
     model.vocab_size, model.vocab_start = full.vocab_size, layout.v_start
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)     # no fp32 copy first: a 70B-shape shard fills a GPU
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     from .llama import rope_cos_sin
