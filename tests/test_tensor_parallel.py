@@ -12,7 +12,10 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import EngineLoop
 from engine.distributed.parallel_state import TensorParallel
 from engine.kernels.ops import get_ops
+from engine.distributed.sharding import shard_layout
+from engine.models.config import ModelConfig
 from engine.models.loader import build_model, resolve
+from engine.models.presets import preset_config
 from inspector.figures.timings import timings_spec
 from inspector.recorder import Recorder
 
@@ -55,14 +58,23 @@ def full_and_shards(model: str, size: int):
     return full, [build_model(*args, tp=TensorParallel(r, size, "gloo")) for r in range(size)]
 
 
-@pytest.mark.parametrize("model", ["dummy:tiny", None], ids=["tiny-dummy", "smollm2"])
-def test_shards_add_up_to_the_full_model(model):
-    """Every rank reads (or draws) exactly its slice: concatenated, the shards are the one-rank weights.
-    SmolLM2's 9 heads / 3 KV heads split by KV group over 2 ranks: 6 + 3 query heads, 2 + 1 KV heads."""
-    full, shards = full_and_shards(model, 2)
+def test_uneven_heads_split_by_kv_group():
+    """SmolLM2's 9 heads / 3 KV heads over 2 ranks: 6 + 3 query heads, 2 + 1 KV heads (its weights are read
+    by these slices in test_smollm2_tp2_same_greedy_tokens)."""
+    cfg = ModelConfig.from_hf(preset_config("smollm2-135m"))
+    lays = [shard_layout(cfg, 2, r) for r in range(2)]
+    assert [(x.q_start, x.num_heads, x.kv_start, x.num_kv_heads) for x in lays] == [(0, 6, 0, 2), (6, 3, 2, 1)]
+    assert [(x.i_start, x.intermediate, x.v_start, x.vocab) for x in lays] == [(0, 768, 0, 24576),
+                                                                               (768, 768, 24576, 24576)]
+    eight = [shard_layout(ModelConfig.from_hf(preset_config("llama-3.1-8b")), 16, r) for r in (0, 1, 15)]
+    assert [(x.q_start, x.num_heads, x.kv_start) for x in eight] == [(0, 2, 0), (2, 2, 0), (30, 2, 7)]  # replicated
+
+
+def test_shards_add_up_to_the_full_model():
+    """Every rank draws exactly its slice of the random weights: concatenated, the shards are the one-rank
+    weights (the vocabulary tail padded with zero rows)."""
+    full, shards = full_and_shards("dummy:tiny", 2)
     cfg, D = full.cfg, full.cfg.head_dim
-    if model is None:
-        assert [(s.cfg.num_heads, s.cfg.num_kv_heads) for s in shards] == [(6, 2), (3, 1)]
     for name, p in full.named_parameters():
         ps = [dict(s.named_parameters())[name] for s in shards]
         if "o_proj" in name or "down_proj" in name:                 # row-parallel: input columns split
