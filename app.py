@@ -118,6 +118,8 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=7860)
     ap.add_argument("--model", default=None, help="HF folder, dummy:<preset>, or empty for the bundled SmolLM2")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks sharing the model (NCCL over consecutive GPUs from --device, gloo on CPU)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="any EngineConfig field, e.g. --set num_kv_blocks=256 (repeatable)")
     ap.add_argument("--api-only", action="store_true", help="serve only the HTTP serving API (no UI)")
@@ -135,6 +137,7 @@ def config_from_args(args) -> EngineConfig:
     # users (0), and streams multi-step blocks of about 4 ms as the API server does; --set restores the
     # engine's defaults (scheduling_policy=fcfs, multi_step_max_ms=none)
     kw: dict[str, Any] = {"model": args.model or None, "device": args.device, "scheduling_policy": "priority",
+                          "tensor_parallel_size": args.tensor_parallel_size,
                           "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]}
     kinds = {n: k for n, k, _ in config_field_specs()}
     for item in args.set:

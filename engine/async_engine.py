@@ -257,6 +257,7 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.stop_workers()              # tensor-parallel worker processes go with the loop
         with self._inbox_lock:
             streams = list(self._streams.values())
             self._streams.clear()

@@ -63,6 +63,8 @@ class EngineConfig:
     #                                         None: max_num_seqs // 32; 1: a prefill step at every free slot
     gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
     #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
+    tensor_parallel_size: int = 1       # ranks sharding the model Megatron-style (one worker process per extra
+    #                                     rank; NCCL on cuda, gloo on cpu); cuda ranks use consecutive devices
     enable_pdl: bool = True             # those linears launch as programmatic dependents on Hopper+ (their
     #                                         first weight tile is fetched while the previous kernel finishes)
     # speculative decoding
@@ -131,6 +133,11 @@ class EngineConfig:
         need(self.gemv_max_tokens is None or (isinstance(self.gemv_max_tokens, int)
                                                and 0 <= self.gemv_max_tokens <= 16),
              "gemv_max_tokens", "must be None or an int in [0, 16]")
+        need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
+             "tensor_parallel_size", "must be an int in [1, 64]")
+        if self.tensor_parallel_size > 1:
+            need(self.speculative_method is None, "speculative_method",
+                 "is not supported with tensor_parallel_size > 1 (the drafter would run on rank 0 alone)")
         need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
         need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
              "spec_cuda_graph_max_batch", "must be an int in [1, 256]")

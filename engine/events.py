@@ -60,6 +60,8 @@ class StepEvent:
     memory: dict | None = None       # bytes after the step: allocated, max_allocated, kv_pool, kv_reserved,
     #                                   kv_used; and reserved_slots, used_slots (LLMEngine.memory_stats)
     timings_sampled: bool = False    # a graph-eligible step run eagerly to time it (graph_timing_interval)
+    rank_timings: dict[int, dict[str, float]] | None = None   # tensor parallelism: the other ranks' forward
+    #                                   regions (seconds, incl. all_reduce), by rank; rank 0's are in timings
     kind: str = "step"
 
     def to_dict(self) -> dict:

@@ -13,6 +13,8 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
+from .distributed.parallel_state import SINGLE
+from .distributed.start import parallel_layout, start_workers
 from .kernels.ops import get_ops, pdl_supported
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
@@ -70,19 +72,37 @@ class LLMEngine(OutputProcessor):
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = derive_max_model_len(config, mcfg)
         spec_margin = config.num_speculative_tokens + 1 if config.speculative_method else 1
+        gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
+            (1 if self.kernels == "triton" else 0)
+        gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
+        self.executor = None
+        self.parallel_layout = parallel_layout(config.tensor_parallel_size, self.device)
+        if config.tensor_parallel_size > 1:
+            self.executor = start_workers(config, hf_cfg, weights, self.device, self.dtype, self.kernels,
+                                          self.max_model_len + spec_margin, gemv_max_tokens, gemv_pdl)
+        try:
+            self._build(config, hf_cfg, weights, tok_folder, mcfg, spec_margin, gemv_max_tokens, gemv_pdl)
+        except BaseException:
+            self.stop_workers()
+            raise
+
+    def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelConfig,
+               spec_margin: int, gemv_max_tokens: int, gemv_pdl: bool) -> None:
+        ex = self.executor
         fp8_act = config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device) >= (8, 9)
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
                                  max_pos=self.max_model_len + spec_margin, seed=config.seed,
+                                 tp=ex.tp if ex is not None else SINGLE,
                                  quantization=config.quantization, fp8_activations=fp8_act,
                                  int4_group_size=config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
-        self.model.gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
-            (1 if self.kernels == "triton" else 0)
-        self.model.gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
+        self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
+        if ex is not None:
+            ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
-        self.num_blocks = derive_num_blocks(config, mcfg, self.device, self.dtype)
+        self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype)   # this rank's heads
         self.block_size = config.block_size
         cap = (self.num_blocks - 1) * config.block_size
         if cap < self.max_model_len:
@@ -102,7 +122,12 @@ class LLMEngine(OutputProcessor):
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
                                   self.max_model_len + spec_margin)
+        if ex is not None:
+            ex.send("cache", self.num_blocks, self.max_model_len + spec_margin)
+            self.runner.executor = ex
         self.runner.warmup()
+        if ex is not None:
+            ex.send("warmup")
         self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.dtype)     # K and V of one token, all layers
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 itertools.chain(self.model.parameters(), self.model.buffers()))
@@ -124,6 +149,8 @@ class LLMEngine(OutputProcessor):
         if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
             from .cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
+            if ex is not None:
+                ex.send("capture")                  # every rank captures the same graphs, collectives included
             self.runner.graphs.capture()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -259,6 +286,8 @@ class LLMEngine(OutputProcessor):
         else:                                           # no drafts this step: a plain step
             outputs_tokens, lp_rows = self._sample(sched, sample_mask, logits)
         t_sample = time.perf_counter()
+        if self.executor is not None:
+            self.executor.check()               # a rank that died mid-step leaves these tokens meaningless
         outputs, finished = self._postprocess(sched, sample_mask, outputs_tokens, lp_rows)
         t_end = time.perf_counter()
         self.step_index += 1
@@ -270,7 +299,8 @@ class LLMEngine(OutputProcessor):
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_fwd, "postprocess": t_end - t_sample}
             timings.update({k: v for k, v in timer.collect().items()})
-            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False))
+            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False),
+                            rank_timings=self.collect_rank_timings())
         else:
             self.block_manager.pop_step_stats()
         return outputs
@@ -326,7 +356,8 @@ class LLMEngine(OutputProcessor):
         return "decode" if not self.config.enable_kv_cache and start == 0 and n == seq.num_tokens else "prefill"
 
     def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str],
-                   timings: dict, cuda_graph: bool = False, num_decode_steps: int = 1):
+                   timings: dict, cuda_graph: bool = False, num_decode_steps: int = 1,
+                   rank_timings: dict | None = None):
         scheduled = []
         n_pre = n_dec = 0
         for seq, n, start, k, phase, total in zip(sched.seqs, sched.num_new_tokens, sched.computed_before,
@@ -345,6 +376,7 @@ class LLMEngine(OutputProcessor):
             kv_usage=self.block_manager.usage, num_blocks=self.num_blocks,
             timings=timings, cuda_graph=cuda_graph, num_decode_steps=num_decode_steps, spec=spec,
             memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
+            rank_timings=rank_timings,
             **self.block_manager.pop_step_stats()))
 
     # ---- introspection -------------------------------------------------------------------------
@@ -359,6 +391,8 @@ class LLMEngine(OutputProcessor):
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     kernels=self.kernels, model=self.model_name, quantization=self.quantization,
                     **self.stats_total,
+                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    parallel_layout=self.parallel_layout,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))
 
     def memory_stats(self) -> dict:
@@ -383,11 +417,28 @@ class LLMEngine(OutputProcessor):
                     num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
                     kv_cache_layout=self.config.kv_cache_layout)
 
+    def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
+        """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""
+        if self.executor is None:
+            return None
+        ahead = self._inflight
+        return self.executor.collect_timings(keep=ahead.K if ahead is not None else 0)
+
+    def stop_workers(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing without tensor parallelism); the engine cannot
+        step afterwards."""
+        ex, self.executor = self.executor, None
+        if ex is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.executor = None
+            ex.shutdown()
+
     def close(self) -> None:
         """Release the KV pool, graphs and weights now (engines otherwise wait for the garbage collector)."""
         import gc
         for seq in list(self.seqs.values()):
             self.abort_request(seq.request_id)
+        self.stop_workers()
         self.runner.graphs = None
         self._inflight = None
         self.drafter = None                     # a draft model and its KV pool go with it

@@ -23,14 +23,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        # [2, layers, num_blocks, block_size, Hk, D]
-        self.kv_cache = torch.zeros(2, mcfg.num_layers, num_blocks, self.block_size, mcfg.num_kv_heads,
+        # [2, layers, num_blocks, block_size, Hk, D]; Hk: this rank's KV heads (model.cfg is its shard)
+        self.kv_cache = torch.zeros(2, mcfg.num_layers, num_blocks, self.block_size, model.cfg.num_kv_heads,
                                     mcfg.head_dim, dtype=dtype, device=device)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
         self.timer = NullTimer()
         self.graphs = None  # CUDA graph runner, attached by the engine on cuda
+        self.executor = None  # tensor parallelism, on rank 0: sends every forward's plan to the other ranks
         self._graph_forwards = 0        # graph-eligible forwards run under an enabled timer
         self._sampling = False          # this step runs its graph-eligible forwards eagerly, timed
         self._sampled = False           # ... and did so since the last pop_timing_sampled()
@@ -142,16 +143,29 @@ class ModelRunner:
                 logits_indices=torch.tensor([q - 1], device=dev), q_lens=[q], seq_lens_cpu=[n],
                 max_seqlen_q=q, max_seqlen_k=n, block_size=bs)
             self.execute(torch.ones(q, dtype=torch.int64, device=dev), md)
-        if dev.type == "cuda" and self.model.ops.name == "triton":
+        self.warmup_attention()
+
+    def warmup_attention(self) -> None:
+        """Compile the decode-attention variants of every length up front (no collectives: each rank alone)."""
+        if self.device.type == "cuda" and self.model.ops.name == "triton":
             from .kernels.attention_warmup import warmup_variants
             layer = self.model.model.layers[0].self_attn
-            warmup_variants(layer.k_cache, layer.v_cache, self.mcfg.num_heads, self.max_model_len,
+            warmup_variants(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, self.max_model_len,
                             pdl=self.model.gemv_pdl)
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """-> float32 logits [len(md.logits_indices), vocab]."""
+        if self.executor is not None:
+            try:
+                self.executor.launch(input_ids, md, self.timer.enabled)
+                return self._execute(input_ids, md)
+            except Exception as e:
+                raise self.executor.explain(e) from e
+        return self._execute(input_ids, md)
+
+    def _execute(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(md) and not self._timed_eagerly():
             return self.graphs.run(input_ids, md)
         hidden = self.model(input_ids, md)                       # [T, hidden]

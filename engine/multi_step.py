@@ -192,6 +192,8 @@ def step(engine, K: int, observe: bool, timer) -> list:
         engine._inflight = launch(engine, K_next, ahead=prev)
     t_wait = time.perf_counter()
     tokens = prev.host.tolist()                                          # [B, K]: the one sync
+    if engine.executor is not None:
+        engine.executor.check()             # a rank that died mid-block leaves these tokens meaningless
     t_sample = time.perf_counter()
     # the GPU ran this block from its launch, or from the end of the block before it when it was queued
     # behind that one
@@ -213,7 +215,7 @@ def step(engine, K: int, observe: bool, timer) -> list:
         timings = {"schedule": prev.t_scheduled - prev.t_start, "forward": prev.t_launched - prev.t_scheduled,
                    "sampling": t_sample - t_wait, "postprocess": t_end - t_sample, **timer.collect()}
         engine._emit_step(sched, prev.t_start, t_end, finished, timings, cuda_graph=prev.graphed,
-                          num_decode_steps=prev.K)
+                          num_decode_steps=prev.K, rank_timings=engine.collect_rank_timings())
     else:
         engine.block_manager.pop_step_stats()
     return outputs

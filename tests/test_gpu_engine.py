@@ -118,3 +118,56 @@ def test_spec_auto_off_under_cuda_graphs_and_multi_step():
     assert st["generation_tokens"] == 800
     assert st["spec_decode_num_draft_tokens"] < 0.2 * 800
     assert sum(e.num_decode_steps for e in steps if e.num_decode_steps > 1) > 400   # multi-step blocks ran
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+def run_tp(tp: int, **cfg):
+    """Llama-3.1-8B shape in fp32, random weights (the same full model at every tensor_parallel_size)."""
+    eng = LLMEngine(model="dummy:llama-3.1-8b", device="cuda", dtype="float32", max_model_len=1024,
+                    max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=256, tensor_parallel_size=tp, **cfg)
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids = [eng.add_request(torch.randint(0, 128000, (n,), generator=g).tolist(),
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+               for n in (5, 300, 37, 129, 1, 250)]
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        return [outs[i] for i in ids], eng.executor.pids if eng.executor else []
+    finally:
+        eng.close()
+
+
+@two_gpus
+def test_tensor_parallel_2_matches_1_fp32_8b_shape():
+    """Chunked prefill (256-token budget), CUDA graphs with the all-reduces captured, multi-step decode."""
+    ref, _ = run_tp(1)
+    out, pids = run_tp(2)
+    assert out == ref
+    import os
+    for pid in pids:                                  # close() left no worker behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@two_gpus
+def test_tensor_parallel_killed_worker_fails_clearly():
+    import os
+    import signal
+    from engine import EngineConfig
+    from engine.async_engine import EngineLoop
+    loop = EngineLoop(EngineConfig(model="dummy:llama-3.2-1b", device="cuda", max_model_len=2048, num_kv_blocks=512,
+                                   tensor_parallel_size=2)).start()
+    try:
+        (pid,) = loop.engine.executor.pids
+        stream = loop.submit(list(range(100, 200)), SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True))
+        next(iter(stream))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited"):
+            for _ in stream:
+                pass
+    finally:
+        loop.shutdown()
+        loop.engine.close()

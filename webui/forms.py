@@ -149,6 +149,8 @@ FIELD_HELP = {
     "enable_pdl": "Hopper+: small-batch kernels launch as programmatic dependents",
     "quantization": "decoder weights: fp8 (128x128 blocks), int8 (per channel), int4 (groups); a pre-quantized "
                     "checkpoint's format is detected",
+    "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "
+                            "GPUs, gloo on CPU); num_heads must split by KV-head groups",
 }
 
 

@@ -184,7 +184,7 @@ class EngineHost:
                 f"{getattr(eng, 'quantization', None) or 'unquantized'} weights · "
                 f"{getattr(eng, 'kernels', '')} kernels · "
                 f"{eng.num_blocks} KV blocks × {eng.block_size} tokens · max_model_len "
-                f"{getattr(eng, 'max_model_len', '?')}")
+                f"{getattr(eng, 'max_model_len', '?')} · {getattr(eng, 'parallel_layout', 'single device')}")
 
     # ------------------------------------------------------------------ figure producer
     def _produce(self) -> None:

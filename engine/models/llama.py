@@ -10,6 +10,7 @@ import math
 import torch
 from torch import nn
 
+from ..distributed.parallel_state import SINGLE, TensorParallel
 from ..kernels.metadata import AttentionMetadata
 from ..quant.linear import fused_linear
 from ..timing import NullTimer
@@ -127,9 +128,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, max_pos: int):
+    def __init__(self, cfg: ModelConfig, ops, max_pos: int, tp: TensorParallel = SINGLE):
+        """With tensor parallelism cfg is this rank's shard (engine/distributed/sharding.py): its heads, its
+        intermediate rows, its vocabulary rows; o_proj / down_proj outputs are partial sums until all-reduced."""
         super().__init__()
-        self.cfg, self.ops = cfg, ops
+        self.cfg, self.ops, self.tp = cfg, ops, tp
+        self.vocab_size = cfg.vocab_size   # of the whole model (the loader sets it for a shard)
+        self.vocab_start = 0               # first vocabulary row of this rank's embedding / LM head
         self.model = LlamaModel(cfg, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -147,18 +152,21 @@ class LlamaForCausalLM(nn.Module):
             return self.forward_small_batch(input_ids, md, num_layers)
         t, ops, m = self.timer, self.ops, self.model
         with t.region("embedding"):
-            x = m.embed_tokens(input_ids)                      # [T, hidden]
+            x = self.embed(input_ids)                          # [T, hidden]
+        x = self.all_reduce(x)
         residual = None
         for layer in m.layers[:num_layers]:
             with t.region("norms"):
                 x, residual = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
             with t.region("attention"):
                 x = layer.self_attn(x, md, self.cos_sin)
+            x = self.all_reduce(x)
             with t.region("norms"):
                 x, residual = ops.rms_norm(x, layer.post_attention_layernorm.weight,
                                            layer.post_attention_layernorm.eps, residual)
             with t.region("mlp"):
                 x = layer.mlp(x)
+            x = self.all_reduce(x)
         with t.region("norms"):
             x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)
         return x
@@ -166,19 +174,24 @@ class LlamaForCausalLM(nn.Module):
     def forward_small_batch(self, input_ids: torch.Tensor, md: AttentionMetadata,
                             num_layers: int | None = None) -> torch.Tensor:
         """forward() for a few tokens (a decode step): norms, SiLU-mul, residual adds, RoPE and the KV store
-        ride inside the fused linears, so a layer is 4 linears + attention. h is the residual stream."""
+        ride inside the fused linears, so a layer is 4 linears + attention. h is the residual stream; with tensor
+        parallelism rank 0 alone adds it before the all-reduce of the partial sums."""
         t, ops, m, pdl = self.timer, self.ops, self.model, self.gemv_pdl
+        first = self.tp.rank == 0
         with t.region("embedding"):
-            h = m.embed_tokens(input_ids)                      # [T, hidden]
+            h = self.embed(input_ids)                          # [T, hidden]
+        h = self.all_reduce(h)
         for layer in m.layers[:num_layers]:
             a, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             with t.region("attention"):
                 o = a.forward_small_batch(h, ln1, md, self.cos_sin, pdl)    # [T, H * D]
-                h = fused_linear(ops, a.o_proj, o, residual=h, pdl=pdl)
+                h = fused_linear(ops, a.o_proj, o, residual=h if first else None, pdl=pdl)
+            h = self.all_reduce(h)
             with t.region("mlp"):
                 gu = fused_linear(ops, mlp.gate_up_proj, h, prologue="rms_norm", norm_weight=ln2.weight,
                                   eps=ln2.eps, pdl=pdl)
-                h = fused_linear(ops, mlp.down_proj, gu, prologue="silu_mul", residual=h, pdl=pdl)
+                h = fused_linear(ops, mlp.down_proj, gu, prologue="silu_mul", residual=h if first else None, pdl=pdl)
+            h = self.all_reduce(h)
         with t.region("norms"):
             x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)
         return x
@@ -186,4 +199,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [L, hidden] -> float32 logits [L, vocab]."""
         with self.timer.region("lm_head"):
-            return self.lm_head(hidden).float()
+            logits = self.lm_head(hidden)                      # [L, vocab rows of this rank]
+        if self.tp.size > 1:
+            with self.timer.region("all_gather"):
+                logits = self.tp.all_gather_cols(logits)[:, :self.vocab_size]
+        return logits.float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]; a vocabulary shard gives zero rows for ids it does not hold."""
+        e = self.model.embed_tokens
+        if self.tp.size == 1:
+            return e(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= e.num_embeddings)
+        return e(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0.0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial results (tensor parallelism); the identity on one rank."""
+        if self.tp.size == 1:
+            return x
+        with self.timer.region("all_reduce"):
+            return self.tp.all_reduce(x)

@@ -11,6 +11,8 @@ import torch
 from ..quant.checkpoint import checkpoint_format, skip_tensor
 from ..quant.formats import ROW_BLOCKED
 from ..quant.linear import prepare_model, quantize_model
+from ..distributed.parallel_state import SINGLE, TensorParallel
+from ..distributed.sharding import ShardLayout, init_dummy, local_config, read_shard, shard_layout
 from .bundled import DEFAULT_CACHE, ensure_bundled
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -74,7 +76,8 @@ def _fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+def load_weights(model: LlamaForCausalLM, folder: Path, layout: ShardLayout | None = None) -> None:
+    """Copy the safetensors weights in; with a layout, read only that rank's slices."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -88,10 +91,9 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     continue
                 if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                     continue
-                tensor = sf.get_tensor(name)
-                if skip_tensor(name, tensor):
+                if name.endswith((".input_scale", ".weight_zero_point")) and skip_tensor(name, sf.get_tensor(name)):
                     continue
-                target, off, rows = name, 0, None
+                target, off, rows, rest = name, 0, None, name
                 if name.startswith("model.layers."):
                     prefix, rest = name.split(".", 3)[:3], name.split(".", 3)[3]
                     if rest in fused:
@@ -99,6 +101,7 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
                         target = ".".join(prefix) + "." + our
                 if target not in params:
                     raise ValueError(f"model: unexpected weight {name!r} in {f.name}")
+                tensor = read_shard(sf, name, rest, model.cfg, layout)
                 p = params[target]
                 if p.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) and tensor.dtype != p.dtype:
                     raise ValueError(f"model: weight {name!r} is {tensor.dtype}, the checkpoint's "
@@ -135,19 +138,6 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
         raise ValueError(f"model: {len(missing)} weights missing from {folder}, e.g. {missing[:3]}")
 
 
-@torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """Deterministic random weights: N(0, 0.02) for matrices and biases, ones for norms."""
-    for idx, (name, p) in enumerate(sorted(model.named_parameters())):
-        if not p.is_floating_point() or p.element_size() == 1:
-            raise ValueError(f"model: random init of quantized parameter {name!r}: quantize after init")
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + idx)
-            p.normal_(0.0, 0.02, generator=gen)
-
-
 def resolve_quantization(hf_cfg: dict, weights: Path | None, quantization: str | None) -> tuple[str | None, bool]:
     """-> (the weight format, whether the checkpoint is pre-quantized): EngineConfig.quantization, or the one a
     checkpoint's quantization_config names (detected; the two must agree)."""
@@ -159,25 +149,32 @@ def resolve_quantization(hf_cfg: dict, weights: Path | None, quantization: str |
 
 
 def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, dtype: torch.dtype,
-                max_pos: int, seed: int, quantization: str | None = None,
+                max_pos: int, seed: int, tp: TensorParallel = SINGLE, quantization: str | None = None,
                 fp8_activations: bool = False, int4_group_size: int = 128) -> LlamaForCausalLM:
-    """quantization: quantize the decoder projections on load ("fp8" | "int8" | "int4"), unless the checkpoint
-    is pre-quantized (then its format is used); fp8_activations, int4_group_size: see EngineConfig."""
-    cfg = ModelConfig.from_hf(hf_cfg)
+    """The model (or, with tp.size > 1, this rank's shard of it); random weights (sharding.init_dummy) are the
+    same full model for every tensor_parallel_size. quantization: quantize the decoder projections on load
+    ("fp8" | "int8" | "int4"), unless the checkpoint is pre-quantized (then its format is used);
+    fp8_activations, int4_group_size: see EngineConfig."""
+    full = ModelConfig.from_hf(hf_cfg)
     fmt, prequantized = resolve_quantization(hf_cfg, weights, quantization)
+    if fmt is not None and tp.size > 1:
+        raise ValueError("EngineConfig.quantization: not supported with tensor_parallel_size > 1 yet")
+    layout = shard_layout(full, tp.size, tp.rank)
+    cfg = full if tp.size == 1 else local_config(full, layout)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops, max_pos=1).to(dtype)
+        model = LlamaForCausalLM(cfg, ops, max_pos=1, tp=tp).to(dtype)
         if prequantized:                     # quantized parameters from the start: no float copy is allocated
             prepare_model(model, fmt, ops.name, fp8_activations)
-    model = model.to_empty(device=device)
+    model.vocab_size, model.vocab_start = full.vocab_size, layout.v_start
+    model = model.to_empty(device=device)     # no fp32 copy first: a 70B-shape shard fills a GPU
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     from .llama import rope_cos_sin
     model.cos_sin = rope_cos_sin(cfg, max_pos).to(device)
     if weights is None:
-        init_random(model, seed)
+        init_dummy(model, full, layout, seed)
     else:
-        load_weights(model, weights)
+        load_weights(model, weights, layout if tp.size > 1 else None)
     if fmt is not None and not prequantized:
         quantize_model(model, fmt, ops.name, fp8_activations, int4_group_size)
     model.quantization = fmt

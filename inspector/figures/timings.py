@@ -7,10 +7,11 @@ from inspector.figures.layout import _axis, _axname, _fig, _grid, _layout, empty
 from inspector.figures.style import REGION_COLORS
 from inspector.recorder import Snapshot
 
-REGION_ORDER = ["schedule", "draft", "prepare", "embedding", "attention", "mlp", "norms", "lm_head",
-                "forward (other)", "sampling", "postprocess", "unaccounted"]
+REGION_ORDER = ["schedule", "draft", "prepare", "embedding", "attention", "mlp", "norms", "lm_head", "all_reduce",
+                "all_gather", "forward (other)", "sampling", "postprocess", "unaccounted"]
+MODEL_REGIONS = ("embedding", "attention", "mlp", "norms", "lm_head", "all_reduce", "all_gather")
 # which measured regions nest inside which (the engine times both the parent and its parts)
-SUBREGIONS = {"forward": ("embedding", "attention", "mlp", "norms", "lm_head"), "schedule": ("draft",)}
+SUBREGIONS = {"forward": MODEL_REGIONS, "schedule": ("draft",)}
 
 
 def step_regions(timings: dict[str, float], wall: float) -> dict[str, float]:
@@ -58,8 +59,13 @@ def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dic
                   "entry to hide a region", margin=dict(l=60, r=140, t=80, b=40),
                   legend=dict(orientation="v", x=1.01, xanchor="left", y=1.0, yanchor="top", font=dict(size=10),
                               traceorder="reversed"))
-    refs = _grid(lay, rows=[1.0], cols=[0.7, 0.3], hspace=0.14,
-                 titles=["ms per step (stacked regions)", "mean ms per step"])
+    ranked = any(s.rank_timings for s in steps)
+    titles = ["ms per step (stacked regions, rank 0)", "mean ms per step"]
+    if ranked:
+        titles += ["each rank: model regions and all-reduce, ms per step", "mean per rank"]
+        lay["height"] = height = int(height * 1.6)
+    refs = _grid(lay, rows=[0.6, 0.4] if ranked else [1.0], cols=[0.7, 0.3], hspace=0.14, vspace=0.16,
+                 titles=titles)
     (xa, ya), (xb, yb) = refs[(1, 1)], refs[(1, 2)]
     x = [s.step for s in steps]
     data, means = [], []
@@ -82,11 +88,36 @@ def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dic
         data.append(dict(type="scatter", x=sampled, y=[0] * len(sampled), mode="markers",
                          name="timed eagerly (sampled graph step)", xaxis=xa, yaxis=ya,
                          marker=dict(symbol="triangle-up", size=8, color="#E15759")))
+    if ranked:
+        data += _rank_traces(steps, refs[(2, 1)], refs[(2, 2)])
+        lay[_axname(refs[(2, 2)][1], "y")].update(autorange="reversed", tickfont=dict(size=10))
+        lay[_axname(refs[(2, 1)][1], "y")].update(title=dict(text="ms"))
     lay[_axname(yb, "y")].update(autorange="reversed", tickfont=dict(size=10))
     lay[_axname(xa, "x")].update(title=dict(text="engine step"))
     lay[_axname(ya, "y")].update(title=dict(text="ms"))
     lay[_axname(xb, "x")].update(title=dict(text="ms"))
     return {"data": data, "layout": lay}
+
+
+def _rank_traces(steps, line_ax, bar_ax) -> list[dict]:
+    """Tensor parallelism: per rank, the model's regions (what its device computed) and the all-reduce part of
+    them, per step; rank 0's come from StepEvent.timings, the others' from StepEvent.rank_timings."""
+    ranks = sorted({0} | {int(r) for s in steps for r in (s.rank_timings or {})})
+    x = [s.step for s in steps]
+    data, bars = [], []
+    for r in ranks:
+        per = [(s.timings if r == 0 else (s.rank_timings or {}).get(r, {})) or {} for s in steps]
+        model = [sum(float(t.get(k, 0.0)) for k in MODEL_REGIONS) * 1e3 for t in per]
+        comm = [(float(t.get("all_reduce", 0.0)) + float(t.get("all_gather", 0.0))) * 1e3 for t in per]
+        for name, y, dash in ((f"rank {r} model", model, "solid"), (f"rank {r} all-reduce + gather", comm, "dot")):
+            data.append(dict(type="scatter", x=x, y=y, name=name, mode="lines", line=dict(width=1.2, dash=dash),
+                             xaxis=line_ax[0], yaxis=line_ax[1],
+                             hovertemplate=f"{name}: %{{y:.2f}} ms<extra>step %{{x}}</extra>"))
+            bars.append((name, float(np.mean(y))))
+    data.append(dict(type="bar", orientation="h", y=[b[0] for b in bars], x=[b[1] for b in bars], showlegend=False,
+                     marker=dict(color=["#4E79A7" if "model" in b[0] else "#F28E2B" for b in bars]),
+                     hovertemplate="%{y}: %{x:.3f} ms<extra></extra>", xaxis=bar_ax[0], yaxis=bar_ax[1]))
+    return data
 
 
 def profile_spec(rows: list[dict] | None, height: int = 440, top: int = 20) -> dict:

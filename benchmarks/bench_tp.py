@@ -1,0 +1,134 @@
+"""Tensor parallelism on a multi-GPU machine (issue 15), bf16, random weights, all in one run:
+
+  latency     Llama-3.1-8B shape, batch 1: 128-token prompt, 256 new tokens, ms/token at TP=1 and TP=2
+              (target: TP=2 <= 0.62x TP=1), plus TP=2 eager with step timings: all-reduce ms per step
+  throughput  nano-vllm's workload (bench_gpu.nano_workload) on the 8B shape at TP=1 and TP=2
+  70b         the Llama-3.1-70B shape at TP=2 serving the same workload (141 GB of weights: one H200 cannot)
+
+    python benchmarks/bench_tp.py [--sections latency,throughput,70b] [--requests 256] [--requests-70b 256]
+Prints a table last; writes benchmarks/results/tp_<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_gpu import nano_workload  # noqa: E402
+from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+M8, M70 = "dummy:llama-3.1-8b", "dummy:llama-3.1-70b"
+
+
+def latency(model: str, tp: int, timed: bool = False, **cfg) -> dict:
+    t0 = time.perf_counter()
+    llm = LLM(model, max_model_len=4096, max_num_seqs=8, tensor_parallel_size=tp, **cfg)
+    start_s = time.perf_counter() - t0
+    steps = []
+    if timed:
+        llm.engine.events.subscribe(lambda e: steps.append(e) if getattr(e, "kind", "") == "step" else None)
+    sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    llm.generate([list(range(2000, 2128))], sp, use_tqdm=False)          # warm-up (no prefix-cache hit below)
+    steps.clear()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = llm.generate([list(range(1000, 1128))], sp, use_tqdm=False)[0]
+    whole = (time.perf_counter() - t) / 256
+    m = out.metrics
+    row = dict(bench="latency b=1", model=model.split(":")[1], tp=tp, config="eager, timed" if timed else "cuda graphs",
+               ms_per_token=whole * 1e3, decode_step_ms=(m.last_token_time - m.first_token_time) / 255 * 1e3,
+               ttft_ms=m.ttft * 1e3, start_s=start_s)
+    if timed:
+        dec = [s for s in steps if s.num_prefill_tokens == 0 and s.timings]
+        per = lambda k: sum(s.timings.get(k, 0.0) for s in dec) / max(1, sum(s.num_decode_steps for s in dec))  # noqa: E731
+        row.update(all_reduce_ms_per_step=per("all_reduce") * 1e3, all_gather_ms_per_step=per("all_gather") * 1e3,
+                   forward_ms_per_step=per("forward") * 1e3)
+        ranks = [s.rank_timings[1] for s in dec if s.rank_timings and 1 in s.rank_timings]
+        if ranks:
+            row["rank1_all_reduce_ms_per_step"] = sum(r.get("all_reduce", 0.0) for r in ranks) / len(ranks) * 1e3
+    llm.engine.close()
+    return row
+
+
+def throughput(model: str, tp: int, prompts, outs) -> dict:
+    t0 = time.perf_counter()
+    llm = LLM(model, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384, tensor_parallel_size=tp)
+    start_s = time.perf_counter() - t0
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(r.token_ids) for r in res)
+    assert n == sum(outs)
+    row = dict(bench="nano workload", model=model.split(":")[1], tp=tp, config=f"{len(prompts)} requests",
+               seconds=dt, out_tokens=n, tok_s=n / dt, start_s=start_s,
+               num_kv_blocks=llm.engine.num_blocks, preemptions=llm.engine.scheduler.num_preemptions)
+    llm.engine.close()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="latency,throughput,70b")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests-70b", type=int, default=256)
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    dev = device_name()
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("bench_tp: needs 2 CUDA devices (the nvidia-h200-x2 kind)")
+    rows: list[dict] = []
+
+    def attempt(fn, *a, **kw):
+        try:
+            rows.append(fn(*a, **kw))
+            print(rows[-1], flush=True)
+        except Exception as e:  # keep the rest of the table
+            rows.append(dict(bench=fn.__name__, model=a[0], tp=a[1], config=f"failed: {type(e).__name__}: {e}"[:160]))
+            print(rows[-1], flush=True)
+
+    if "latency" in sections:
+        attempt(latency, M8, 1)
+        attempt(latency, M8, 2)
+        attempt(latency, M8, 2, timed=True, enable_cuda_graphs=False)
+    prompts, outs = nano_workload(args.requests)
+    if "throughput" in sections:
+        attempt(throughput, M8, 1, prompts, outs)
+        attempt(throughput, M8, 2, prompts, outs)
+    if "70b" in sections:
+        p70, o70 = nano_workload(args.requests_70b)
+        attempt(throughput, M70, 2, p70, o70)
+    by = {(r.get("bench"), r.get("model"), r.get("tp"), r.get("config")): r for r in rows}
+    summary = {}
+    a, b = by.get(("latency b=1", "llama-3.1-8b", 1, "cuda graphs")), by.get(("latency b=1", "llama-3.1-8b", 2, "cuda graphs"))
+    if a and b:
+        summary["8b_batch1_tp2_over_tp1"] = b["ms_per_token"] / a["ms_per_token"]
+        summary["8b_batch1_target_met"] = summary["8b_batch1_tp2_over_tp1"] <= 0.62
+    a = by.get(("nano workload", "llama-3.1-8b", 1, f"{args.requests} requests"))
+    b = by.get(("nano workload", "llama-3.1-8b", 2, f"{args.requests} requests"))
+    if a and b:
+        summary["8b_nano_tp2_over_tp1"] = b["tok_s"] / a["tok_s"]
+    out = dict(device=dev, num_gpus=torch.cuda.device_count(), dtype="bfloat16", rows=rows, summary=summary,
+               env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                     "NVSHMEM_DISABLE_NVLS")})
+    path = write_json(f"tp_{slug(dev)}", out)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(json.dumps(out, indent=2))
+    print(f"\ndevice: {dev} x{torch.cuda.device_count()}; bf16; json: {path}")
+    print_table(rows, ["bench", "model", "tp", "config", "ms_per_token", "decode_step_ms", "seconds", "tok_s",
+                       "all_reduce_ms_per_step", "rank1_all_reduce_ms_per_step", "forward_ms_per_step", "start_s"])
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

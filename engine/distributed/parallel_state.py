@@ -1,0 +1,89 @@
+"""The tensor-parallel group of one engine: this process's rank, the group size, and the collectives the model
+calls (torch.distributed: NCCL on cuda, gloo on cpu). Size 1 is the plain single-device engine."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+# a collective waits this long for a peer before it fails (a dead peer on gloo fails at once: its socket closes)
+COLLECTIVE_TIMEOUT_S = 120
+
+
+@dataclass
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    backend: str | None = None          # "nccl" | "gloo" | None (size 1)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
+        """[L, n] on each rank -> [L, size * n], rank r's columns at [r * n, (r + 1) * n)."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if self.backend == "nccl":
+            out = x.new_empty((self.size,) + tuple(x.shape))                 # [size, L, n]
+            torch.distributed.all_gather_into_tensor(out, x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            torch.distributed.all_gather(parts, x)
+            out = torch.stack(parts)                                         # [size, L, n]
+        return out.permute(1, 0, 2).reshape(x.shape[0], -1)                 # [L, size * n]
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x to every rank, in place."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, 0)
+        return x
+
+
+SINGLE = TensorParallel()
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r runs on the r-th device after the engine's own (cuda:N -> cuda:N+r); every rank on one CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def init_group(rank: int, size: int, store: "torch.distributed.Store", device: torch.device) -> TensorParallel:
+    """Join the engine's process group. NVLink multicast (NVLS) stays off: it is not available on the lent
+    multi-GPU machines, and nothing here calls cuMulticastCreate."""
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    # a dead worker is handled here (executor.py aborts the group and fails the requests); NCCL's own
+    # error handling would take the engine process down with it
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return TensorParallel(rank, size, backend)
+
+
+def abort_group(force: bool = False) -> None:
+    """Leave the process group; force: even when a peer is gone (an NCCL collective waiting on it returns)."""
+    dist = torch.distributed
+    if not dist.is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    try:
+        if force and dist.get_backend() == "nccl":
+            if hasattr(c10d, "_abort_process_group"):
+                c10d._abort_process_group()
+            else:
+                c10d._get_default_group()._get_backend(torch.device("cuda")).abort()
+                dist.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:       # already torn down: nothing more to release
+        pass
