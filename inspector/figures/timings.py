@@ -8,7 +8,7 @@ from inspector.figures.style import REGION_COLORS
 from inspector.recorder import Snapshot
 
 REGION_ORDER = ["schedule", "draft", "prepare", "embedding", "attention", "mlp", "norms", "lm_head",
-                "forward (other)", "sampling", "postprocess", "unaccounted"]
+                "forward (other)", "grammar mask", "sampling", "postprocess", "unaccounted"]
 # which measured regions nest inside which (the engine times both the parent and its parts)
 SUBREGIONS = {"forward": ("embedding", "attention", "mlp", "norms", "lm_head"), "schedule": ("draft",)}
 
