@@ -12,31 +12,30 @@ from helpers import drain
 from engine import SamplingParams, StructuredOutputsParams
 from engine.structured.bitmask import apply_token_bitmask, unpack_bitmask
 
+# Compact keys and bounded values keep every valid object under ~25 tokens, so 200 sampled generations stay
+# cheap on a CPU (an unbounded "number" could grow fraction digits forever: multipleOf bounds them).
 SCHEMAS = {
     "nested": {
-        "type": "object", "additionalProperties": False, "required": ["user", "active"],
+        "type": "object", "additionalProperties": False, "required": ["u", "ok"],
         "properties": {
-            "user": {"type": "object", "additionalProperties": False, "required": ["name", "address"],
-                     "properties": {
-                         "name": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
-                         "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                                     "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
-                                                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}},
-            "active": {"type": "boolean"}}},
+            "u": {"type": "object", "additionalProperties": False, "required": ["n", "a"],
+                  "properties": {
+                      "n": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+                      "a": {"type": "object", "additionalProperties": False, "required": ["c"],
+                            "properties": {"c": {"enum": ["Paris", "Lyon", "Nice"]}}}}},
+            "ok": {"type": "boolean"}}},
     "array": {
-        "type": "object", "additionalProperties": False, "required": ["scores", "tags"],
-        "properties": {"scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
-                                  "minItems": 1, "maxItems": 4},
-                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}},
+        "type": "object", "additionalProperties": False, "required": ["s"],
+        "properties": {"s": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100},
+                             "minItems": 1, "maxItems": 3}}},
     "enum": {
-        "type": "object", "additionalProperties": False, "required": ["color", "size", "priority"],
-        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": ["S", "M", "L", "XL"]},
-                       "priority": {"enum": [1, 2, 3]}}},
+        "type": "object", "additionalProperties": False, "required": ["c", "p"],
+        "properties": {"c": {"enum": ["red", "green", "blue"]}, "p": {"enum": [1, 2, 3]}}},
     "bounds": {
-        "type": "object", "additionalProperties": False, "required": ["age", "temp", "count"],
-        "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99},
-                       "temp": {"type": "number", "minimum": -10, "maximum": 40},
-                       "count": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}}},
+        "type": "object", "additionalProperties": False, "required": ["a", "t", "k"],
+        "properties": {"a": {"type": "integer", "minimum": 18, "maximum": 99},
+                       "t": {"type": "number", "minimum": -10, "maximum": 40, "multipleOf": 0.25},
+                       "k": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}}},
 }
 N_PER_SCHEMA = 50
 PROMPT = "Reply with a JSON object."
@@ -55,7 +54,7 @@ def run(eng, reqs):
     return [outs[i] for i in ids]
 
 
-def json_params(schema, seed, max_tokens=72):
+def json_params(schema, seed, max_tokens=32):
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
                           structured_outputs=StructuredOutputsParams(json=schema))
 
@@ -128,9 +127,9 @@ def test_unconstrained_rows_identical_with_preemption_and_multistep(smollm2_engi
     free = [(eng.apply_chat_template([{"role": "user", "content": c}]), sp)
             for c, sp in zip(FREE, [GREEDY, SEEDED, GREEDY])]
     reference = [o.token_ids for o in run(eng, free)]
-    constrained = [(PROMPT, json_params(SCHEMAS["nested"], s, max_tokens=60)) for s in range(3)]
-    # ~6 requests of 40-80 tokens need ~20 blocks of 16: 10 force preemptions (recompute); multi-step is on
-    small = smollm2_engine_factory(num_kv_blocks=10, enable_prefix_caching=False, num_scheduler_steps=4)
+    constrained = [(PROMPT, json_params(SCHEMAS["nested"], s)) for s in range(3)]
+    # 6 requests of 30-50 tokens need ~14 blocks of 16: 8 force preemptions (recompute); multi-step is on
+    small = smollm2_engine_factory(num_kv_blocks=8, enable_prefix_caching=False, num_scheduler_steps=4)
     outs = run(small, [free[0], constrained[0], free[1], constrained[1], free[2], constrained[2]])
     assert small.scheduler.num_preemptions > 0
     assert any(o.metrics.num_preemptions for o in outs[1::2])     # a constrained request was recomputed
