@@ -34,9 +34,11 @@ class GrammarCompiler:
             if self.hf_tokenizer is None:
                 raise ValueError("structured_outputs: this model has no tokenizer, so no grammar can be built")
             import llguidance.hf
+            # EOS ids the tokenizer knows (a random-weight preset borrowing SmolLM2's tokenizer has others too)
+            eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)]
             # ~0.5 s for a 49k vocabulary: once per engine
             self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
+                                                           eos_token=eos or None)
         return self._tokenizer
 
     def matcher(self, so: StructuredOutputsParams):
