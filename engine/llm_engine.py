@@ -251,7 +251,8 @@ class LLMEngine(OutputProcessor):
         t_prep = time.perf_counter()
         logits = self.runner.execute(input_ids, md)
         t_fwd = time.perf_counter()
-        if self.num_constrained:    # on CUDA the host fills the masks while the forward runs
+        constrained = self.num_constrained > 0
+        if constrained:             # on CUDA the host fills the masks while the forward runs
             self._apply_grammars(sched, sample_mask, extra, logits)
         t_mask = time.perf_counter()
         if self.drafter is not None:
@@ -267,7 +268,7 @@ class LLMEngine(OutputProcessor):
         if observe:
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_mask, "postprocess": t_end - t_sample}
-            if t_mask > t_fwd and self.num_constrained:
+            if constrained:
                 timings["grammar mask"] = t_mask - t_fwd
             timings.update({k: v for k, v in timer.collect().items()})
             self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False))

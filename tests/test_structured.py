@@ -141,7 +141,9 @@ def test_unconstrained_rows_identical_with_preemption_and_multistep(smollm2_engi
 
 
 def test_speculative_decoding_skips_constrained_rows(smollm2_engine_factory, eng):
-    free = (eng.apply_chat_template([{"role": "user", "content": FREE[1]}]), GREEDY)
+    # the reply repeats the prompt, so the n-gram drafter finds matches to draft from
+    free = (eng.apply_chat_template([{"role": "user", "content": "Repeat exactly: one two three four five, "
+                                                                 "one two three four five."}]), GREEDY)
     reference = run(eng, [free])[0].token_ids
     spec = smollm2_engine_factory(speculative_method="ngram", num_speculative_tokens=3)
     ids = [spec.add_request(*free), spec.add_request(PROMPT, json_params(SCHEMAS["enum"], 1))]
@@ -175,3 +177,26 @@ def test_compiled_once_per_constraint(eng):
     run(eng, [(PROMPT, json_params(schema, s, 16)) for s in range(4)])
     run(eng, [(PROMPT, json_params(json.loads(json.dumps(schema)), 9, 16))])
     assert eng.grammar_compiler.num_compiled == before + 1
+
+
+# ---- the inspector sees it --------------------------------------------------------------------------------
+def test_inspector_shows_mask_time_and_constrained_requests(eng):
+    from inspector import figures as F
+    from inspector.recorder import Recorder
+    rec = Recorder().attach(eng.events)
+    try:
+        ids = [eng.add_request(PROMPT, json_params(SCHEMAS["enum"], 0)),
+               eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
+        drain(eng)
+        snap = rec.snapshot()
+    finally:
+        rec.detach()
+    tracks = {r.request_id: r for r in snap.requests}
+    assert tracks[ids[0]].structured == "json" and tracks[ids[1]].structured is None
+    masked = [s for s in snap.steps if "grammar mask" in s.timings]
+    assert masked and all(s.timings["grammar mask"] > 0 for s in masked)
+    assert len(masked) >= tracks[ids[0]].output_len > 0     # every token it sampled was masked in its step
+    spec = F.timings_spec(snap)
+    assert "grammar mask" in {t["name"] for t in spec["data"]}
+    hover = " ".join(str(h) for t in F.timeline_spec(snap)["data"] for h in (t.get("hovertext") or []))
+    assert f"{ids[0]} · " in hover and "constrained (json)" in hover
