@@ -26,6 +26,7 @@ from .config import EngineConfig
 from .core_proc import core_main
 from .llm_engine import EngineOverloaded, LLMEngine
 from .models.loader import load_tokenizer, resolve
+from .structured.compiler import GrammarCompiler
 from .outputs import Logprob, RequestMetrics, RequestOutput
 from .sequence import Sequence
 
@@ -54,6 +55,7 @@ class FrontendEngine:
         self.quantization, self.weight_summary = info["quantization"], info["weight_summary"]
         self.tokenizer = tokenizer
         self._ids = itertools.count()
+        self.grammar_compiler = GrammarCompiler(tokenizer, info["vocab_size"], self.eos_token_ids)
 
 
 class _Acc:

@@ -84,6 +84,8 @@ class RequestEvent:
     arrival_time: float | None = None     # on "arrived": when the front end received the request (`time` is
     #                                       when the engine took it into its waiting queue)
     priority: int | None = None           # SamplingParams.priority (lower = sooner under the priority policy)
+    structured: str | None = None         # on "arrived": the output constraint's kind (json, regex, choice, grammar,
+    #                                       json_object), None for an unconstrained request
 
     def to_dict(self) -> dict:
         return asdict(self)

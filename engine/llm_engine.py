@@ -26,6 +26,7 @@ from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .structured.compiler import GrammarCompiler
 from .sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
 from .timing import NullTimer, make_timer
 
@@ -132,6 +133,9 @@ class LLMEngine(OutputProcessor):
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 itertools.chain(self.model.parameters(), self.model.buffers()))
         self.detok = Detokenizer(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
+        self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
+        self.num_constrained = 0                # unfinished requests with a grammar (0: no mask work at all)
         self.events = EventBus()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}
@@ -194,8 +198,12 @@ class LLMEngine(OutputProcessor):
         if need > self.num_blocks - 1:
             raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens needs {need} KV blocks, but the "
                              f"pool has {self.num_blocks - 1}; lower max_tokens or the prompt")
+        # compiled here, on the caller's thread and once per distinct constraint; ValueError names the field
+        matcher = self.grammar_compiler.matcher(params.structured_outputs) if params.structured_outputs else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Sequence(rid, text, ids, params, arrival_time if arrival_time is not None else time.perf_counter())
+        seq = Sequence(rid, text, ids, params, arrival_time if arrival_time is not None else time.perf_counter())
+        seq.matcher = matcher
+        return seq
 
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.seqs:
@@ -206,6 +214,8 @@ class LLMEngine(OutputProcessor):
             raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests)")
         self.detok.start(seq)
         self.seqs[seq.request_id] = seq
+        if seq.matcher is not None:
+            self.num_constrained += 1
         seq.metrics.queued_time = time.perf_counter()
         self.scheduler.add(seq)
         self.stats_total["prompt_tokens"] += seq.num_prompt_tokens
@@ -224,6 +234,8 @@ class LLMEngine(OutputProcessor):
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        if seq.matcher is not None:
+            self.num_constrained -= 1
         seq.metrics.finished_time = time.perf_counter()
         self.stats_total["aborted"] += 1
         self._emit_req("aborted", seq, finish_reason="abort")
@@ -280,6 +292,10 @@ class LLMEngine(OutputProcessor):
         t_prep = time.perf_counter()
         logits = self.runner.execute(input_ids, md)
         t_fwd = time.perf_counter()
+        constrained = self.num_constrained > 0
+        if constrained:             # on CUDA the host fills the masks while the forward runs
+            self._apply_grammars(sched, sample_mask, extra, logits)
+        t_mask = time.perf_counter()
         num_spec = max(sched.num_spec_tokens, default=0)
         if num_spec:
             outputs_tokens, lp_rows = self.drafter.verify(sched, sample_mask, logits)
@@ -297,7 +313,9 @@ class LLMEngine(OutputProcessor):
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
         if observe:
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
-                       "sampling": t_sample - t_fwd, "postprocess": t_end - t_sample}
+                       "sampling": t_sample - t_mask, "postprocess": t_end - t_sample}
+            if constrained:
+                timings["grammar mask"] = t_mask - t_fwd
             timings.update({k: v for k, v in timer.collect().items()})
             self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False),
                             rank_timings=self.collect_rank_timings())
@@ -326,12 +344,32 @@ class LLMEngine(OutputProcessor):
                 out_lp.append(None)
         return out_tokens, out_lp
 
+    def _apply_grammars(self, sched: SchedulerOutput, sample_mask: list[bool], extra: list[int] | None,
+                        logits: torch.Tensor) -> None:
+        """-inf on the logits of tokens a constrained request's grammar forbids next. Constrained requests
+        get no drafts, so each has one logits row."""
+        rows, matchers = [], []
+        r = 0
+        for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
+            if m:
+                if seq.matcher is not None:
+                    rows.append(r)
+                    matchers.append(seq.matcher)
+                r += 1 + (extra[i] if extra else 0)
+        if not rows:
+            return
+        if self.token_bitmask is None:
+            from .structured.bitmask import TokenBitmask
+            self.token_bitmask = TokenBitmask(self.model_config.vocab_size, self.device)
+        from .structured.bitmask import apply_token_bitmask
+        apply_token_bitmask(logits, self.token_bitmask.fill(matchers), rows)
+
     def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:
         p = seq.params
         toks = seq.token_ids + extra_tokens if extra_tokens else seq.token_ids
         n_out = len(toks) - seq.num_prompt_tokens
         banned = None
-        if n_out < p.min_tokens:
+        if n_out < p.min_tokens and seq.matcher is None:     # a grammar alone decides when it may end
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         return SampleRow(p, toks if p.needs_penalties else [], seq.num_prompt_tokens, n_out, banned)
 
@@ -345,7 +383,9 @@ class LLMEngine(OutputProcessor):
             num_cached_tokens=seq.num_cached_tokens, finish_reason=finish_reason,
             block_table=list(seq.block_table) if kind in ("scheduled", "preempted") else None,
             priority=seq.params.priority,
-            message=message, arrival_time=seq.metrics.arrival_time if kind == "arrived" else None))
+            message=message, arrival_time=seq.metrics.arrival_time if kind == "arrived" else None,
+            structured=seq.params.structured_outputs.kind if kind == "arrived" and seq.params.structured_outputs
+            else None))
 
     def _phase(self, seq: Sequence, n: int, start: int) -> str:
         if seq.num_output_tokens == 0:

@@ -43,7 +43,7 @@ class InFlight:
 
 def _plain(seq: Sequence) -> bool:
     p = seq.params
-    return (not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+    return (seq.matcher is None and not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
             and (p.greedy or p.seed is None))
 
 

@@ -44,6 +44,8 @@ class OutputProcessor:
                 if seq.logprobs is not None and lp_rows[i] is not None:
                     seq.logprobs.append(self._logprob_entry(lp_rows[i][t_i], tok, seq.params.logprobs))
                 reason = self._check_stop_token(seq, tok)
+                if seq.matcher is not None and not reason:
+                    reason = self._advance_grammar(seq, tok)
                 if reason:
                     break
                 if per_token:
@@ -57,6 +59,8 @@ class OutputProcessor:
                 reason = "stop"
             if reason:
                 self.scheduler.finish(seq, reason)
+                if seq.matcher is not None:
+                    self.num_constrained -= 1
                 m.finished_time = now
                 self.seqs.pop(seq.request_id, None)
                 self.stats_total["finished"] += 1
@@ -84,6 +88,15 @@ class OutputProcessor:
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _advance_grammar(self, seq: Sequence, tok: int) -> str | None:
+        """Feed an accepted token to the request's matcher; "stop" once the grammar is complete (nothing but
+        EOS could follow) or, defensively, if the token was not allowed."""
+        m = seq.matcher
+        if not m.consume_token(tok):
+            seq.stop_reason = f"grammar error: {m.get_error()}"
+            return "stop"
+        return "stop" if m.is_stopped() else None
 
     def _logprob_entry(self, row: torch.Tensor, tok: int, n: int) -> list[Logprob]:
         entry = [Logprob(tok, float(row[tok]), self.detok.decode_one(tok))]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 
 
@@ -25,6 +27,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0                   # EngineConfig.scheduling_policy="priority": lower is scheduled sooner
+    # constrain the output to a JSON schema / regex / choice / grammar (a dict of the same fields works too);
+    # the grammar decides when it ends, so min_tokens does not ban EOS for these requests
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -33,6 +38,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

@@ -29,6 +29,8 @@ class Sequence:
         self.num_committed_blocks = 0                # leading blocks whose hash is published
         self.num_cached_tokens = 0
         self.spec_token_ids: list[int] = []          # draft tokens to verify next step
+        self.matcher = None                          # llguidance matcher of a constrained request: has
+        #                                              consumed exactly the output tokens (recompute keeps them)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)

@@ -72,6 +72,7 @@ class RequestTrack:
     num_preemptions: int = 0
     message: str | None = None
     priority: int | None = None   # SamplingParams.priority (lower = sooner under the priority policy)
+    structured: str | None = None  # the output constraint's kind (json, regex, choice, ...), None = unconstrained
     block_table: list[int] | None = None
     spans: list[Span] = field(default_factory=list)
     # open span bookkeeping
@@ -96,7 +97,7 @@ class RequestTrack:
             first_scheduled=self.first_scheduled, first_token=self.first_token, finished=self.finished,
             finish_reason=self.finish_reason, status=self.status, num_preemptions=self.num_preemptions,
             message=self.message, block_table=list(self.block_table) if self.block_table else None,
-            spans=spans, priority=self.priority)
+            spans=spans, priority=self.priority, structured=self.structured)
 
 
 @dataclass
@@ -224,6 +225,8 @@ class Recorder:
             tr.block_table = list(ev.block_table)
         if getattr(ev, "priority", None) is not None:
             tr.priority = ev.priority
+        if getattr(ev, "structured", None) is not None:
+            tr.structured = ev.structured
         if k == "arrived":
             self._totals["arrived"] += 1
             tr.arrival_step = self._step_coord()

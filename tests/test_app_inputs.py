@@ -29,6 +29,19 @@ def test_sampling_params_parsed():
         sp(seed="abc")
 
 
+def test_structured_output_box():
+    assert sp().structured_outputs is None
+    p = sp(structured_kind="JSON schema", structured_text='{"type": "object"}')
+    assert p.structured_outputs.json == {"type": "object"}
+    assert sp(structured_kind="choice", structured_text="yes\n\nno\n").structured_outputs.choice == ["yes", "no"]
+    assert sp(structured_kind="regex", structured_text=r"\d+").structured_outputs.regex == r"\d+"
+    assert sp(structured_kind="JSON object").structured_outputs.json_object is True
+    with pytest.raises(ValueError, match="JSON schema is not valid JSON"):
+        sp(structured_kind="JSON schema", structured_text="{oops")
+    with pytest.raises(ValueError, match="enter the regex"):
+        sp(structured_kind="regex", structured_text="  ")
+
+
 @pytest.mark.parametrize("kw,word", [
     (dict(max_tokens=10**9), "max tokens"), (dict(max_tokens=0), "max tokens"), (dict(max_tokens=2.5), "whole"),
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top-p"), (dict(top_k=-5), "top-k"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +42,36 @@ def parse_num(v, name: str, *, integer: bool = False, lo: float | None = None, h
     return x
 
 
+# the playground's structured-output box: label -> StructuredOutputsParams field
+STRUCTURED_KINDS = ["none", "JSON schema", "JSON object", "regex", "choice", "grammar (Lark)"]
+_SO_FIELD = {"JSON schema": "json", "regex": "regex", "choice": "choice", "grammar (Lark)": "grammar"}
+
+
+def make_structured(kind, text) -> dict | None:
+    """The structured-output box -> StructuredOutputsParams fields (None for "none")."""
+    kind = kind or "none"
+    if kind == "none":
+        return None
+    if kind == "JSON object":
+        return {"json_object": True}
+    if kind not in _SO_FIELD:
+        raise ValueError(f"structured output: unknown kind {kind!r}; one of {STRUCTURED_KINDS}")
+    text = (text or "").strip()
+    if not text:
+        raise ValueError(f"structured output: enter the {kind} in the constraint box")
+    if kind == "JSON schema":
+        try:
+            return {"json": json.loads(text)}
+        except ValueError as e:
+            raise ValueError(f"structured output: the JSON schema is not valid JSON ({e})") from None
+    if kind == "choice":
+        return {"choice": [c for c in text.split("\n") if c.strip()]}
+    return {_SO_FIELD[kind]: text}
+
+
 def make_sampling_params(temperature, top_p, top_k, min_p, max_tokens, min_tokens, repetition_penalty,
                          presence_penalty, frequency_penalty, seed, stop, ignore_eos, logprobs_on, logprobs_n,
+                         structured_kind="none", structured_text="",
                          max_model_len: int | None = None) -> SamplingParams:
     cap = min(PLAYGROUND_MAX_TOKENS, max_model_len or PLAYGROUND_MAX_TOKENS)
     mt = parse_num(max_tokens, "max tokens", integer=True, lo=1)
@@ -60,7 +89,8 @@ def make_sampling_params(temperature, top_p, top_k, min_p, max_tokens, min_token
             frequency_penalty=parse_num(frequency_penalty, "frequency penalty", lo=-2, hi=2),
             seed=parse_num(seed, "seed", integer=True, lo=0, allow_none=True), stop=stops or None,
             ignore_eos=bool(ignore_eos),
-            logprobs=(parse_num(logprobs_n, "logprobs top-n", integer=True, lo=0, hi=MAX_LOGPROBS) if logprobs_on else None))
+            logprobs=(parse_num(logprobs_n, "logprobs top-n", integer=True, lo=0, hi=MAX_LOGPROBS) if logprobs_on else None),
+            structured_outputs=make_structured(structured_kind, structured_text))
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg.replace("SamplingParams.", "")) from None

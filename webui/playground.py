@@ -7,7 +7,7 @@ import logging
 import gradio as gr
 
 from engine.sampling_params import MAX_LOGPROBS
-from webui.forms import MAX_PROMPT_CHARS, make_sampling_params
+from webui.forms import MAX_PROMPT_CHARS, STRUCTURED_KINDS, make_sampling_params
 from webui.host import EngineHost, EngineUnavailable, max_model_len
 from webui.render import logprobs_rows, request_stats_md
 
@@ -67,8 +67,15 @@ def playground_tab(host: EngineHost) -> None:
                     with gr.Row():
                         lp_on = gr.Checkbox(value=False, label="logprobs")
                         lp_n = gr.Slider(0, MAX_LOGPROBS, value=3, step=1, label="top-n alternatives")
+                    so_kind = gr.Dropdown(STRUCTURED_KINDS, value="none", label="structured output",
+                                          elem_id="kv-so-kind",
+                                          info="constrain the reply: every token is masked to what the constraint "
+                                               "still allows")
+                    so_text = gr.Textbox(label="constraint (JSON schema, regex, one choice per line, or Lark grammar)",
+                                         lines=4, elem_id="kv-so-text",
+                                         placeholder='{"type": "object", "properties": {"answer": {"type": "string"}}}')
         sampling = [temperature, top_p, top_k, min_p, max_tokens, min_tokens, rep_pen, pres_pen, freq_pen,
-                    seed, stop_str, ignore_eos, lp_on, lp_n]
+                    seed, stop_str, ignore_eos, lp_on, lp_n, so_kind, so_text]
 
         def _session(request: gr.Request | None) -> str:
             return getattr(request, "session_hash", None) or "api"

@@ -147,6 +147,8 @@ class Drafter:
         max_model_len (the bonus token included), so a verified step can never overrun a limit."""
         if seq.is_finished or seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
+        if seq.matcher is not None:     # constrained requests are not drafted for (their mask is per token)
+            return 0
         room = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.engine.max_model_len - seq.num_tokens) - 1
         k = max(0, min(self.k, room))

@@ -97,6 +97,8 @@ timeline_figure = _fig(timeline_spec)
 
 
 def _prio(r) -> str:
-    """The request's SamplingParams.priority for a hover (lower = admitted sooner under the priority policy)."""
+    """The request's SamplingParams.priority (lower = admitted sooner under the priority policy) and its output
+    constraint, for a hover."""
     p = getattr(r, "priority", None)
-    return "" if p is None else f" · priority {p}"
+    s = getattr(r, "structured", None)
+    return ("" if p is None else f" · priority {p}") + (f" · constrained ({s})" if s else "")

@@ -8,6 +8,10 @@ Beyond OpenAI's fields the requests accept vLLM's sampling extensions under vLLM
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
 `include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`, `priority` (400 unless the engine
 runs `scheduling_policy="priority"`, as in vLLM).
+
+Structured output: OpenAI's `response_format` (`{"type": "json_object"}` or `{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}`) on both endpoints, plus the extensions `regex`, `choice`
+(a list of strings) and `grammar` (Lark); at most one of them per request.
 """
 from __future__ import annotations
 
@@ -60,6 +64,44 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     priority: int = 0                  # vLLM: lower is scheduled sooner; needs scheduling_policy="priority"
+    # structured output (OpenAI's response_format; regex / choice / grammar are extensions)
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def structured_outputs(self) -> dict | None:
+        """The request's constraint as StructuredOutputsParams fields, or None; APIError on a bad shape."""
+        found = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                    raise APIError("response_format.json_schema.schema: is required and must be a JSON schema "
+                                   "object", param="response_format")
+                found["response_format"] = {"json": js["schema"]}
+            elif kind != "text":
+                raise APIError(f"response_format.type: must be 'text', 'json_object' or 'json_schema' "
+                               f"(got {kind!r})", param="response_format")
+        for name in ("regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                found[name] = {name: getattr(self, name)}
+        if len(found) > 1:
+            raise APIError(f"{', '.join(found)}: send at most one structured-output constraint",
+                           param=next(iter(found)))
+        return next(iter(found.values()), None)
+
+    def structured_param_names(self) -> dict[str, str]:
+        """Engine field -> request parameter, for errors (`structured_outputs.json: ...` -> response_format)."""
+        src = "response_format" if self.response_format is not None else \
+            next((n for n in ("regex", "choice", "grammar") if getattr(self, n) is not None), "response_format")
+        return {"structured_outputs": src, "structured_outputs.json": "response_format",
+                "structured_outputs.json_object": "response_format", "structured_outputs.regex": "regex",
+                "structured_outputs.choice": "choice", "structured_outputs.grammar": "grammar"}
 
     @field_validator("stop")
     @classmethod
@@ -104,6 +146,7 @@ class _SamplingRequest(BaseModel):
                            code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed when stream is true", param="stream_options")
+        self.structured_outputs()                 # its shape errors before anything is tokenized
 
     @property
     def include_usage(self) -> bool:
@@ -150,7 +193,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True   # vLLM extension
@@ -188,10 +230,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tools:
             raise APIError("tools: tool calling is not supported by this server", param="tools",
                            code="unsupported")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(f"response_format: only type 'text' is supported (got {fmt!r})",
-                           param="response_format", code="unsupported")
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \

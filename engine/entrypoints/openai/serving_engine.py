@@ -124,7 +124,7 @@ class OpenAIServing:
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  priority=req.priority)
+                                  priority=req.priority, structured_outputs=req.structured_outputs())
         if req.priority:                   # as vLLM: a priority needs the priority policy (a 400 otherwise)
             cfg = getattr(getattr(self.loop_or_none(), "engine", None), "config", None)
             if getattr(cfg, "scheduling_policy", "fcfs") != "priority":
@@ -142,7 +142,7 @@ class OpenAIServing:
         eng = loop.engine
         limit_param = req.limit_param if chat else "max_tokens"
         rename = {"logprobs": "top_logprobs" if chat else "logprobs", "prompt": "messages" if chat else "prompt",
-                  "max_tokens": limit_param}
+                  "max_tokens": limit_param, **req.structured_param_names()}
         prompt_ids: list[list[int]] = []
         for p in prompts:
             try:
