@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import sys
 import re
 import time
 from pathlib import Path
@@ -47,3 +49,30 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.2f}"
     return "" if v is None else str(v)
+
+
+def write_png(fig, png: Path, width: int = 1100, height: int = 640) -> str | None:
+    """A Plotly figure as PNG: through kaleido when installed, else Playwright + /usr/bin/chromium; -> which, or None."""
+    try:
+        fig.write_image(str(png), scale=1, width=width, height=height)         # kaleido, when installed
+        return "kaleido"
+    except Exception:
+        pass
+    if not os.path.exists("/usr/bin/chromium"):
+        return None
+    import tempfile
+    try:
+        from playwright.sync_api import sync_playwright
+        with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
+            html = Path(tmp) / "figure.html"               # plotly.js inline: the browser is offline
+            fig.write_html(str(html), include_plotlyjs=True)
+            b = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
+            page = b.new_page(viewport={"width": width + 20, "height": height + 20})
+            page.goto(html.resolve().as_uri())
+            page.wait_for_selector(".main-svg", timeout=30000)
+            page.locator(".js-plotly-plot").first.screenshot(path=str(png))
+            b.close()
+        return "chromium"
+    except Exception as e:
+        print(f"(no PNG: {type(e).__name__}: {e})", file=sys.stderr)
+        return None

@@ -12,6 +12,7 @@ timer observing every step, graphs replayed, and every N-th step run eagerly und
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, device_name, slug, write_json  # noqa: E402
+from benchmarks.common import device_name, slug, write_json, write_png  # noqa: E402
 from inspector.lessons import LESSONS, Setup, run_lesson  # noqa: E402
 from inspector.lessons.common import greedy, random_prompts, run  # noqa: E402
 
@@ -46,6 +47,12 @@ def graph_timing(setup: Setup, interval: int, batch: int = 64, output_len: int =
                 decode_tok_s_sampled=timed, overhead_pct=100 * (1 - timed / base), sampled_steps=sampled)
 
 
+def write_lesson_png(res: dict, folder: Path, name: str) -> None:
+    from inspector.figures import as_figure, lesson_spec
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"{name}: PNG via {write_png(as_figure(lesson_spec(res)), folder / f'lesson_{name}.png', 1100, 420)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or preset (dummy:llama-3.2-1b); default: bundled SmolLM2")
@@ -55,9 +62,17 @@ def main() -> None:
     ap.add_argument("--lessons", default=",".join(LESSONS), help=f"comma-separated: {','.join(LESSONS)},graph_timing")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 on a shared 2-core box)")
     ap.add_argument("--graph-timing-interval", type=int, default=200)
-    ap.add_argument("--png", default=None, help="also write each chart as PNG here (needs plotly + kaleido)")
+    ap.add_argument("--png", default=None, help="also write each chart as PNG here (needs plotly; kaleido or "
+                    "playwright + /usr/bin/chromium)")
+    ap.add_argument("--render", default=None, help="no runs: draw a results JSON written earlier (e.g. on a GPU "
+                    "machine without plotly) as PNGs under --png")
     ap.add_argument("--out", default=None, help="results/<name>.json; default lessons_<model>_<device>")
     a = ap.parse_args()
+    if a.render:
+        for name, res in json.loads(Path(a.render).read_text())["results"].items():
+            if name != "graph_timing":
+                write_lesson_png(res, Path(a.png or "."), name)
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     setup = Setup(model=a.model, device=a.device, dtype=a.dtype, scale=a.scale)
@@ -77,9 +92,7 @@ def main() -> None:
         print(f"{name:16s} {res['seconds']:7.1f} s  " + "  ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()), flush=True)
         if a.png and name != "graph_timing":
-            from inspector.figures import as_figure, lesson_spec
-            Path(a.png).mkdir(parents=True, exist_ok=True)
-            as_figure(lesson_spec(res)).write_image(str(Path(a.png) / f"lesson_{name}.png"), width=1100, height=420)
+            write_lesson_png(res, Path(a.png), name)
     name = a.out or f"lessons_{slug(a.model or 'smollm2')}_{slug(device_name(a.device))}"
     path = write_json(name, dict(device=device_name(a.device), model=a.model, scale=a.scale, results=results))
     print(f"wrote {path}")

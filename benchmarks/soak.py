@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import csv
 import json
-import os
 import random
 import re
 import signal
@@ -46,6 +45,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_png  # noqa: E402
 ACTIONS = {"stream": 45, "chat": 10, "disconnect": 12, "cancel": 10, "bad": 12, "too_long": 6, "ui": 5}
 GOOD, BAD = ("stream", "chat"), ("bad", "too_long")
 PROMPT_IDS = (100, 40000)          # token ids drawn from here (inside every preset's and SmolLM2's vocabulary)
@@ -337,32 +339,6 @@ def figure(rows: list[dict], res: dict, title: str):
                       margin=dict(l=60, r=20, t=80, b=50), template="plotly_white",
                       legend=dict(orientation="h", y=-0.12, x=0))
     return fig
-
-
-def write_png(fig, png: Path) -> str | None:
-    try:
-        fig.write_image(str(png), scale=1)         # kaleido, when installed
-        return "kaleido"
-    except Exception:
-        pass
-    if not os.path.exists("/usr/bin/chromium"):
-        return None
-    import tempfile
-    try:
-        from playwright.sync_api import sync_playwright
-        with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
-            html = Path(tmp) / "soak.html"               # plotly.js inline: the browser is offline
-            fig.write_html(str(html), include_plotlyjs=True)
-            b = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
-            page = b.new_page(viewport={"width": 1120, "height": 660})
-            page.goto(html.resolve().as_uri())
-            page.wait_for_selector(".main-svg", timeout=30000)
-            page.locator(".js-plotly-plot").first.screenshot(path=str(png))
-            b.close()
-        return "chromium"
-    except Exception as e:
-        print(f"(no PNG: {type(e).__name__}: {e})", file=sys.stderr)
-        return None
 
 
 # ----------------------------------------------------------------------------- server
