@@ -54,7 +54,7 @@ def plan(engine, ahead: InFlight | None = None) -> int:
     sch = engine.scheduler
     if K <= 1 or not engine.config.enable_kv_cache or not sch.running:
         return 1
-    if engine.drafter is not None and engine.drafter.blocks_fast_path(sch.running, K + (ahead.K if ahead else 0)):
+    if engine.drafter is not None and engine.drafter.blocks_fast_path(sch.running):
         return 1                                    # a request drafts (or probes) within the block
     if _admit_now(engine):
         return 1                                    # admit the newcomers with a normal step

@@ -193,7 +193,10 @@ class Drafter:
                 for seq, _ in cands:
                     st = self._accept[seq.request_id]
                     if st.off and not seq.spec_token_ids:      # a probe that found nothing: retry later
-                        st.next_probe = seq.num_output_tokens + (st.gap if st.verified else 1)
+                        # unverified: after one multi-step block's worth of tokens (1 where there is no
+                        # multi-step), so a request the proposer has nothing for never holds the batch off it
+                        st.next_probe = seq.num_output_tokens + (st.gap if st.verified
+                                                                 else self.engine.num_scheduler_steps)
 
     # ---- auto-off ------------------------------------------------------------------------------
     def cost_ratio(self, batch: int, k: int) -> float:
@@ -248,15 +251,15 @@ class Drafter:
         else:
             self._switch_off(seq, st)
 
-    def blocks_fast_path(self, running: list[Sequence], horizon: int) -> bool:
-        """Whether a running request may draft within the next `horizon` tokens (multi-step decoding would
-        skip that): always without auto-off; with it, unless every request's drafting is off and no probe
-        is due."""
+    def blocks_fast_path(self, running: list[Sequence]) -> bool:
+        """Whether a running request drafts (or probes) now, so multi-step decoding must wait: always without
+        auto-off; with it, unless every request's drafting is off and no probe is due. A probe that falls due
+        inside a block runs after it (at most num_scheduler_steps tokens late)."""
         if not self.auto_off:
             return True
         for seq in running:
             st = self._accept.get(seq.request_id)
-            if st is None or not st.off or seq.num_output_tokens + horizon >= st.next_probe:
+            if st is None or not st.off or seq.num_output_tokens >= st.next_probe:
                 return True
         return False
 
