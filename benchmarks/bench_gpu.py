@@ -113,9 +113,8 @@ def bench_latency(bw: float, cfg: dict, configs: list[str]) -> list[dict]:
     return rows
 
 
-def run_engine(prompts, outs, max_model_len: int = 2048, **cfg) -> tuple[float, int]:
-    llm = LLM(MODEL, max_model_len=max_model_len, max_num_seqs=256, max_num_batched_tokens=16384, **cfg)
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
+def timed_generate(llm: LLM, prompts, outs) -> tuple[float, int]:
+    """(seconds, output tokens) of one timed generate over the workload (temperature 0.6, ignore_eos)."""
     params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True, seed=None) for o in outs]
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -123,6 +122,13 @@ def run_engine(prompts, outs, max_model_len: int = 2048, **cfg) -> tuple[float, 
     dt = time.perf_counter() - t
     n = sum(len(r.token_ids) for r in res)
     assert n == sum(outs)
+    return dt, n
+
+
+def run_engine(prompts, outs, max_model_len: int = 2048, **cfg) -> tuple[float, int]:
+    llm = LLM(MODEL, max_model_len=max_model_len, max_num_seqs=256, max_num_batched_tokens=16384, **cfg)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
+    dt, n = timed_generate(llm, prompts, outs)
     llm.engine.close()
     return dt, n
 

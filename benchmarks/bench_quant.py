@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_gpu import copy_bandwidth, nano_workload  # noqa: E402
+from benchmarks.bench_gpu import copy_bandwidth, nano_workload, timed_generate  # noqa: E402
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_runner import kv_bytes_per_block  # noqa: E402
@@ -90,12 +90,7 @@ def bench_model(fmt, bw: float, prompts, outs) -> dict:
                ms_per_token=whole * 1e3, decode_step_ms=step * 1e3, floor_ms=floor * 1e3,
                pct_floor=100 * floor / step)
     if prompts:
-        params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        res = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        n = sum(len(r.token_ids) for r in res)
+        dt, n = timed_generate(llm, prompts, outs)
         row.update(nano_s=dt, nano_tok_s=n / dt)
     eng.close()
     del llm, eng

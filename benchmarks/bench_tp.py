@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_gpu import nano_workload  # noqa: E402
+from benchmarks.bench_gpu import nano_workload, timed_generate  # noqa: E402
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -63,13 +63,7 @@ def throughput(model: str, tp: int, prompts, outs) -> dict:
     llm = LLM(model, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384, tensor_parallel_size=tp)
     start_s = time.perf_counter() - t0
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
-    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    n = sum(len(r.token_ids) for r in res)
-    assert n == sum(outs)
+    dt, n = timed_generate(llm, prompts, outs)
     row = dict(bench="nano workload", model=model.split(":")[1], tp=tp, config=f"{len(prompts)} requests",
                seconds=dt, out_tokens=n, tok_s=n / dt, start_s=start_s,
                num_kv_blocks=llm.engine.num_blocks, preemptions=llm.engine.scheduler.num_preemptions)
