@@ -44,19 +44,24 @@ def shots():
 
 
 def plot_box(page, elem_id, timeout=20.0):
-    """The rendered Plotly element's box (retried: a live update may replace the element mid-query)."""
+    """The rendered Plotly element's box, read in one evaluation inside the page: a live update re-creates the
+    element every second, and a locator's element can be detached between resolving and measuring it."""
     deadline = time.time() + timeout
     box = None
     while time.time() < deadline:
-        loc = page.locator(f"#{elem_id} .js-plotly-plot .main-svg").first
-        try:
-            box = loc.bounding_box(timeout=2000)
-        except Exception:
-            box = None
+        box = page.evaluate(PLOT_BOX_JS, elem_id)
         if box and box["width"] > 0 and box["height"] > 0:
             return box
         time.sleep(0.2)
     return box
+
+
+PLOT_BOX_JS = """(id) => {
+  const svg = document.querySelector('#' + id + ' .js-plotly-plot .main-svg');
+  if (!svg) return null;
+  const b = svg.getBoundingClientRect();
+  return {x: b.x, y: b.y, width: b.width, height: b.height};
+}"""
 
 
 FIGURE_BOXES_JS = """(id) => {
