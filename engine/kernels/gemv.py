@@ -64,8 +64,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
         a, sq = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
         acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         ss += sq
+    _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
+              PROLOGUE, HAS_BIAS, HAS_RES)
+
+
+@triton.jit
+def _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
+              PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """acc [BM, BN] fp32 -> out: the rms_norm prologue's 1/rms (applied last), bias, rounding, residual add."""
     if PROLOGUE == 1:
-        acc = acc * tl.rsqrt(ss / K + eps)[:, None]                             # the norm's 1/rms, applied last
+        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
     y = acc.to(out_ptr.dtype.element_ty)

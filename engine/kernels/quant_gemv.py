@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..quant.formats import BLOCK, dequantize, int4_group
 from . import torch_ops
-from .gemv import PROLOGUES, _activation
+from .gemv import PROLOGUES, _activation, _epilogue
 
 FMT_IDS = {"int8": 0, "fp8": 1}
 
@@ -56,16 +56,8 @@ def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
         ss += sq
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]   # per-channel scale
-    if PROLOGUE == 1:
-        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(out_ptr.dtype.element_ty)
-    omask = mm[:, None] & nm[None, :]
-    if HAS_RES:
-        r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=omask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=omask)
+    _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
+              PROLOGUE, HAS_BIAS, HAS_RES)
 
 
 @triton.jit
@@ -128,16 +120,8 @@ def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M
         part, sq = _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE, HALF, NG)
         acc += part
         ss += sq
-    if PROLOGUE == 1:
-        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    y = acc.to(out_ptr.dtype.element_ty)
-    omask = mm[:, None] & nm[None, :]
-    if HAS_RES:
-        r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=omask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=omask)
+    _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
+              PROLOGUE, HAS_BIAS, HAS_RES)
 
 
 def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int]:
