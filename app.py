@@ -29,6 +29,7 @@ import gradio as gr  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.entrypoints.openai.api_server import SERVER_ENGINE_DEFAULTS  # noqa: E402
+from engine.entrypoints.openai.arrival import ArrivalProtocol  # noqa: E402
 from webui.forms import config_field_specs  # noqa: E402
 from webui.host import EngineHost  # noqa: E402
 from webui.ui import CSS, build_ui  # noqa: E402
@@ -87,7 +88,7 @@ class ServerHandle:
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}/"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
+                                                    timeout_graceful_shutdown=1, http=ArrivalProtocol))
         self.thread = threading.Thread(target=self.server.run, name="kvscope-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerHandle":
@@ -187,7 +188,8 @@ def main(argv=None) -> None:
     app, _ = create_app(host, api_only=args.api_only)
     print(f"kvscope ready on http://{args.host}:{args.port}  ({host.describe()})", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2,
+                    http=ArrivalProtocol)
     finally:
         host.shutdown()
 

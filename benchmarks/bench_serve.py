@@ -35,6 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from benchmarks.common import print_table, slug, write_json  # noqa: E402
 from benchmarks.serve_procs import (launch_server, start_command, start_pyspy, stop_launched,  # noqa: E402
                                     stop_process)
+from benchmarks.serve_client import run_sharded  # noqa: E402
+from inspector import metrics as M  # noqa: E402
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress  # noqa: E402
 from inspector.load import LengthDist, LoadSpec  # noqa: E402
 
@@ -53,6 +55,10 @@ def parse_args(argv=None):
     ap.add_argument("--request-rate", type=float, default=2.0, help="requests/s; inf = all at once")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--client-procs", default="1", metavar="N[,N...]",
+                    help="client processes sharing the workload (each sends every N-th user's requests), so the "
+                         "client's own event loop does not delay sends and reads in a burst; a list runs every "
+                         "workload once per value (runs named e.g. burst-c4)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.0,
@@ -160,12 +166,16 @@ def print_report(s: dict, wall: float, args, srv: dict) -> None:
 
 
 def workloads(args) -> list[argparse.Namespace]:
-    """The runs to make against every target: the suite's, or the one the flags describe."""
-    if args.suite:
-        return [argparse.Namespace(**{**vars(args), "name": n, "num_prompts": k, "request_rate": r, "input_len": i,
-                                      "output_len": o, "range_ratio": rr})
-                for n, k, r, i, o, rr in SUITES[args.suite]]
-    return [args]
+    """The runs to make against every target: the suite's, or the one the flags describe, once per
+    --client-procs value."""
+    procs = [int(x) for x in str(args.client_procs).split(",") if x.strip()]
+    if not procs or min(procs) < 1:
+        raise SystemExit(f"--client-procs: expected positive integers (got {args.client_procs!r})")
+    base = [(n, k, r, i, o, rr) for n, k, r, i, o, rr in SUITES[args.suite]] if args.suite else \
+        [(args.name, args.num_prompts, args.request_rate, args.input_len, args.output_len, args.range_ratio)]
+    return [argparse.Namespace(**{**vars(args), "name": n if c == 1 else f"{n or 'run'}-c{c}", "num_prompts": k, "request_rate": r, "input_len": i,
+                                  "output_len": o, "range_ratio": rr, "client_procs": c})
+            for n, k, r, i, o, rr in base for c in procs]
 
 
 def parse_targets(args) -> list[tuple[str, str]]:
@@ -181,10 +191,22 @@ def parse_targets(args) -> list[tuple[str, str]]:
     return out
 
 
+def spec_kwargs(w) -> dict:
+    return dict(num_prompts=w.num_prompts, request_rate=w.request_rate, burstiness=w.burstiness,
+                max_concurrency=w.max_concurrency, input_len=w.input_len, output_len=w.output_len,
+                range_ratio=w.range_ratio, seed=w.seed)
+
+
+def make_spec(num_prompts, request_rate, burstiness, max_concurrency, input_len, output_len, range_ratio, seed,
+              client_procs: int = 1) -> LoadSpec:
+    conc = max_concurrency if not max_concurrency or client_procs == 1 else -(-max_concurrency // client_procs)
+    return LoadSpec(name="bench_serve", num_requests=num_prompts, rate=request_rate, burstiness=burstiness,
+                    max_concurrency=conc, prompt_len=_lengths(input_len, range_ratio),
+                    output_len=_lengths(output_len, range_ratio), seed=seed, temperature=0.0, ignore_eos=True)
+
+
 def _spec(w) -> LoadSpec:
-    return LoadSpec(name="bench_serve", num_requests=w.num_prompts, rate=w.request_rate, burstiness=w.burstiness,
-                    max_concurrency=w.max_concurrency, prompt_len=_lengths(w.input_len, w.range_ratio),
-                    output_len=_lengths(w.output_len, w.range_ratio), seed=w.seed, temperature=0.0, ignore_eos=True)
+    return make_spec(**spec_kwargs(w))
 
 
 def run_http(w, url: str, model: str | None, profile_pid: int | None = None, profile_out: Path | None = None
@@ -201,19 +223,32 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
         raise SystemExit(f"warm-up request failed: {warm.errors}")
     before = scrape(url)
     load_before = os.getloadavg()[0]
-    runner = HttpLoadRunner(target, _spec(w), vocab_size=w.vocab_size)
-    print(f"benchmarking {runner.model} at {target.v1}: {w.num_prompts} prompts, rate {w.request_rate:g} req/s, "
-          f"burstiness {w.burstiness:g}, input {w.input_len}, output {w.output_len}, seed {w.seed}", flush=True)
+    print(f"benchmarking {model or 'the served model'} at {target.v1}: {w.num_prompts} prompts, rate "
+          f"{w.request_rate:g} req/s, burstiness {w.burstiness:g}, input {w.input_len}, output {w.output_len}, "
+          f"seed {w.seed}, {w.client_procs} client process(es)", flush=True)
     spy = start_pyspy(profile_pid, profile_out) if profile_pid else None
-    t0 = time.perf_counter()
-    runner.start()
-    while not runner.wait(5.0):
-        print("  " + format_progress(runner.progress()), flush=True)
-        if time.perf_counter() - t0 > w.timeout:
-            runner.stop()
-            runner.wait(30)
-            break
-    wall = time.perf_counter() - t0
+    if w.client_procs > 1:
+        res = run_sharded(url, model, w.api_key, dict(spec_kwargs(w), client_procs=w.client_procs), w.vocab_size,
+                          w.client_procs, w.timeout)
+        t0 = res["t_start"]
+        ends = [r.metrics.finished_time for r in res["records"] if r.metrics.finished_time is not None]
+        wall = (max(ends) if ends else res["t_end"]) - t0
+        records, errors, model_name = res["records"], res["errors"], res["model"]
+        s = M.summarize(records)
+        s.update(num_requests=w.num_prompts, failed=res["failed"], not_sent=res["not_sent"],
+                 http_status=res["http_status"])
+    else:
+        runner = HttpLoadRunner(target, _spec(w), vocab_size=w.vocab_size)
+        t0 = time.perf_counter()
+        runner.start()
+        while not runner.wait(5.0):
+            print("  " + format_progress(runner.progress()), flush=True)
+            if time.perf_counter() - t0 > w.timeout:
+                runner.stop()
+                runner.wait(30)
+                break
+        wall = time.perf_counter() - t0
+        records, errors, model_name, s = runner.records, runner.errors, runner.model, runner.summary()
     if spy is not None:
         spy.send_signal(2)
         try:
@@ -221,27 +256,27 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
         except subprocess.TimeoutExpired:
             spy.kill()
     load_after = os.getloadavg()[0]
-    s = runner.summary()
     srv = server_side(before, scrape(url))
     print_report(s, wall, w, srv)
     print(f"machine load average (1 min): {load_before:.2f} before, {load_after:.2f} after, "
           f"{os.cpu_count()} cores (other processes share these cores)")
-    if runner.errors:
-        print(f"{len(runner.errors)} errors, e.g. {runner.errors[:3]}")
-    records = [dict(request_id=r.request_id, prompt_len=r.prompt_len, output_len=r.output_len,
-                    ttft_ms=None if r.metrics.ttft is None else 1000 * r.metrics.ttft,
-                    e2el_ms=None if r.metrics.e2e is None else 1000 * r.metrics.e2e,
-                    num_chunks=len(r.metrics.token_times)) for r in runner.records]
-    gaps = sorted(((b - a) * 1e3, a - t0, r.request_id) for r in runner.records
+    if errors:
+        print(f"{len(errors)} errors, e.g. {errors[:3]}")
+    rows = [dict(request_id=r.request_id, prompt_len=r.prompt_len, output_len=r.output_len,
+                 ttft_ms=None if r.metrics.ttft is None else 1000 * r.metrics.ttft,
+                 e2el_ms=None if r.metrics.e2e is None else 1000 * r.metrics.e2e,
+                 num_chunks=len(r.metrics.token_times)) for r in records]
+    gaps = sorted(((b - a) * 1e3, a - t0, r.request_id) for r in records
                   for a, b in zip(r.metrics.token_times, r.metrics.token_times[1:]))
     itl_tail = {"over_10ms": sum(g > 10 for g, _, _ in gaps), "over_15ms": sum(g > 15 for g, _, _ in gaps),
                 "n": len(gaps), "largest": [dict(ms=round(g, 2), at_s=round(t, 3), request=rid)
                                             for g, t, rid in gaps[-15:]]}
-    return {"target": target.v1, "model": runner.model, "duration_s": wall, "itl_tail": itl_tail,
+    return {"target": target.v1, "model": model_name, "duration_s": wall, "itl_tail": itl_tail,
+            "client_procs": w.client_procs,
             "output_tok_s": s["output_tokens"] / wall, "completed": s["completed"],
             "load_average_1min": {"before": load_before, "after": load_after},
             "summary": {k: v for k, v in s.items() if k != "slo"}, "server_side": srv,
-            "http_status": s.get("http_status"), "errors": runner.errors[:20], "requests": records}
+            "http_status": s.get("http_status"), "errors": errors[:20], "requests": rows}
 
 
 def run_offline(w, args) -> dict:

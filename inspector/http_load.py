@@ -106,7 +106,8 @@ class HttpLoadRunner(RunState):
 
     def __init__(self, target: HttpTarget | str, spec: LoadSpec, slo: M.SLO | None = None,
                  vocab_size: int | None = None, special_ids=(), max_model_len: int | None = None,
-                 on_record: Callable[[RequestRecord], None] | None = None, discover_server: bool = True):
+                 on_record: Callable[[RequestRecord], None] | None = None, discover_server: bool = True,
+                 shard: tuple[int, int] = (0, 1)):
         self.target = HttpTarget(target) if isinstance(target, str) else target
         self.spec = spec
         self.slo = slo
@@ -123,14 +124,21 @@ class HttpLoadRunner(RunState):
             raise ValueError("prompts: 'text' is rendered with the in-process model's chat template; send random "
                              "ids over HTTP")
         self.prefix, self.items = build_workload(spec, self.vocab_size, special_ids)
+        k, n = shard
+        if not (isinstance(n, int) and n >= 1 and isinstance(k, int) and 0 <= k < n):
+            raise ValueError(f"shard: must be (k, n) with 0 <= k < n (got {shard!r})")
+        if n > 1:       # this process's share of the users (benchmarks split a workload over client processes)
+            self.items = [it for it in self.items if it.user % n == k]
         self._init_state()
         self.status_counts: Counter = Counter()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ control (LoadRunner's surface)
-    def start(self) -> "HttpLoadRunner":
-        self._t_start = time.perf_counter()
+    def start(self, at: float | None = None) -> "HttpLoadRunner":
+        """Send the workload, its arrival times counted from `at` (a time.perf_counter() instant, the same
+        clock in every process of this machine; default: now)."""
+        self._t_start = time.perf_counter() if at is None else at
         self._thread = threading.Thread(target=self._thread_main, name=f"kvscope-http-load-{self.run_id}",
                                         daemon=True)
         self._thread.start()

@@ -182,3 +182,71 @@ def test_disconnect_storm_frees_every_block(loop):
         unslow()
     assert len(aborted) == 100
     assert s["num_free_blocks"] == loop.engine.num_blocks - 1
+
+
+class _Transport:
+    """The least of an asyncio transport uvicorn's protocol uses (no socket: the protocol is driven directly)."""
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 1), "sockname": ("127.0.0.1", 2)}.get(name, default)
+
+    def write(self, data):
+        pass
+
+    def is_closing(self):
+        return False
+
+    def close(self):
+        pass
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def set_write_buffer_limits(self, *a, **k):
+        pass
+
+
+def test_arrival_protocol_stamps_at_accept_then_at_first_bytes():
+    """The server's HTTP protocol stamps a connection's first request when the connection was accepted (bytes
+    that waited for the event loop still count), and a kept-alive connection's next request when its bytes
+    were read; the ASGI app (the API middleware) then finds the stamp in scope["state"]."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from engine.entrypoints.openai.arrival import ArrivalProtocol
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["state"].get("kvscope_arrival"))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main():
+        cfg = uvicorn.Config(app, log_level="warning")
+        cfg.load()
+        proto = ArrivalProtocol(config=cfg, server_state=ServerState(), app_state={})
+        t_a = time.perf_counter()
+        proto.connection_made(_Transport())
+        t_b = time.perf_counter()
+        await asyncio.sleep(0.02)                      # the request's bytes are read later
+        proto.data_received(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        for _ in range(50):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        t_c = time.perf_counter()
+        proto.data_received(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        t_d = time.perf_counter()
+        for _ in range(50):
+            if len(seen) == 2:
+                break
+            await asyncio.sleep(0.01)
+        return t_a, t_b, t_c, t_d
+
+    t_a, t_b, t_c, t_d = asyncio.run(main())
+    assert len(seen) == 2
+    assert t_a <= seen[0] <= t_b                       # the first request: when its connection was accepted
+    assert t_c <= seen[1] <= t_d                       # the next one: when its bytes came in

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import EngineLoop
 from engine.config import EngineConfig
 
+from .arrival import ArrivalProtocol
 from .errors import error_body, guarded, http_exception_handler, unauthorized
 from .metrics import ServerMetrics
 from .serving_chat import OpenAIServingChat
@@ -68,10 +69,13 @@ class ApiMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        scope.setdefault("state", {})["kvscope_arrival"] = time.perf_counter()   # arrival: TTFT counts from here
-        # Yield once, so every request that reached the event loop with this one is stamped before any of
-        # them does its parsing and submission (in a burst the 500th would otherwise be stamped late).
-        await asyncio.sleep(0)
+        # arrival, TTFT counts from here: stamped by ArrivalProtocol when the bytes came in, else now
+        state = scope.setdefault("state", {})
+        if "kvscope_arrival" not in state:
+            state["kvscope_arrival"] = time.perf_counter()
+            # Yield once, so every request that reached the event loop with this one is stamped before any
+            # of them does its parsing and submission (in a burst the 500th would otherwise be stamped late).
+            await asyncio.sleep(0)
         status = 500
 
         async def send_(msg):
@@ -163,7 +167,8 @@ class ServerThread:
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2,
+                                                    http=ArrivalProtocol))
         self._thread = None
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("serving %s on http://%s:%d (max_waiting_requests=%s)",
              app.state.kvscope_api.model_name_of(loop), args.host, args.port, loop.config.max_waiting_requests)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), http=ArrivalProtocol,
                     timeout_graceful_shutdown=5)
     finally:
         loop.shutdown()

@@ -1,0 +1,91 @@
+"""One serving workload sent from several client processes at once (`bench_serve.py --client-procs N`).
+
+A single Python client process handling hundreds of concurrent streams is itself a bottleneck: in a burst
+it sends request 500 long after request 1, and reads first chunks late, so the TTFT and throughput it
+reports include its own event loop's queue. Here each of N spawned processes runs an `HttpLoadRunner` on
+every N-th simulated user of the same seeded workload; all start at one agreed `time.perf_counter()`
+instant (CLOCK_MONOTONIC, one clock for the machine's processes), so arrival times keep their meaning,
+and the parent merges their records. Results travel back as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import time
+
+from engine.outputs import RequestMetrics
+from inspector.recorder import RequestRecord
+
+START_MARGIN_S = 0.25          # from the last child saying ready to the common start
+
+
+def _child(conn, url: str, model: str | None, api_key: str | None, spec_kwargs: dict, vocab_size: int,
+           k: int, n: int, timeout: float) -> None:
+    from benchmarks.bench_serve import make_spec
+    from inspector.http_load import HttpLoadRunner, HttpTarget
+    try:
+        runner = HttpLoadRunner(HttpTarget(url, model=model, api_key=api_key), make_spec(**spec_kwargs),
+                                vocab_size=vocab_size, shard=(k, n))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        return
+    conn.send_bytes(json.dumps({"ready": len(runner.items)}).encode())
+    at = json.loads(conn.recv_bytes())["at"]
+    runner.start(at=at)
+    if not runner.wait(timeout):
+        runner.stop()
+        runner.wait(30)
+    recs = [dict(dataclasses.asdict(r), metrics=dataclasses.asdict(r.metrics)) for r in runner.records]
+    p = runner.progress()
+    conn.send_bytes(json.dumps({"records": recs, "errors": runner.errors, "failed": p["failed"],
+                                "not_sent": p["not_sent"], "model": runner.model,
+                                "http_status": p["http_status"]}).encode())
+
+
+def run_sharded(url: str, model: str | None, api_key: str | None, spec_kwargs: dict, vocab_size: int,
+                n: int, timeout: float) -> dict:
+    """Run the workload `make_spec(**spec_kwargs)` from n processes. Returns {records, errors, failed,
+    not_sent, model, http_status, t_start, t_end}: t_start is the agreed start, t_end when the last
+    process finished."""
+    ctx = mp.get_context("spawn")          # the parent may hold CUDA (an offline target ran first)
+    pipes, procs = [], []
+    for k in range(n):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_child, args=(child, url, model, api_key, spec_kwargs, vocab_size, k, n, timeout),
+                        daemon=True, name=f"bench-client-{k}")
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    try:
+        for conn in pipes:
+            if not conn.poll(120):
+                raise SystemExit("a client process did not start within 120 s")
+            msg = json.loads(conn.recv_bytes())
+            if "error" in msg:
+                raise SystemExit(f"client process: {msg['error']}")
+        at = time.perf_counter() + START_MARGIN_S
+        for conn in pipes:
+            conn.send_bytes(json.dumps({"at": at}).encode())
+        out = {"records": [], "errors": [], "failed": 0, "not_sent": 0, "http_status": {}, "t_start": at}
+        for conn in pipes:
+            if not conn.poll(timeout + 60):
+                raise SystemExit("a client process did not report")
+            msg = json.loads(conn.recv_bytes())
+            out["model"] = msg["model"]
+            out["errors"] += msg["errors"]
+            out["failed"] += msg["failed"]
+            out["not_sent"] += msg["not_sent"]
+            for code, c in msg["http_status"].items():
+                out["http_status"][code] = out["http_status"].get(code, 0) + c
+            for r in msg["records"]:
+                r["metrics"] = RequestMetrics(**r["metrics"])
+                out["records"].append(RequestRecord(**r))
+        out["t_end"] = time.perf_counter()
+        return out
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
