@@ -15,6 +15,10 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.vocab_limit = len(tokenizer) if tokenizer is not None else 0
+        # the Rust tokenizer behind a fast HF tokenizer decodes the same text without transformers' per-call
+        # Python work (a few µs against 10-15 µs; two decodes per generated token)
+        rust = getattr(tokenizer, "_tokenizer", None)
+        self._rust = rust if callable(getattr(rust, "decode", None)) else None
 
     def start(self, seq: Sequence) -> None:
         ctx = min(_CONTEXT, seq.num_prompt_tokens)
@@ -22,7 +26,10 @@ class Detokenizer:
         seq.read_offset = seq.num_prompt_tokens
 
     def _decode(self, ids: list[int], skip: bool) -> str:
-        ids = [t for t in ids if t < self.vocab_limit]
+        if ids and max(ids) >= self.vocab_limit:
+            ids = [t for t in ids if t < self.vocab_limit]
+        if self._rust is not None:
+            return self._rust.decode(ids, skip_special_tokens=skip)
         return self.tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
     def update(self, seq: Sequence) -> str:

@@ -273,6 +273,28 @@ def test_incremental_detokenization_is_utf8_safe(tok):
     assert all("\ufffd" not in p for p in pieces)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_detokenizer_rust_path_matches_transformers_decode(tok, skip):
+    """The fast path (the Rust tokenizer behind the HF one) streams exactly the text transformers' decode
+    gives, on random ids that include special tokens and pieces of multi-byte characters."""
+    import random
+    rng = random.Random(7)
+    special = list(tok.all_special_ids)
+    for trial in range(40):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 9))]
+        fast = _stream(tok, ids, SamplingParams(skip_special_tokens=skip), prompt)[0]
+        seq = Sequence("r", None, list(prompt), SamplingParams(skip_special_tokens=skip), 0.0)
+        det = Detokenizer(tok)
+        assert det._rust is not None
+        det._rust = None                                   # transformers' decode
+        det.start(seq)
+        for t in ids:
+            seq.append_token(t)
+            det.update(seq)
+        assert fast.text == seq.text, (trial, ids)
+
+
 def test_stop_string_spanning_tokens(tok):
     ids = tok("Hello world, this is a test", add_special_tokens=False).input_ids
     first = tok.decode(ids[:1])
