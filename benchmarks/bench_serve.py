@@ -342,8 +342,8 @@ def main(argv=None) -> list[dict]:
             for w in runs:
                 print(f"==== {name} · {w.name or 'run'} ====", flush=True)
                 if value == "offline":
-                    if not math.isinf(w.request_rate):
-                        continue                  # offline has no arrival process: only the burst compares
+                    if not math.isinf(w.request_rate) or w.client_procs > 1:
+                        continue                  # offline has no arrival process or client: one burst run
                     r = run_offline(w, args)
                 else:
                     prof = dict(profile_pid=proc.pid, profile_out=Path(args.pyspy) / f"{slug(name)}_{w.name or 'run'}.txt") \

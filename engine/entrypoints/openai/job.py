@@ -130,14 +130,20 @@ class Job:
                 raise APIError(f"engine error: {x}", 500, "server_error", code="engine_error")
             if not hasattr(x, "finished"):    # the end-of-stream marker
                 continue
-            now = time.perf_counter()
-            if self.first_sent[i] is None and x.delta_token_ids:
-                self.first_sent[i] = now
+            first = self.first_sent[i] is None and bool(x.delta_token_ids)
             if x.finished:
                 self.closed[i] = True
                 self.finals[i] = x
-                self.server.metrics.observe(x, self.model_name, self.first_sent[i], now)
-            yield i, x
+            try:
+                yield i, x
+            finally:
+                # The consumer asks for the next output once it has handed this one on (a streamed chunk: to
+                # the HTTP transport), so /metrics' first-token and end stamps are taken here.
+                now = time.perf_counter()
+                if first:
+                    self.first_sent[i] = now
+                if x.finished:
+                    self.server.metrics.observe(x, self.model_name, self.first_sent[i], now)
 
     def abort_unfinished(self) -> None:
         """Abort every choice still running (no await: safe from finally blocks and cancelled scopes)."""

@@ -122,14 +122,15 @@ class ServerMetrics:
         def hist(name, doc, buckets):
             return Histogram(PREFIX + name, doc, lab, registry=r, buckets=buckets)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token: arrival at the server -> the "
-                         "first token handed to the HTTP response.", TTFT_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token: arrival at the server (its "
+                         "connection accepted, or its first bytes read) -> the first token's chunk written to the "
+                         "HTTP response.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds",
                         "Inter-token latency: gap between consecutive outputs of a request.", ITL_BUCKETS)
         self.tpot = hist("request_time_per_output_token_seconds",
                          "Per request: (last token - first token) / (output tokens - 1).", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end latency: arrival at the server -> the last "
-                        "output handed to the HTTP response.", REQUEST_BUCKETS)
+                        "output written to the HTTP response.", REQUEST_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Arrival -> first scheduled.", REQUEST_BUCKETS)
         self.prefill = hist("request_prefill_time_seconds", "First scheduled -> first token.", REQUEST_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token -> last token.", REQUEST_BUCKETS)
@@ -143,8 +144,8 @@ class ServerMetrics:
 
     def observe(self, out, model_name: str, first_sent: float | None = None, last_sent: float | None = None
                 ) -> None:
-        """Record one finished RequestOutput. TTFT and E2E latency end when the server handed the first and
-        the last output to the HTTP response (`first_sent`, `last_sent`, when given), so they include the
+        """Record one finished RequestOutput. TTFT and E2E latency end when the server wrote the first and the
+        last output to the HTTP response (`first_sent`, `last_sent`, when given), so they include the
         hand-over from the engine (another process, a busy event loop) that a client waits through too;
         the other histograms use the engine's stamps (RequestMetrics)."""
         reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "abort"
