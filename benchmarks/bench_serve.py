@@ -55,10 +55,11 @@ def parse_args(argv=None):
     ap.add_argument("--request-rate", type=float, default=2.0, help="requests/s; inf = all at once")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     ap.add_argument("--max-concurrency", type=int, default=None)
-    ap.add_argument("--client-procs", default="1", metavar="N[,N...]",
+    ap.add_argument("--client-procs", default="1", metavar="N[w][,N[w]...]",
                     help="client processes sharing the workload (each sends every N-th user's requests), so the "
-                         "client's own event loop does not delay sends and reads in a burst; a list runs every "
-                         "workload once per value (runs named e.g. burst-c4)")
+                         "client's own event loop does not delay sends and reads in a burst; 'w' after N: each "
+                         "opens its connections before the start, so TCP set-up is not timed; a list runs every "
+                         "workload once per value (runs named e.g. burst-c4, burst-c8w)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.0,
@@ -168,14 +169,21 @@ def print_report(s: dict, wall: float, args, srv: dict) -> None:
 def workloads(args) -> list[argparse.Namespace]:
     """The runs to make against every target: the suite's, or the one the flags describe, once per
     --client-procs value."""
-    procs = [int(x) for x in str(args.client_procs).split(",") if x.strip()]
-    if not procs or min(procs) < 1:
-        raise SystemExit(f"--client-procs: expected positive integers (got {args.client_procs!r})")
+    try:
+        procs = [(int(x.strip().rstrip("w")), x.strip().endswith("w")) for x in str(args.client_procs).split(",")
+                 if x.strip()]
+    except ValueError:
+        procs = []
+    if not procs or min(c for c, _ in procs) < 1:
+        raise SystemExit(f"--client-procs: expected positive integers, each optionally followed by 'w' "
+                         f"(got {args.client_procs!r})")
     base = [(n, k, r, i, o, rr) for n, k, r, i, o, rr in SUITES[args.suite]] if args.suite else \
         [(args.name, args.num_prompts, args.request_rate, args.input_len, args.output_len, args.range_ratio)]
-    return [argparse.Namespace(**{**vars(args), "name": n if c == 1 else f"{n or 'run'}-c{c}", "num_prompts": k, "request_rate": r, "input_len": i,
-                                  "output_len": o, "range_ratio": rr, "client_procs": c})
-            for n, k, r, i, o, rr in base for c in procs]
+    return [argparse.Namespace(**{**vars(args), "name": n if (c, warm) == (1, False) else
+                                  f"{n or 'run'}-c{c}{'w' if warm else ''}", "num_prompts": k, "request_rate": r,
+                                  "input_len": i, "output_len": o, "range_ratio": rr, "client_procs": c,
+                                  "warm_connections": warm})
+            for n, k, r, i, o, rr in base for c, warm in procs]
 
 
 def parse_targets(args) -> list[tuple[str, str]]:
@@ -225,11 +233,12 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
     load_before = os.getloadavg()[0]
     print(f"benchmarking {model or 'the served model'} at {target.v1}: {w.num_prompts} prompts, rate "
           f"{w.request_rate:g} req/s, burstiness {w.burstiness:g}, input {w.input_len}, output {w.output_len}, "
-          f"seed {w.seed}, {w.client_procs} client process(es)", flush=True)
+          f"seed {w.seed}, {w.client_procs} client process(es)"
+          f"{', connections opened ahead' if w.warm_connections else ''}", flush=True)
     spy = start_pyspy(profile_pid, profile_out) if profile_pid else None
-    if w.client_procs > 1:
+    if w.client_procs > 1 or w.warm_connections:
         res = run_sharded(url, model, w.api_key, dict(spec_kwargs(w), client_procs=w.client_procs), w.vocab_size,
-                          w.client_procs, w.timeout)
+                          w.client_procs, w.timeout, w.warm_connections)
         t0 = res["t_start"]
         ends = [r.metrics.finished_time for r in res["records"] if r.metrics.finished_time is not None]
         wall = (max(ends) if ends else res["t_end"]) - t0
@@ -272,7 +281,7 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
                 "n": len(gaps), "largest": [dict(ms=round(g, 2), at_s=round(t, 3), request=rid)
                                             for g, t, rid in gaps[-15:]]}
     return {"target": target.v1, "model": model_name, "duration_s": wall, "itl_tail": itl_tail,
-            "client_procs": w.client_procs,
+            "client_procs": w.client_procs, "warm_connections": w.warm_connections,
             "output_tok_s": s["output_tokens"] / wall, "completed": s["completed"],
             "load_average_1min": {"before": load_before, "after": load_after},
             "summary": {k: v for k, v in s.items() if k != "slo"}, "server_side": srv,
@@ -342,7 +351,7 @@ def main(argv=None) -> list[dict]:
             for w in runs:
                 print(f"==== {name} · {w.name or 'run'} ====", flush=True)
                 if value == "offline":
-                    if not math.isinf(w.request_rate) or w.client_procs > 1:
+                    if not math.isinf(w.request_rate) or w.client_procs > 1 or w.warm_connections:
                         continue                  # offline has no arrival process or client: one burst run
                     r = run_offline(w, args)
                 else:

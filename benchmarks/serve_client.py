@@ -17,16 +17,18 @@ import time
 from engine.outputs import RequestMetrics
 from inspector.recorder import RequestRecord
 
-START_MARGIN_S = 0.25          # from the last child saying ready to the common start
+START_MARGIN_S = 1.0           # from the last child saying ready to the common start (connections open meanwhile)
 
 
 def _child(conn, url: str, model: str | None, api_key: str | None, spec_kwargs: dict, vocab_size: int,
-           k: int, n: int, timeout: float) -> None:
+           k: int, n: int, timeout: float, warm: bool) -> None:
     from benchmarks.bench_serve import make_spec
     from inspector.http_load import HttpLoadRunner, HttpTarget
     try:
         runner = HttpLoadRunner(HttpTarget(url, model=model, api_key=api_key), make_spec(**spec_kwargs),
                                 vocab_size=vocab_size, shard=(k, n))
+        if warm:       # as many connections as this process could have open at once
+            runner.warm_connections = min(len(runner.items), runner.spec.max_concurrency or len(runner.items), 256)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
         return
@@ -44,15 +46,16 @@ def _child(conn, url: str, model: str | None, api_key: str | None, spec_kwargs: 
 
 
 def run_sharded(url: str, model: str | None, api_key: str | None, spec_kwargs: dict, vocab_size: int,
-                n: int, timeout: float) -> dict:
-    """Run the workload `make_spec(**spec_kwargs)` from n processes. Returns {records, errors, failed,
+                n: int, timeout: float, warm: bool = False) -> dict:
+    """Run the workload `make_spec(**spec_kwargs)` from n processes (with `warm`, each opens its connections
+    before the start). Returns {records, errors, failed,
     not_sent, model, http_status, t_start, t_end}: t_start is the agreed start, t_end when the last
     process finished."""
     ctx = mp.get_context("spawn")          # the parent may hold CUDA (an offline target ran first)
     pipes, procs = [], []
     for k in range(n):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(child, url, model, api_key, spec_kwargs, vocab_size, k, n, timeout),
+        p = ctx.Process(target=_child, args=(child, url, model, api_key, spec_kwargs, vocab_size, k, n, timeout, warm),
                         daemon=True, name=f"bench-client-{k}")
         p.start()
         child.close()
