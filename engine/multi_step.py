@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import overlap_prefill
 from .host_copy import HostCopy
 from .kernels.metadata import AttentionMetadata
 from .sampler import SampleRow, sample_unseeded
@@ -188,8 +189,11 @@ def step(engine, K: int, observe: bool, timer) -> list:
         engine._inflight = launch(engine, K)
     prev, engine._inflight = engine._inflight, None
     K_next = plan(engine, ahead=prev)
+    pre = None
     if K_next > 1:
         engine._inflight = launch(engine, K_next, ahead=prev)
+    elif engine.config.overlap_prefill:         # newcomers: their prefill runs behind this block
+        pre = overlap_prefill.launch(engine, _admit_now, observe)
     t_wait = time.perf_counter()
     tokens = prev.host.tolist()                                          # [B, K]: the one sync
     if engine.executor is not None:
@@ -218,4 +222,6 @@ def step(engine, K: int, observe: bool, timer) -> list:
                           num_decode_steps=prev.K, rank_timings=engine.collect_rank_timings())
     else:
         engine.block_manager.pop_step_stats()
+    if pre is not None:
+        outputs += overlap_prefill.finish(engine, pre, observe)
     return outputs

@@ -144,6 +144,40 @@ def test_multi_step_decode_matches_single_step(smollm2_engine_factory, prompts):
         assert all(rc == 0 for rc in eng.block_manager.pool.ref_counts[1:])
 
 
+def _staggered(eng, prompts, params, arrive_at: dict[int, int]):
+    """Requests i not in `arrive_at` first; request i is added before engine step arrive_at[i]."""
+    ids = {i: eng.add_request(p, sp) for i, (p, sp) in enumerate(zip(prompts, params)) if i not in arrive_at}
+    outs, step = {}, 0
+    while eng.has_unfinished_requests() or len(ids) < len(prompts):
+        for i, at in arrive_at.items():
+            if at == step:
+                ids[i] = eng.add_request(prompts[i], params[i])
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        step += 1
+    return [outs[ids[i]].token_ids for i in range(len(prompts))]
+
+
+def test_overlap_prefill_behind_inflight_block(smollm2_engine_factory, prompts):
+    """Newcomers arriving while a multi-step block is in flight get a prefill step of their own, launched
+    behind that block (overlap_prefill); every request's tokens are those of single-step decoding, and
+    every block comes back."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 24, 9, 12)]
+    arrive_at = {2: 4, 3: 6}
+    ref = _staggered(smollm2_engine_factory(), prompts, params, arrive_at)
+    for overlap in (True, False):
+        eng = smollm2_engine_factory(num_scheduler_steps=4, overlap_prefill=overlap)
+        steps = []
+        eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        assert _staggered(eng, prompts, params, arrive_at) == ref
+        # a step that prefills newcomers alone while other requests are running (their block in flight)
+        alone = [e for e in steps if e.scheduled and all(r.phase == "prefill" for r in e.scheduled)
+                 and e.num_running > len(e.scheduled)]
+        assert bool(alone) == overlap, [(e.step, e.num_running, len(e.scheduled)) for e in alone]
+        assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
 def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
     """Unseeded top-k / top-p / min-p sampling stays on the device, so it runs multi-step too."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, max_tokens=n, ignore_eos=True)
