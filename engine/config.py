@@ -61,8 +61,9 @@ class EngineConfig:
     multi_step_admit_min: int | None = None  # while multi-step decode runs and the batch is full, newcomers
     #                                         wait until this many slots are free (or all of them fit);
     #                                         None: max_num_seqs // 32; 1: a prefill step at every free slot
-    overlap_prefill: bool = True        # while a multi-step decode block runs, newcomers' prefill is launched
-    #                                     behind it as a step of its own (no host wait for the block first)
+    overlap_prefill: bool = False       # while a multi-step decode block runs, newcomers' prefill is launched
+    #                                     behind it as a step of its own (no host wait for the block first):
+    #                                     lower TTFT, but a longer gap for the running streams (README ablation)
     gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
     #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
     tensor_parallel_size: int = 1       # ranks sharding the model Megatron-style (one worker process per extra
