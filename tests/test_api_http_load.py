@@ -86,3 +86,21 @@ def test_bad_target():
         HttpTarget("localhost:8000")
     with pytest.raises(ValueError, match="tokenizer"):
         HttpTarget("http://127.0.0.1:1", endpoint="chat")
+
+
+def test_sharded_client_sends_the_same_workload_from_several_processes(srv, loop):
+    """bench_serve's --client-procs: the workload split by user over client processes that start at one
+    instant (connections opened ahead) gives the same requests as one process, and every arrival is
+    stamped at or after the agreed start."""
+    from benchmarks.bench_serve import make_spec
+    from benchmarks.serve_client import run_sharded
+    kw = dict(num_prompts=6, request_rate=math.inf, burstiness=1.0, max_concurrency=None, input_len=12,
+              output_len=4, range_ratio=0.5, seed=5)
+    res = run_sharded(srv.url, None, None, kw, 1000, n=2, timeout=120, warm=True)
+    assert not res["errors"] and res["failed"] == 0 and res["http_status"] == {"200": 6}
+    _, items = build_workload(make_spec(**kw), 1000)
+    assert sorted(r.output_len for r in res["records"]) == sorted(it.max_tokens for it in items)
+    assert sorted(r.prompt_len for r in res["records"]) == sorted(len(it.new_tokens) for it in items)
+    assert all(res["t_start"] <= r.metrics.arrival_time < r.metrics.first_token_time <= r.metrics.finished_time
+               for r in res["records"])
+    wait_idle(loop)
