@@ -28,5 +28,5 @@ class ArrivalProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         scope = getattr(self, "scope", None)      # set by the parser once a request's headers are complete
         if scope is not None and scope is not self._kvscope_scope:
             self._kvscope_scope = scope
-            scope["state"]["kvscope_arrival"] = min(t, self._kvscope_t) if self._kvscope_t else t
+            scope.setdefault("state", {})["kvscope_arrival"] = min(t, self._kvscope_t) if self._kvscope_t else t
             self._kvscope_t = None                # later requests on this connection: their first bytes
