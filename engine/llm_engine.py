@@ -360,7 +360,7 @@ class LLMEngine(OutputProcessor):
             return
         if self.token_bitmask is None:
             from .structured.bitmask import TokenBitmask
-            self.token_bitmask = TokenBitmask(self.model_config.vocab_size, self.device,
+            self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
                                               fused=self.config.fused_token_bitmask and self.kernels == "triton")
         self.token_bitmask.apply(logits, [row_seqs[r].matcher for r in rows], rows)
 

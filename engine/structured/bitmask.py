@@ -1,5 +1,8 @@
 """The per-step token bitmask: bit t of row i (word t // 32, bit t % 32) = token t is allowed for row i.
 
+It covers the tokenizer's vocabulary (GrammarCompiler.mask_vocab_size); the ids of a model vocabulary padded
+beyond it are never allowed (llguidance itself is ~10x slower per token with a padded vocabulary).
+
 llguidance fills the rows on the host (its own thread pool, GIL released) into a pinned buffer that also
 carries the logits-row index of each mask, so one host-to-device copy moves both; then the disallowed
 logits of the constrained rows become -inf, in one Triton launch (`kernels.token_bitmask`) or, with
@@ -17,10 +20,10 @@ class TokenBitmask:
     """A reusable host buffer (pinned on CUDA): n bitmask rows [n, words] then their n row indices, int32.
     Reuse is safe: the host fills it again only after waiting for tokens sampled behind the last copy."""
 
-    def __init__(self, vocab_size: int, device: torch.device, fused: bool = False, max_rows: int = 64):
+    def __init__(self, mask_vocab_size: int, device: torch.device, fused: bool = False, max_rows: int = 64):
         import llguidance
-        self.vocab_size, self.device, self.fused = vocab_size, device, fused
-        self.words = bitmask_words(vocab_size)
+        self.device, self.fused = device, fused
+        self.words = bitmask_words(mask_vocab_size)
         self.executor = llguidance.LLExecutor()
         self.buf = self._alloc(max_rows)
 
@@ -53,10 +56,13 @@ class TokenBitmask:
 
 def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (torch ops; the reference of the
-    Triton kernel). logits [B, V], bitmask [n, ceil(V / 32)] int32, rows [n] distinct row indices."""
+    Triton kernel). logits [B, V], bitmask [n, words <= ceil(V / 32)] int32 (tokens past its last word: never
+    allowed), rows [n] distinct row indices."""
     n, w = bitmask.shape
     V = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, w * 32)[:, :V].bool()    # [n, words, 32] -> [n, V]
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, w * 32)[:, :V].bool()    # [n, words, 32] -> [n, <=V]
+    if allowed.shape[1] < V:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))          # [n, V], padding False
     rows = rows.long()
     logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
