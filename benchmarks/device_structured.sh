@@ -18,7 +18,7 @@ python -c "from benchmarks.bench_structured import install_tokenizer; from pathl
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 case "${1:-all}" in
   tests|all)
-    timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_structured.py tests/test_structured.py -k "gpu or bitmask" 2>&1 | tail -15 ;;&
+    timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_structured.py tests/test_structured_mask.py 2>&1 | tail -15 ;;&
   bench|all)
     B=(--model dummy:llama-3.2-1b --batch-sizes 1 32 "${TOK[@]}")
     for args in "--num-scheduler-steps 1" "--num-scheduler-steps 8" "--num-scheduler-steps 8 --structured-overlap off" \
