@@ -31,6 +31,10 @@ def test_apply_token_bitmask_torch_matches_definition(B, V, words, rows):
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), words), dtype=torch.int32, generator=g)
     logits = torch.randn(B, V, generator=g)
     expect = masked_by_loop(logits, bitmask, rows)
+    if rows == list(range(B)):                          # every row in order: the same without an index
+        every = logits.clone()
+        apply_token_bitmask_torch(every, bitmask, None)
+        assert torch.equal(every, expect)
     apply_token_bitmask_torch(logits, bitmask, torch.tensor(rows))
     assert torch.equal(logits, expect)
 

@@ -51,18 +51,29 @@ class TokenBitmask:
             from ..kernels.token_bitmask import apply_token_bitmask
             apply_token_bitmask(logits, bitmask, idx)
         else:
-            apply_token_bitmask_torch(logits, bitmask, idx)
+            apply_token_bitmask_torch(logits, bitmask, None if rows == list(range(logits.shape[0])) else idx)
 
 
-def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+_BLOCKED: dict[torch.device, torch.Tensor] = {}     # per device: [256, 8] uint8, bit k of byte b is 0
+
+
+def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (torch ops; the reference of the
     Triton kernel). logits [B, V], bitmask [n, words <= ceil(V / 32)] int32 (tokens past its last word: never
-    allowed), rows [n] distinct row indices."""
+    allowed), rows [n] distinct row indices, or None for every row in order (n = B)."""
     n, w = bitmask.shape
     V = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(n, w * 32)[:, :V].bool()    # [n, words, 32] -> [n, <=V]
-    if allowed.shape[1] < V:
-        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))          # [n, V], padding False
+    table = _BLOCKED.get(bitmask.device)
+    if table is None:
+        table = _BLOCKED[bitmask.device] = (((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0).to(
+            bitmask.device, torch.uint8)
+    # little-endian words: byte j of word i holds tokens 32 i + 8 j ... + 7, lowest bit first
+    blocked = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), table)     # [n, 4 w, 8]
+    blocked = blocked.view(n, w * 32)[:, :V].bool()                                    # [n, <= V]
+    if blocked.shape[1] < V:
+        blocked = torch.nn.functional.pad(blocked, (0, V - blocked.shape[1]), value=True)   # [n, V]
+    if rows is None:
+        logits.masked_fill_(blocked, float("-inf"))
+        return
     rows = rows.long()
-    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(blocked, float("-inf")))
