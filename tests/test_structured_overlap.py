@@ -81,14 +81,14 @@ def test_overlap_gives_the_tokens_of_synced_steps(smollm2_engine_factory, gramma
 def test_overlap_with_multistep_preemption_and_arrivals(smollm2_engine_factory, grammar_blocks):
     """A tight KV pool forces preemptions (normal steps), plain multi-step blocks run before the constrained
     requests arrive and after they end, and requests arrive while grammar blocks are in flight."""
-    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
     free = [("Name three colours of the rainbow.", greedy), ("Write one sentence about dogs.", seeded)]
     arrivals = {6: [(PROMPT, SamplingParams(temperature=1.0, seed=s, max_tokens=32, structured_outputs=JSON))
                     for s in range(3)],
                 14: [("Count to five:", greedy), (PROMPT, SamplingParams(temperature=0, max_tokens=32,
                                                                         structured_outputs=JSON))]}
-    cfg = dict(num_kv_blocks=9, enable_prefix_caching=False, num_scheduler_steps=4)
+    cfg = dict(num_kv_blocks=8, enable_prefix_caching=False, num_scheduler_steps=4)
     off = smollm2_engine_factory(structured_overlap=False, **cfg)
     reference = run(off, free, arrivals)
     on = smollm2_engine_factory(structured_overlap=True, **cfg)
@@ -134,3 +134,20 @@ def test_no_constraint_no_mask_work(smollm2_engine_factory, grammar_blocks):
 def test_switches_are_validated(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}:"):
         EngineConfig(**{field: value})
+
+
+def test_inspector_sees_mask_time_of_pipelined_steps(smollm2_engine_factory, grammar_blocks):
+    from inspector.recorder import Recorder
+    eng = smollm2_engine_factory(structured_overlap=True)
+    rec = Recorder().attach(eng.events)
+    try:
+        out = run(eng, [(PROMPT, SamplingParams(temperature=0, max_tokens=24, structured_outputs=JSON)),
+                        (PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))])[0]
+        snap = rec.snapshot()
+    finally:
+        rec.detach()
+    masked = [s for s in snap.steps if "grammar mask" in s.timings]
+    assert grammar_blocks and all(s.timings["grammar mask"] > 0 for s in masked)
+    # every token it sampled was masked in some step; the first pipelined step masks two (its block's and the
+    # next one's)
+    assert len(masked) >= len(out.token_ids) - 1
