@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
