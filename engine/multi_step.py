@@ -186,8 +186,8 @@ def launch(engine, K: int, ahead: InFlight | None = None, sample: bool = True) -
         ids = ahead.tokens[:, -1].index_select(0, idx)
     mds = prepare(engine.runner, sched, K)
     if any(s.matcher is not None for s in sched.seqs):
-        blk = InFlight(sched, K, None, None, mds[0].graphed, t0, t_sched, 0.0, engine.runner.execute(ids, mds[0]))
-        blk.t_launched = time.perf_counter()
+        logits = engine.runner.execute(ids, mds[0])                         # [B, V]
+        blk = InFlight(sched, K, None, None, mds[0].graphed, t0, t_sched, time.perf_counter(), logits)
         return sample_grammar_block(engine, blk) if sample else blk
     rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
     greedy = [r.params.greedy for r in rows]
