@@ -4,9 +4,13 @@ For each batch size B, the same B prompts decode max_tokens tokens, once unconst
 each constrained to a typical JSON schema (a user record: strings, an integer range, an enum, an array).
 A request's grammar may end it before max_tokens, so only steps where all B requests are decoding count:
 ms/token = their wall time / the tokens they produced. "mask ms/step" is the host time spent filling and
-applying the bitmasks (on CUDA it overlaps the forward already in flight). Overhead = on / off - 1.
+applying the bitmasks (on CUDA it overlaps the forward in flight). Overhead = on / off - 1.
 
     python benchmarks/bench_structured.py [--model dummy:llama-3.2-1b] [--batch-sizes 1 32]
+        [--num-scheduler-steps 8] [--structured-overlap on|off] [--fused-token-bitmask on|off]
+
+--num-scheduler-steps 8 (the CUDA default) compares constrained decoding against unconstrained multi-step
+decoding; 1 against single steps. The JSON's name carries the settings that differ from the defaults.
 
 Random-weight presets borrow SmolLM2's tokenizer from ~/.cache/kvscope/smollm2-135m-instruct; on a machine
 without it pass --tokenizer-dir with a copy of that folder's tokenizer files (see the README).
@@ -97,8 +101,12 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=None, help="default: 128 on CUDA, 48 on CPU")
     ap.add_argument("--repeats", type=int, default=None, help="rounds per mode, median kept (default 5 CUDA, 2 CPU)")
     ap.add_argument("--num-scheduler-steps", type=int, default=1,
-                    help="1 (default) compares single-step with single-step; constrained batches always fall back "
-                         "to single-step, so a larger K also counts the lost multi-step speed-up")
+                    help="1 (default) compares single steps with constrained decoding; 8 (the CUDA default) "
+                         "compares unconstrained multi-step blocks with it")
+    ap.add_argument("--structured-overlap", choices=["auto", "on", "off"], default="auto",
+                    help="EngineConfig.structured_overlap (auto: on with CUDA)")
+    ap.add_argument("--fused-token-bitmask", choices=["on", "off"], default="on",
+                    help="EngineConfig.fused_token_bitmask (the Triton kernel; used with triton kernels)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="a folder with SmolLM2's tokenizer files, for random-weight presets on a bare machine")
     args = ap.parse_args()
@@ -110,8 +118,10 @@ def main():
         install_tokenizer(args.tokenizer_dir)
     max_tokens = args.max_tokens or (128 if gpu else 48)
     repeats = args.repeats or (5 if gpu else 2)
+    overlap = {"auto": None, "on": True, "off": False}[args.structured_overlap]
     eng = LLMEngine(model=model, device=device, num_scheduler_steps=args.num_scheduler_steps,
                     max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
+                    structured_overlap=overlap, fused_token_bitmask=args.fused_token_bitmask == "on",
                     **({} if gpu else {"cpu_kv_cache_gib": 0.5}))
     if eng.tokenizer is None:
         sys.exit("this model has no tokenizer: pass --tokenizer-dir (a copy of SmolLM2's tokenizer files)")
@@ -135,10 +145,15 @@ def main():
                              overhead_pct=100 * (r["ms_per_token"] / res["off"]["ms_per_token"] - 1)))
     dev = device_name(device)
     name = model or "SmolLM2-135M-Instruct"
-    path = write_json(f"structured_{slug(dev)}", dict(device=dev, model=name, max_tokens=max_tokens,
-                                                     repeats=repeats, num_scheduler_steps=args.num_scheduler_steps,
-                                                     schema=SCHEMA, rows=rows))
-    print(f"\ndevice: {dev}; model: {name}; max_tokens {max_tokens}; median of {repeats}; json: {path}")
+    tag = "".join([f"_k{args.num_scheduler_steps}" if args.num_scheduler_steps != 1 else "",
+                   f"_overlap-{args.structured_overlap}" if args.structured_overlap != "auto" else "",
+                   "_torch-mask" if args.fused_token_bitmask == "off" else ""])
+    settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
+                    fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
+                    kernels=eng.kernels)
+    path = write_json(f"structured_{slug(dev)}{tag}", dict(device=dev, model=name, max_tokens=max_tokens,
+                                                            repeats=repeats, **settings, schema=SCHEMA, rows=rows))
+    print(f"\ndevice: {dev}; model: {name}; max_tokens {max_tokens}; median of {repeats}; {settings}; json: {path}")
     print_table(rows, ["batch", "constraints", "ms_per_token", "tok_s", "mask_ms_per_step", "overhead_pct",
                        "full_batch_steps", "mean_output_tokens"])
 

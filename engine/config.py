@@ -83,6 +83,13 @@ class EngineConfig:
     spec_cuda_graphs: bool = True       # verify steps (k+1 tokens per request) and self-drafting steps replay
     #                                     CUDA graphs per (batch, k) bucket; False: they run eagerly
     spec_cuda_graph_max_batch: int = 32  # largest batch whose verify / draft steps are captured
+    # structured output
+    structured_overlap: bool | None = None  # decode batches with a constrained request run pipelined blocks of
+    #                                         one iteration: the next forward starts from the sampled tokens
+    #                                         still on the device while the host advances the grammars and
+    #                                         fills the next masks; None: on cuda; False: one synced step each
+    fused_token_bitmask: bool = True    # with triton kernels, one Triton launch applies the packed bitmask to
+    #                                     the constrained rows; False (or kernels="torch"): torch ops
 
     def __post_init__(self):
         self.validate()
@@ -144,6 +151,8 @@ class EngineConfig:
         need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
         need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
              "spec_cuda_graph_max_batch", "must be an int in [1, 256]")
+        need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
+        need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(self.speculative_method != "draft" or self.draft_model is not None,
              "draft_model", "is required when speculative_method='draft'")
         if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):

@@ -63,6 +63,8 @@ class LLMEngine(OutputProcessor):
         self.fused_sampling = self.kernels == "triton"             # the Triton Gumbel-max sampler on CUDA
         self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
         self._inflight: multi_step.InFlight | None = None      # a launched multi-step block
+        self.structured_overlap = config.structured_overlap if config.structured_overlap is not None \
+            else self.device.type == "cuda"                    # pipelined one-iteration blocks with grammars
         self.arrivals_pending = False      # set by EngineLoop while submitted requests wait in its inbox
         self.decode_iter_s: float | None = None     # measured seconds per decode iteration (multi_step_max_ms)
         self._last_block_done: float | None = None
@@ -261,8 +263,9 @@ class LLMEngine(OutputProcessor):
             self.drafter.propose(self.scheduler.running)
         if self._inflight is not None and all(s.is_finished for s in self._inflight.sched.seqs):
             self._inflight = None               # every request of the in-flight block ended (aborts, stops)
-        K = multi_step.plan(self) if self._inflight is None and self.num_scheduler_steps > 1 else 1
-        if K > 1 or self._inflight is not None:
+        K = multi_step.plan(self) if self._inflight is None and (self.num_scheduler_steps > 1 or (
+            self.num_constrained and self.structured_overlap)) else 0
+        if K or self._inflight is not None:
             return multi_step.step(self, K, observe, timer)
         sched = self.scheduler.schedule()
         t_sched = time.perf_counter()
@@ -294,7 +297,11 @@ class LLMEngine(OutputProcessor):
         t_fwd = time.perf_counter()
         constrained = self.num_constrained > 0
         if constrained:             # on CUDA the host fills the masks while the forward runs
-            self._apply_grammars(sched, sample_mask, extra, logits)
+            rows = []                                   # the sequence whose next token each logits row samples
+            for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
+                if m:
+                    rows += [seq] + [None] * (extra[i] if extra else 0)
+            self._apply_grammars(rows, logits)
         t_mask = time.perf_counter()
         num_spec = max(sched.num_spec_tokens, default=0)
         if num_spec:
@@ -344,25 +351,18 @@ class LLMEngine(OutputProcessor):
                 out_lp.append(None)
         return out_tokens, out_lp
 
-    def _apply_grammars(self, sched: SchedulerOutput, sample_mask: list[bool], extra: list[int] | None,
-                        logits: torch.Tensor) -> None:
-        """-inf on the logits of tokens a constrained request's grammar forbids next. Constrained requests
-        get no drafts, so each has one logits row."""
-        rows, matchers = [], []
-        r = 0
-        for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
-            if m:
-                if seq.matcher is not None:
-                    rows.append(r)
-                    matchers.append(seq.matcher)
-                r += 1 + (extra[i] if extra else 0)
+    def _apply_grammars(self, row_seqs: list[Sequence | None], logits: torch.Tensor) -> None:
+        """-inf on the logits of tokens a constrained request's grammar forbids next. row_seqs[r]: the
+        sequence whose next token logits row r samples (None: a draft position). Constrained requests get no
+        drafts, so each has one logits row."""
+        rows = [r for r, seq in enumerate(row_seqs) if seq is not None and seq.matcher is not None]
         if not rows:
             return
         if self.token_bitmask is None:
             from .structured.bitmask import TokenBitmask
-            self.token_bitmask = TokenBitmask(self.model_config.vocab_size, self.device)
-        from .structured.bitmask import apply_token_bitmask
-        apply_token_bitmask(logits, self.token_bitmask.fill(matchers), rows)
+            self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
+                                              fused=self.config.fused_token_bitmask and self.kernels == "triton")
+        self.token_bitmask.apply(logits, [row_seqs[r].matcher for r in rows], rows)
 
     def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:
         p = seq.params

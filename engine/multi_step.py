@@ -12,6 +12,14 @@ drafting off, with no probe due within the block), KV cache on, every running re
 nothing waiting that could be admitted, and every request sampling on the device alone (greedy, or
 unseeded temperature / top-k / top-p / min-p; no penalties, logprobs or min_tokens ban). Otherwise the
 engine takes a normal step.
+
+A batch with a constrained request (structured output) runs grammar blocks of one iteration instead
+(EngineConfig.structured_overlap): each token's mask needs the previous token on the host, but the next
+forward does not. Its forward is launched from the in-flight block's tokens still on the device; then the
+host waits for those tokens, advances the grammars (post-processing) and only then fills the masks, masks
+and samples the launched logits, while the GPU runs that forward. Sampling happens with every earlier
+token known on the host, so any sampling parameter but logprobs is allowed, and rows of requests that
+ended meanwhile are left out of it: the tokens are those of one synced step per token.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import torch
 from . import overlap_prefill
 from .host_copy import HostCopy
 from .kernels.metadata import AttentionMetadata
-from .sampler import SampleRow, sample_unseeded
+from .sampler import SampleRow, sample_on_device, sample_unseeded
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -34,12 +42,14 @@ class InFlight:
     """A launched multi-step block whose tokens are still on the device."""
     sched: SchedulerOutput
     K: int
-    tokens: torch.Tensor            # [B, K] int64 on the device
-    host: HostCopy                  # the same tokens on their way to the host
+    tokens: torch.Tensor | None     # [B, K] int64 on the device (a grammar block: None until sampled)
+    host: HostCopy | None           # the same tokens on their way to the host
     graphed: bool
     t_start: float
     t_scheduled: float
     t_launched: float
+    logits: torch.Tensor | None = None     # a grammar block's [B, V] logits, launched and not yet sampled
+    mask_s: float = 0.0                    # host seconds its masks took (filled and applied)
 
 
 def _plain(seq: Sequence) -> bool:
@@ -49,34 +59,37 @@ def _plain(seq: Sequence) -> bool:
 
 
 def plan(engine, ahead: InFlight | None = None) -> int:
-    """How many decode iterations the next block may run (1: take a normal step). With `ahead`, the block
-    would follow that in-flight one, whose K tokens per request are not known on the host yet."""
-    K = engine.num_scheduler_steps
+    """How many decode iterations the next block may run (0: take a normal step). With `ahead`, the block
+    would follow that in-flight one, whose K tokens per request are not known on the host yet. A batch
+    with a constrained request gets a grammar block of 1 (with EngineConfig.structured_overlap) or 0."""
     sch = engine.scheduler
-    if K <= 1 or not engine.config.enable_kv_cache or not sch.running:
-        return 1
+    grammar = engine.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
+    K = 1 if grammar else engine.num_scheduler_steps
+    if (not engine.structured_overlap if grammar else K <= 1) or not engine.config.enable_kv_cache \
+            or not sch.running:
+        return 0
     if engine.drafter is not None and engine.drafter.blocks_fast_path(sch.running):
-        return 1                                    # a request drafts (or probes) within the block
+        return 0                                    # a request drafts (or probes) within the block
     if _admit_now(engine):
-        return 1                                    # admit the newcomers with a normal step
+        return 0                                    # admit the newcomers with a normal step
     if len(sch.running) > engine.config.max_num_batched_tokens:
-        return 1
+        return 0
     extra = ahead.K if ahead else 0
     inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
     room = engine.max_model_len
     for seq in sch.running:
         if inflight is not None:
             if id(seq) not in inflight:
-                return 1
+                return 0
         elif seq.num_computed_tokens != seq.num_tokens - 1:
-            return 1
-        if not _plain(seq):
-            return 1
+            return 0
+        if not (seq.params.logprobs is None if grammar else _plain(seq)):
+            return 0                                # (a grammar block samples with the host up to date)
         room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
-    K = min(K, room, _time_cap(engine))
+    K = min(K, room) if grammar else min(K, room, _time_cap(engine))
     bm = engine.block_manager
     need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in sch.running)
-    return K if K > 1 and need <= bm.pool.num_free else 1
+    return K if K >= (1 if grammar else 2) and need <= bm.pool.num_free else 0
 
 
 def _admit_now(engine) -> bool:
@@ -156,9 +169,11 @@ def prepare(runner, sched: SchedulerOutput, K: int) -> list[AttentionMetadata]:
     return mds
 
 
-def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
+def launch(engine, K: int, ahead: InFlight | None = None, sample: bool = True) -> InFlight:
     """Schedule and launch K iterations without a host sync. After an in-flight block, the first input
-    ids are that block's last sampled tokens, gathered on the device."""
+    ids are that block's last sampled tokens, gathered on the device. A grammar block (a constrained
+    request in the batch, K = 1) launches its forward only, sampled here or, with sample=False, by the
+    caller's `sample_grammar_block` once the tokens before it are on the host."""
     t0 = time.perf_counter()
     sched = schedule(engine, K, ahead.K if ahead else 0)
     t_sched = time.perf_counter()
@@ -170,9 +185,13 @@ def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
         row = {id(s): i for i, s in enumerate(ahead.sched.seqs)}
         idx = torch.tensor([row[id(s)] for s in sched.seqs], dtype=torch.int64).to(dev, non_blocking=True)
         ids = ahead.tokens[:, -1].index_select(0, idx)
+    mds = prepare(engine.runner, sched, K)
+    if any(s.matcher is not None for s in sched.seqs):
+        logits = engine.runner.execute(ids, mds[0])                         # [B, V]
+        blk = InFlight(sched, K, None, None, mds[0].graphed, t0, t_sched, time.perf_counter(), logits)
+        return sample_grammar_block(engine, blk) if sample else blk
     rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
     greedy = [r.params.greedy for r in rows]
-    mds = prepare(engine.runner, sched, K)
     toks = []
     for md in mds:
         logits = engine.runner.execute(ids, md)                              # [B, V]
@@ -182,17 +201,45 @@ def launch(engine, K: int, ahead: InFlight | None = None) -> InFlight:
     return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
 
 
+def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
+    """Mask and sample a grammar block's launched logits, with every token before them on the host: the
+    rows of the requests still running, as a synced step of just those would (None: none is running)."""
+    seqs = blk.sched.seqs
+    alive = [i for i, s in enumerate(seqs) if not s.is_finished]
+    if not alive:
+        return None
+    logits, dev = blk.logits, blk.logits.device
+    idx = None
+    if len(alive) < len(seqs):
+        idx = torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
+        logits = logits.index_select(0, idx)                                 # [B', V]
+    t = time.perf_counter()
+    engine._apply_grammars([seqs[i] for i in alive], logits)
+    blk.mask_s += time.perf_counter() - t
+    tokens, _ = sample_on_device(logits, [engine._sample_row(seqs[i]) for i in alive], engine.generator,
+                                 engine.fused_sampling)                      # [B']
+    if idx is not None:                             # rows of ended requests: never read
+        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
+    blk.tokens, blk.logits = tokens[:, None], None                            # [B, 1]
+    blk.host = HostCopy(blk.tokens)
+    return blk
+
+
 def step(engine, K: int, observe: bool, timer) -> list:
     """One engine step of pipelined multi-step decode: launch the next block behind the in-flight one, then
-    wait for the in-flight block's tokens and do its bookkeeping as one step."""
+    wait for the in-flight block's tokens and do its bookkeeping as one step (a grammar block launched
+    here is masked and sampled after that bookkeeping)."""
+    mask_s = 0.0
     if engine._inflight is None:
         engine._inflight = launch(engine, K)
+        mask_s += engine._inflight.mask_s
     prev, engine._inflight = engine._inflight, None
     K_next = plan(engine, ahead=prev)
+    nxt = launch(engine, K_next, ahead=prev, sample=False) if K_next else None
+    if nxt is not None and nxt.tokens is not None:
+        engine._inflight = nxt
     pre = None
-    if K_next > 1:
-        engine._inflight = launch(engine, K_next, ahead=prev)
-    elif engine.config.overlap_prefill:         # newcomers: their prefill runs behind this block
+    if nxt is None and engine.config.overlap_prefill:     # newcomers: their prefill runs behind this block
         pre = overlap_prefill.launch(engine, _admit_now, observe)
     t_wait = time.perf_counter()
     tokens = prev.host.tolist()                                          # [B, K]: the one sync
@@ -207,17 +254,24 @@ def step(engine, K: int, observe: bool, timer) -> list:
     observe_iteration(engine, (t_sample - began) / prev.K)
     if engine.drafter is not None:                  # auto-off: the plain decode iteration it compares against
         engine.drafter.observe_step(len(prev.sched.seqs), 0, (t_sample - began) / prev.K)
-    engine._last_block_done = t_sample if engine._inflight is not None else None
+    engine._last_block_done = t_sample if nxt is not None else None
     sched = prev.sched
     if observe:
         sched.phases = ["decode"] * len(sched.seqs)
         sched.total_lens = [seq.num_tokens for seq in sched.seqs]
     outputs, finished = engine._postprocess(sched, [True] * len(sched.seqs), tokens, [None] * len(sched.seqs))
+    t_post = time.perf_counter()
+    if nxt is not None and nxt.tokens is None:
+        engine._inflight = sample_grammar_block(engine, nxt)
+        mask_s += nxt.mask_s
     t_end = time.perf_counter()
     engine.step_index += 1
     if observe:
         timings = {"schedule": prev.t_scheduled - prev.t_start, "forward": prev.t_launched - prev.t_scheduled,
-                   "sampling": t_sample - t_wait, "postprocess": t_end - t_sample, **timer.collect()}
+                   "sampling": t_sample - t_wait + (t_end - t_post - (nxt.mask_s if nxt is not None else 0.0)),
+                   "postprocess": t_post - t_sample, **timer.collect()}
+        if mask_s:
+            timings["grammar mask"] = mask_s
         engine._emit_step(sched, prev.t_start, t_end, finished, timings, cuda_graph=prev.graphed,
                           num_decode_steps=prev.K, rank_timings=engine.collect_rank_timings())
     else:

@@ -127,6 +127,13 @@ def sample_unseeded(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bo
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None,
            fused: bool = False) -> tuple[list[int], torch.Tensor | None]:
     """logits [B, V] float32 -> (token ids, raw log-probs [B, V] when any row asked for logprobs)."""
+    tokens, raw_logprobs = sample_on_device(logits, rows, generator, fused)
+    return HostCopy(tokens).tolist(), raw_logprobs
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample` without the host sync: (token ids [B] int64 on the device, raw log-probs or None)."""
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     if any(r.banned for r in rows):
@@ -146,4 +153,4 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
         for j, i in enumerate(seeded):
             g = _seeded_generator(rows[i].params.seed, rows[i].position, probs.device)
             tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
-    return HostCopy(tokens).tolist(), raw_logprobs
+    return tokens, raw_logprobs

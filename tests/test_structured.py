@@ -6,11 +6,9 @@ import re
 
 import jsonschema
 import pytest
-import torch
 from helpers import drain
 
 from engine import SamplingParams, StructuredOutputsParams
-from engine.structured.bitmask import apply_token_bitmask, unpack_bitmask
 
 # Compact keys and bounded values keep every valid object under ~25 tokens, so 200 sampled generations stay
 # cheap on a CPU (an unbounded "number" could grow fraction digits forever: multipleOf bounds them).
@@ -57,24 +55,6 @@ def run(eng, reqs):
 def json_params(schema, seed, max_tokens=32):
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
                           structured_outputs=StructuredOutputsParams(json=schema))
-
-
-# ---- the mask ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("B,V,rows", [(5, 1000, [1, 3]), (3, 97, [0, 1, 2]), (7, 33, [6])])
-def test_apply_token_bitmask_matches_reference(B, V, rows):
-    g = torch.Generator().manual_seed(B * V)
-    words = (V + 31) // 32
-    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), words), dtype=torch.int32, generator=g)
-    logits = torch.randn(B, V, generator=g)
-    expect = logits.clone()
-    for j, r in enumerate(rows):
-        for t in range(V):
-            if not (int(bitmask[j, t // 32]) >> (t % 32)) & 1:
-                expect[r, t] = float("-inf")
-    assert unpack_bitmask(bitmask, V).sum() == sum((int(bitmask[j, t // 32]) >> (t % 32)) & 1
-                                                   for j in range(len(rows)) for t in range(V))
-    apply_token_bitmask(logits, bitmask, rows)
-    assert torch.equal(logits, expect)
 
 
 # ---- outputs satisfy their constraint -----------------------------------------------------------------

@@ -36,10 +36,17 @@ class GrammarCompiler:
             import llguidance.hf
             # EOS ids the tokenizer knows (a random-weight preset borrowing SmolLM2's tokenizer has others too)
             eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)]
-            # ~0.5 s for a 49k vocabulary: once per engine
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=eos or None)
+            # ~0.5 s for a 49k vocabulary: once per engine. The tokenizer's own vocabulary when the model's is
+            # padded beyond it: llguidance consumes and masks ~10x slower with ids it has no bytes for.
+            n_vocab = self.vocab_size if len(self.hf_tokenizer) >= self.vocab_size else None
+            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab, eos_token=eos or None)
         return self._tokenizer
+
+    @property
+    def mask_vocab_size(self) -> int:
+        """Token ids the masks cover (ids past them, a model vocabulary's padding, are never allowed)."""
+        with self._lock:
+            return self._lltokenizer().vocab_size
 
     def matcher(self, so: StructuredOutputsParams):
         """A fresh matcher for this constraint (at the start of the output). Thread-safe."""
