@@ -1,4 +1,4 @@
-"""Shared helpers for benchmark scripts: device naming and result files."""
+"""Shared helpers for benchmark scripts: device naming, result files and a free local port."""
 from __future__ import annotations
 
 import json
@@ -6,6 +6,7 @@ import os
 import platform
 import sys
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -23,6 +24,13 @@ def device_name(device: str = "auto") -> str:
     except Exception:
         model = platform.processor() or "cpu"
     return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server a benchmark or test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def slug(name: str) -> str:

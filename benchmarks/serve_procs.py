@@ -1,29 +1,40 @@
 """The processes around a serving benchmark: kvscope's server launched for it, another server started by a
-shell command (`--launch`), and py-spy recording a server while a workload runs."""
+shell command (`--launch`), a wait until a started server answers, and py-spy recording a server while a
+workload runs."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
-from benchmarks.common import RESULTS, slug
+from benchmarks.common import RESULTS, free_port, slug
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_ready(proc: subprocess.Popen, probe: Callable[[], bool], timeout: float, period: float = 0.5) -> bool:
+    """Call `probe()` every `period` s until it returns True (-> True); an HTTP error or a malformed answer counts
+    as not ready yet. False when `proc` exits or `timeout` s pass first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            return False
+        try:
+            if probe():
+                return True
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(period)
+    return False
 
 
 def launch_server(args) -> tuple[subprocess.Popen, str, Path]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--host", "127.0.0.1",
            "--port", str(port), "--device", args.device, "--log-level", "warning",
            "--max-waiting-requests", str(max(256, args.num_prompts))]
@@ -39,16 +50,10 @@ def launch_server(args) -> tuple[subprocess.Popen, str, Path]:
     proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env,
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    t_end = time.monotonic() + 300
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); see {log_path}:\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log_path
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_ready(proc, lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 300):
+        return proc, url, log_path
+    if proc.poll() is not None:
+        raise SystemExit(f"the server exited ({proc.returncode}); see {log_path}:\n{log_path.read_text()[-2000:]}")
     proc.terminate()
     raise SystemExit(f"the server did not become healthy in 300 s; see {log_path}")
 
@@ -59,16 +64,11 @@ def start_command(name: str, cmd: str, url: str) -> subprocess.Popen:
     print(f"launching {name}: {cmd}  (log: {log_path})", flush=True)
     proc = subprocess.Popen(cmd, shell=True, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-    t_end = time.monotonic() + 600
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise SystemExit(f"{name} exited ({proc.returncode}); see {log_path}:\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    models = url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    if wait_ready(proc, lambda: httpx.get(models, timeout=2).status_code == 200, 600, period=1.0):
+        return proc
+    if proc.poll() is not None:
+        raise SystemExit(f"{name} exited ({proc.returncode}); see {log_path}:\n{log_path.read_text()[-2000:]}")
     stop_process(proc)
     raise SystemExit(f"{name} did not answer /v1/models in 600 s; see {log_path}")
 

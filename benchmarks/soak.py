@@ -32,14 +32,10 @@ import argparse
 import asyncio
 import csv
 import json
-import random
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -47,221 +43,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_png  # noqa: E402
-ACTIONS = {"stream": 45, "chat": 10, "disconnect": 12, "cancel": 10, "bad": 12, "too_long": 6, "ui": 5}
-GOOD, BAD = ("stream", "chat"), ("bad", "too_long")
-PROMPT_IDS = (100, 40000)          # token ids drawn from here (inside every preset's and SmolLM2's vocabulary)
-
-
-@dataclass
-class Tally:
-    sent: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
-    ok: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
-    num_failed: int = 0
-    failures: list = field(default_factory=list)     # (t, action, message), the first 50 kept
-
-    def fail(self, t0: float, action: str, msg: str) -> None:
-        self.num_failed += 1
-        if len(self.failures) < 50:
-            self.failures.append((round(time.monotonic() - t0, 1), action, msg[:300]))
-
-
-# ----------------------------------------------------------------------------- metrics
-_LINE = re.compile(r'^kvscope:(\w+)(\{[^}]*\})?\s+([-+0-9.eEinfaN]+)$')
-
-
-def parse_metrics(text: str) -> dict:
-    """The gauges the sampler needs, and API responses summed by status class."""
-    out = {"http_2xx": 0.0, "http_4xx": 0.0, "http_5xx": 0.0}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        if name == "api_requests_total":
-            st = re.search(r'status="(\d)', labels)
-            if st and f"http_{st.group(1)}xx" in out:
-                out[f"http_{st.group(1)}xx"] += value
-        elif name == "cache_config_info":
-            mm = re.search(r'max_model_len="(\d+)"', labels)
-            if mm:
-                out["max_model_len"] = int(mm.group(1))
-        elif not labels.count(",") and name in ("num_requests_running", "num_requests_waiting", "num_kv_blocks",
-                                                "num_free_kv_blocks", "num_preemptions_total"):
-            out[name] = value
-    if "num_kv_blocks" in out:
-        out["kv_blocks_in_use"] = out["num_kv_blocks"] - 1 - out["num_free_kv_blocks"]   # block 0 is reserved
-    return out
-
-
-def rss_mib(pid: int | None) -> float:
-    if not pid:
-        return float("nan")
-    import psutil
-    try:
-        p = psutil.Process(pid)
-        procs = [p] + p.children(recursive=True)
-        return sum(q.memory_info().rss for q in procs if q.is_running()) / 2**20
-    except psutil.Error:
-        return float("nan")
-
-
-def slope_per_s(ts: list[float], ys: list[float]) -> float:
-    n = len(ts)
-    if n < 2:
-        return 0.0
-    mt, my = sum(ts) / n, sum(ys) / n
-    den = sum((t - mt) ** 2 for t in ts)
-    return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den if den else 0.0
-
-
-# ----------------------------------------------------------------------------- users
-class Soak:
-    def __init__(self, base: str, model: str, max_model_len: int, args, t0: float):
-        self.base, self.model, self.mml, self.args, self.t0 = base.rstrip("/"), model, max_model_len, args, t0
-        self.tally = Tally()
-        self.deadline = t0 + args.duration
-
-    def prompt(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(*PROMPT_IDS) for _ in range(n)]
-
-    async def user(self, uid: int) -> None:
-        rng = random.Random(self.args.seed * 1000 + uid)
-        names, weights = list(ACTIONS), list(ACTIONS.values())
-        timeout = httpx.Timeout(self.args.request_timeout, connect=30.0)
-        async with httpx.AsyncClient(base_url=self.base, timeout=timeout) as client:
-            while time.monotonic() < self.deadline:
-                action = rng.choices(names, weights)[0]
-                self.tally.sent[action] += 1
-                try:
-                    ok, why = await getattr(self, action)(client, rng)
-                except Exception as e:           # a transport error counts against the action
-                    ok, why = False, f"{type(e).__name__}: {e}"
-                if ok:
-                    self.tally.ok[action] += 1
-                elif action in (*GOOD, *BAD, "ui"):
-                    self.tally.fail(self.t0, action, why)
-                await asyncio.sleep(rng.uniform(0, self.args.think_s))
-
-    def _body(self, rng, **kw) -> dict:
-        return dict(model=self.model, prompt=self.prompt(rng, rng.randint(*self.args.prompt_len)),
-                    max_tokens=rng.randint(*self.args.output_len), temperature=0, ignore_eos=True, **kw)
-
-    async def stream(self, client, rng):
-        body = self._body(rng, stream=True, logprobs=0, stream_options={"include_usage": True})
-        n_tok, finish, usage = 0, None, None
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return False, f"status {r.status_code}: {(await r.aread())[:200]!r}"
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                for ch in ev.get("choices") or []:
-                    n_tok += len((ch.get("logprobs") or {}).get("tokens") or [])
-                    finish = ch.get("finish_reason") or finish
-                usage = ev.get("usage") or usage
-        want = body["max_tokens"]
-        got = (usage or {}).get("completion_tokens")
-        if finish != "length" or got != want or n_tok != want:
-            return False, f"finish={finish} usage={got} streamed={n_tok} want={want}"
-        return True, ""
-
-    async def chat(self, client, rng):
-        want = rng.randint(*self.args.output_len)
-        body = dict(model=self.model, max_tokens=want, temperature=0, ignore_eos=True,
-                    messages=[{"role": "user", "content": f"Count to {rng.randint(3, 30)}, please."}])
-        r = await client.post("/v1/chat/completions", json=body)
-        if r.status_code != 200:
-            return False, f"status {r.status_code}: {r.text[:200]}"
-        got = r.json()["usage"]["completion_tokens"]
-        fin = r.json()["choices"][0]["finish_reason"]
-        return (got == want and fin == "length"), f"finish={fin} usage={got} want={want}"
-
-    async def disconnect(self, client, rng):
-        body = self._body(rng, stream=True)
-        body["max_tokens"] = max(body["max_tokens"], 8)
-        stop_after = rng.randint(1, 4)
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            seen = 0
-            async for line in r.aiter_lines():
-                seen += line.startswith("data: ")
-                if seen >= stop_after:
-                    break                     # leaving the block closes the connection mid-stream
-        return True, ""
-
-    async def cancel(self, client, rng):
-        try:
-            await asyncio.wait_for(client.post("/v1/completions", json=self._body(rng)), rng.uniform(0.05, 1.0))
-        except asyncio.TimeoutError:
-            pass
-        return True, ""
-
-    async def bad(self, client, rng):
-        kind = rng.randrange(6)
-        body = self._body(rng)
-        if kind == 0:
-            body["max_tokens"] = -1
-        elif kind == 1:
-            body["temperature"] = -0.5
-        elif kind == 2:
-            body["top_p"] = 1.5
-        elif kind == 3:
-            del body["prompt"]
-        elif kind == 4:
-            body["model"] = "no-such-model"
-        if kind == 5:
-            r = await client.post("/v1/completions", content=b'{"prompt": [1, 2,', headers={"content-type":
-                                                                                            "application/json"})
-        else:
-            r = await client.post("/v1/completions", json=body)
-        return 400 <= r.status_code < 500, f"bad #{kind}: status {r.status_code}"
-
-    async def too_long(self, client, rng):
-        body = dict(model=self.model, prompt=self.prompt(rng, self.mml + rng.randint(1, 64)), max_tokens=4)
-        r = await client.post("/v1/completions", json=body)
-        return 400 <= r.status_code < 500, f"status {r.status_code}"
-
-    async def ui(self, client, rng):
-        r = await client.get("/")
-        return r.status_code == 200, f"status {r.status_code}"
-
-
-async def sampler(base: str, pid: int | None, soak: Soak, rows: list, period: float, stop: asyncio.Event):
-    async with httpx.AsyncClient(base_url=base, timeout=30.0) as client:
-        while True:
-            done = stop.is_set()
-            t = time.monotonic() - soak.t0
-            try:
-                m = parse_metrics((await client.get("/metrics")).text)
-            except Exception as e:
-                m = {"error": str(e)}
-            ta = soak.tally
-            rows.append(dict(t_s=round(t, 2), rss_mib=round(rss_mib(pid), 1),
-                             kv_blocks_in_use=m.get("kv_blocks_in_use"), kv_blocks_total=m.get("num_kv_blocks"),
-                             running=m.get("num_requests_running"), waiting=m.get("num_requests_waiting"),
-                             preemptions=m.get("num_preemptions_total"), server_2xx=m.get("http_2xx"),
-                             server_4xx=m.get("http_4xx"), server_5xx=m.get("http_5xx"),
-                             requests_sent=sum(ta.sent.values()), good_ok=sum(ta.ok[a] for a in GOOD),
-                             bad_4xx=sum(ta.ok[a] for a in BAD), client_failures=ta.num_failed))
-            if done:
-                return
-            try:
-                await asyncio.wait_for(stop.wait(), period)
-            except asyncio.TimeoutError:
-                pass
-
-
-async def wait_idle(base: str, timeout: float) -> dict:
-    """Poll /metrics until nothing runs or waits and no KV block is in use (or the timeout)."""
-    end = time.monotonic() + timeout
-    async with httpx.AsyncClient(base_url=base, timeout=30.0) as client:
-        while True:
-            m = parse_metrics((await client.get("/metrics")).text)
-            idle = not m.get("num_requests_running") and not m.get("num_requests_waiting")
-            if (idle and m.get("kv_blocks_in_use") == 0) or time.monotonic() > end:
-                return m
-            await asyncio.sleep(0.5)
+from benchmarks.common import free_port, write_png  # noqa: E402
+from benchmarks.serve_procs import wait_ready  # noqa: E402
+from benchmarks.soak_health import parse_metrics, sampler, slope_per_s, wait_idle  # noqa: E402
+from benchmarks.soak_users import ACTIONS, BAD, GOOD, Soak  # noqa: E402
 
 
 async def run(base: str, pid: int | None, args) -> dict:
@@ -342,12 +127,6 @@ def figure(rows: list[dict], res: dict, title: str):
 
 
 # ----------------------------------------------------------------------------- server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_app(args) -> tuple[subprocess.Popen, str]:
     port = args.port or free_port()
     cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--log-level", "warning"]
@@ -358,16 +137,10 @@ def start_app(args) -> tuple[subprocess.Popen, str]:
     log = open(Path(args.out) / "soak_server.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    end = time.time() + args.start_timeout
-    while time.time() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"app.py exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_ready(proc, lambda: httpx.get(base + "/health", timeout=2).status_code == 200, args.start_timeout):
+        return proc, base
+    if proc.poll() is not None:
+        raise SystemExit(f"app.py exited with {proc.returncode}; see {log.name}")
     proc.kill()
     raise SystemExit(f"app.py did not answer /health within {args.start_timeout} s")
 

@@ -12,9 +12,11 @@ from . import multi_step
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .events import EventBus, RequestEvent, ScheduledRequest, StepEvent
+from .events import EventBus
 from .distributed.parallel_state import SINGLE
 from .distributed.start import parallel_layout, start_workers
+from .input_processor import InputProcessor
+from .introspection import Introspection
 from .kernels.ops import get_ops, pdl_supported
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
@@ -26,6 +28,7 @@ from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .step_events import StepEvents
 from .structured.compiler import GrammarCompiler
 from .sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
 from .timing import NullTimer, make_timer
@@ -47,7 +50,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class LLMEngine(OutputProcessor):
+class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
@@ -160,53 +163,6 @@ class LLMEngine(OutputProcessor):
             self.runner.graphs.capture()
 
     # ---- requests ------------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...}")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
-        """Validate a request without touching engine state (safe from any thread)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params: must be a SamplingParams")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            text, ids = prompt, self.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-            V = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < V for t in ids):
-                raise ValueError(f"prompt: token ids must be ints in [0, {V})")
-        else:
-            raise ValueError("prompt: must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("prompt: must contain at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
-                             "and at least one output token must fit")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        need = -(-total // self.block_size)
-        if need > self.num_blocks - 1:
-            raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens needs {need} KV blocks, but the "
-                             f"pool has {self.num_blocks - 1}; lower max_tokens or the prompt")
-        # compiled here, on the caller's thread and once per distinct constraint; ValueError names the field
-        matcher = self.grammar_compiler.matcher(params.structured_outputs) if params.structured_outputs else None
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, text, ids, params, arrival_time if arrival_time is not None else time.perf_counter())
-        seq.matcher = matcher
-        return seq
-
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id: {seq.request_id!r} is already in use")
@@ -373,97 +329,7 @@ class LLMEngine(OutputProcessor):
             banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
         return SampleRow(p, toks if p.needs_penalties else [], seq.num_prompt_tokens, n_out, banned)
 
-    # ---- events --------------------------------------------------------------------------------
-    def _emit_req(self, kind: str, seq: Sequence, finish_reason: str | None = None, message: str | None = None):
-        if not self.events.active:
-            return
-        self.events.emit(RequestEvent(
-            kind=kind, request_id=seq.request_id, time=time.perf_counter(), step=self.step_index,
-            prompt_len=seq.num_prompt_tokens, output_len=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, finish_reason=finish_reason,
-            block_table=list(seq.block_table) if kind in ("scheduled", "preempted") else None,
-            priority=seq.params.priority,
-            message=message, arrival_time=seq.metrics.arrival_time if kind == "arrived" else None,
-            structured=seq.params.structured_outputs.kind if kind == "arrived" and seq.params.structured_outputs
-            else None))
-
-    def _phase(self, seq: Sequence, n: int, start: int) -> str:
-        if seq.num_output_tokens == 0:
-            return "prefill"
-        if n == 1 and start == seq.num_tokens - 1:
-            return "decode"
-        # the no-cache baseline recomputes a decoding request's whole prefix every step
-        return "decode" if not self.config.enable_kv_cache and start == 0 and n == seq.num_tokens else "prefill"
-
-    def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str],
-                   timings: dict, cuda_graph: bool = False, num_decode_steps: int = 1,
-                   rank_timings: dict | None = None):
-        scheduled = []
-        n_pre = n_dec = 0
-        for seq, n, start, k, phase, total in zip(sched.seqs, sched.num_new_tokens, sched.computed_before,
-                                                  sched.num_spec_tokens, sched.phases, sched.total_lens):
-            if phase == "prefill":
-                n_pre += n
-            else:
-                n_dec += n
-            scheduled.append(ScheduledRequest(seq.request_id, n, phase, start, total, k))
-        spec = self.drafter.pop_step_stats() if self.drafter is not None else None
-        self.events.emit(StepEvent(
-            step=self.step_index, start=t0, end=t1, scheduled=scheduled,
-            num_prefill_tokens=n_pre, num_decode_tokens=n_dec,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            preempted=[s.request_id for s in sched.preempted], finished=finished,
-            kv_usage=self.block_manager.usage, num_blocks=self.num_blocks,
-            timings=timings, cuda_graph=cuda_graph, num_decode_steps=num_decode_steps, spec=spec,
-            memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
-            rank_timings=rank_timings,
-            **self.block_manager.pop_step_stats()))
-
-    # ---- introspection -------------------------------------------------------------------------
-    def stats(self) -> dict:
-        bm = self.block_manager
-        return dict(step=self.step_index, num_running=len(self.scheduler.running),
-                    num_waiting=len(self.scheduler.waiting), num_blocks=self.num_blocks,
-                    num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
-                    num_preemptions_total=self.scheduler.num_preemptions,
-                    prefix_cache_queries=bm.total_queries, prefix_cache_hits=bm.total_hits,
-                    max_model_len=self.max_model_len, block_size=self.block_size,
-                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
-                    kernels=self.kernels, model=self.model_name, quantization=self.quantization,
-                    **self.stats_total,
-                    tensor_parallel_size=self.config.tensor_parallel_size,
-                    parallel_layout=self.parallel_layout,
-                    **(self.drafter.total_stats() if self.drafter is not None else {}))
-
-    def memory_stats(self) -> dict:
-        """Memory now, in bytes: `allocated` / `max_allocated` from the CUDA caching allocator on a GPU (weights,
-        KV pool, activations, graphs), on a CPU the engine's own tensors (weights + KV pool); `kv_pool` the
-        whole KV pool; `kv_reserved` the slots of blocks held by requests; `kv_used` those holding a token."""
-        reserved, used = self.block_manager.slot_usage(self.scheduler.running)
-        pool = self.num_blocks * self.block_size * self.slot_bytes
-        if self.device.type == "cuda":
-            alloc, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
-        else:
-            alloc = peak = self.weight_bytes + pool
-        return dict(allocated=alloc, max_allocated=peak, kv_pool=pool, kv_reserved=reserved * self.slot_bytes,
-                    kv_used=used * self.slot_bytes, reserved_slots=reserved, used_slots=used)
-
-    def kv_snapshot(self) -> dict:
-        pool = self.block_manager.pool
-        holders = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.block_table]
-        return dict(num_blocks=self.num_blocks, block_size=self.block_size, ref_counts=list(pool.ref_counts),
-                    cached=[h is not None for h in pool.block_hash],
-                    block_tables={s.request_id: list(s.block_table) for s in holders},
-                    num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
-                    kv_cache_layout=self.config.kv_cache_layout)
-
-    def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
-        """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""
-        if self.executor is None:
-            return None
-        ahead = self._inflight
-        return self.executor.collect_timings(keep=ahead.K if ahead is not None else 0)
-
+    # ---- lifecycle -----------------------------------------------------------------------------
     def stop_workers(self) -> None:
         """Stop the tensor-parallel worker processes (nothing without tensor parallelism); the engine cannot
         step afterwards."""
@@ -489,24 +355,3 @@ class LLMEngine(OutputProcessor):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def profile_step(self) -> None:
-        """Run the next step under torch.profiler; its per-kernel table lands in `last_profile`."""
-        self._profile_next = True
-
-    def _profiled_step(self) -> list[RequestOutput]:
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            outs = self._step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        rows = []
-        for e in prof.key_averages():
-            dev_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-            rows.append(dict(name=e.key, count=e.count, cpu_time_ms=e.self_cpu_time_total / 1e3,
-                             device_time_ms=dev_us / 1e3))
-        key = "device_time_ms" if self.device.type == "cuda" else "cpu_time_ms"
-        rows.sort(key=lambda r: -r[key])
-        self.last_profile = rows[:40]
-        return outs

@@ -7,6 +7,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest single-threaded, and a shared 2-core box punishes oversubscription (use with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +30,22 @@ def smollm2_engine_factory():
         cfg.setdefault("cpu_kv_cache_gib", 0.25)
         return LLMEngine(model=None, **cfg)
     return make
+
+
+@pytest.fixture(scope="session")
+def spec_models(tmp_path_factory):
+    """HF folders of random-weight models for speculative decoding: a 4-layer target and an unrelated 2-layer
+    draft (mostly rejected drafts), vocabulary helpers.SPEC_VOCAB."""
+    from helpers import SPEC_VOCAB, save_random_llama
+    root = tmp_path_factory.mktemp("spec_models")
+    save_random_llama(root / "target", 0, 4, vocab=SPEC_VOCAB)
+    save_random_llama(root / "draft", 1, 2, vocab=SPEC_VOCAB)
+    return {"target": str(root / "target"), "draft": str(root / "draft")}
+
+
+@pytest.fixture(scope="module")
+def srv(loop):
+    """The OpenAI-compatible server (uvicorn on a free port, in a thread) over the test module's `loop` fixture."""
+    from engine.entrypoints.openai.api_server import ServerThread, build_app
+    with ServerThread(build_app(loop)) as s:
+        yield s

@@ -1,6 +1,10 @@
 """Small helpers several test files share (imported as `helpers`: pytest puts tests/ on sys.path)."""
 import time
 
+import torch
+
+SPEC_VOCAB = 64             # the vocabulary of the `spec_models` fixture's models
+
 
 def drain(eng) -> dict:
     """Step an LLMEngine until nothing is left; its finished outputs by request id."""
@@ -10,6 +14,21 @@ def drain(eng) -> dict:
             if o.finished:
                 outs[o.request_id] = o
     return outs
+
+
+def run_requests(eng, prompts, params) -> list:
+    """Submit each prompt with its SamplingParams and step to the end; the final outputs in submission order."""
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outs = drain(eng)
+    return [outs[i] for i in ids]
+
+
+def add_random_requests(eng, lengths, max_tokens: int, vocab: int, seed: int = 0) -> list[str]:
+    """Greedy requests (ignore_eos) on random token-id prompts of the given lengths (seeded); their request ids."""
+    from engine import SamplingParams
+    g = torch.Generator().manual_seed(seed)
+    return [eng.add_request(torch.randint(0, vocab, (n,), generator=g).tolist(),
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for n in lengths]
 
 
 def wait_idle(loop, timeout: float = 5.0) -> dict:
@@ -22,3 +41,46 @@ def wait_idle(loop, timeout: float = 5.0) -> dict:
             return s
         time.sleep(0.01)
     raise AssertionError(f"KV blocks not freed or requests left: {loop.stats()}")
+
+
+def save_random_llama(folder, seed: int, layers: int, scale: float = 0.1, vocab: int = 64, hidden: int = 64,
+                      intermediate: int = 128, head_dim: int = 16, max_pos: int = 256):
+    """A small random Llama (4 heads, 2 KV heads, untied, bos 0, eos 1) saved to `folder` as safetensors; every
+    weight but the norms drawn N(0, scale): outputs that are neither constant nor pure noise. -> the HF model."""
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, vocab_size=vocab,
+                                   max_position_embeddings=max_pos, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                   bos_token_id=0, eos_token_id=1)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, scale)
+    m.save_pretrained(folder, safe_serialization=True)
+    return m.eval()
+
+
+def check_block_invariants(eng) -> None:
+    """Every block's ref count equals the block tables holding it, free exactly when unreferenced; the null
+    block 0 is never held; the prefix-cache index agrees with the blocks' hashes."""
+    pool = eng.block_manager.pool
+    held = {}
+    for s in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+        for b in s.block_table:
+            held[b] = held.get(b, 0) + 1
+    for b in range(1, pool.num_blocks):
+        assert pool.ref_counts[b] == held.get(b, 0), f"block {b}"
+        assert (b in pool.free) == (pool.ref_counts[b] == 0)
+    assert 0 not in held and pool.ref_counts[0] == 0
+    for h, b in pool.hash_to_block.items():
+        assert pool.block_hash[b] == h
+
+
+def check_no_leak(eng) -> None:
+    """Nothing left to run, every KV block back on the free list, no reference held."""
+    bm = eng.block_manager
+    assert not eng.has_unfinished_requests()
+    assert bm.num_free_blocks == eng.num_blocks - 1
+    assert all(c == 0 for c in bm.pool.ref_counts)

@@ -6,7 +6,6 @@ import pytest
 
 from engine import EngineConfig
 from engine.async_engine import EngineLoop
-from engine.entrypoints.openai.api_server import ServerThread, build_app
 from inspector import metrics as M
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress, run_http_load
 from inspector.load import LengthDist, LoadSpec, build_workload
@@ -15,16 +14,9 @@ from helpers import wait_idle
 
 @pytest.fixture(scope="module")
 def loop():
-    lp = EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024,
-                                 max_num_seqs=8, max_waiting_requests=6)).start()
-    yield lp
-    lp.shutdown()
-
-
-@pytest.fixture(scope="module")
-def srv(loop):
-    with ServerThread(build_app(loop)) as s:
-        yield s
+    with EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024,
+                                 max_num_seqs=8, max_waiting_requests=6)) as lp:
+        yield lp
 
 
 def test_records_match_the_workload(srv, loop):

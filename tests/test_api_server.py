@@ -20,16 +20,9 @@ NO_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def loop():
-    lp = EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=256, block_size=16, max_model_len=1024,
-                                 max_num_seqs=4, max_waiting_requests=6)).start()
-    yield lp
-    lp.shutdown()
-
-
-@pytest.fixture(scope="module")
-def srv(loop):
-    with ServerThread(build_app(loop)) as s:
-        yield s
+    with EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=256, block_size=16, max_model_len=1024,
+                                 max_num_seqs=4, max_waiting_requests=6)) as lp:
+        yield lp
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ reflect it; bad inputs get clear messages; settings restart the engine; compare 
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.common import free_port
+from benchmarks.serve_procs import wait_ready
+
 gradio_client = pytest.importorskip("gradio_client")
 ROOT = Path(__file__).resolve().parents[1]
 N_LOAD, OUT_LEN = 10, 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +29,9 @@ def server():
                              "--port", str(port), "--set", "num_kv_blocks=96", "--set", "max_num_seqs=16"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 120
-    while time.time() < deadline:
+    if not wait_ready(proc, lambda: httpx.get(url + "healthz", timeout=1).json()["state"] == "ready", 120, 0.3):
         if proc.poll() is not None:
             raise RuntimeError(f"app.py exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "healthz", timeout=1).json()["state"] == "ready":
-                break
-        except Exception:
-            time.sleep(0.3)
-    else:
         proc.kill()
         raise RuntimeError("app.py did not come up")
     yield url

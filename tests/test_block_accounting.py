@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
+from helpers import check_block_invariants
 
 
 @pytest.fixture(scope="module")
@@ -15,20 +16,6 @@ def tiny_factory():
     def make(**cfg):
         return LLMEngine(model="dummy:tiny", device="cpu", **cfg)
     return make
-
-
-def check_invariants(eng):
-    bm, pool = eng.block_manager, eng.block_manager.pool
-    held = {}
-    for s in list(eng.scheduler.running) + list(eng.scheduler.waiting):
-        for b in s.block_table:
-            held[b] = held.get(b, 0) + 1
-    for b in range(1, pool.num_blocks):
-        assert pool.ref_counts[b] == held.get(b, 0), f"block {b}"
-        assert (b in pool.free) == (pool.ref_counts[b] == 0)
-    assert 0 not in held and pool.ref_counts[0] == 0
-    for h, b in pool.hash_to_block.items():
-        assert pool.block_hash[b] == h
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -55,10 +42,10 @@ def test_random_workload_frees_every_block(tiny_factory, seed, prefix, chunked, 
         if live and rng.random() < 0.15:
             eng.abort_request(live.pop(rng.randrange(len(live))))
         eng.step()
-        check_invariants(eng)
+        check_block_invariants(eng)
     while eng.has_unfinished_requests():
         eng.step()
-        check_invariants(eng)
+        check_block_invariants(eng)
     pool = eng.block_manager.pool
     assert all(r == 0 for r in pool.ref_counts)
     assert pool.num_free == blocks - 1            # free + cached-free = the whole usable pool

@@ -2,21 +2,12 @@
 import pytest
 
 from engine import SamplingParams
+from helpers import run_requests
 
 CHATS = ["What is the capital of France?", "Name three colours of the rainbow.",
          "Write one sentence about cats.", "Count from one to ten in words, separated by commas, please."]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
-
-
-def run(engine, prompts, params):
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return [outs[i] for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +25,7 @@ def params():
 def reference(smollm2_engine_factory, prompts, params):
     """Each request alone, on a default engine."""
     eng = smollm2_engine_factory()
-    return [run(eng, [p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    return [run_requests(eng, [p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
 
 
 def test_reference_is_meaningful(reference):
@@ -55,7 +46,7 @@ def test_reference_is_meaningful(reference):
 ], ids=["batched", "chunked16", "nochunk", "static", "noprefix", "nocache", "bs8-seqs2", "multistep4", "gemv8"])
 def test_same_outputs_under_switches(smollm2_engine_factory, prompts, params, reference, cfg):
     eng = smollm2_engine_factory(**cfg)
-    outs = run(eng, prompts, params)
+    outs = run_requests(eng, prompts, params)
     assert [o.token_ids for o in outs] == reference
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
 
@@ -63,7 +54,7 @@ def test_same_outputs_under_switches(smollm2_engine_factory, prompts, params, re
 def test_forced_preemption_same_outputs(smollm2_engine_factory, prompts, params, reference):
     # 4 requests of ~40-50 tokens each need ~16 blocks of 16; give the pool 10
     eng = smollm2_engine_factory(num_kv_blocks=10, enable_prefix_caching=False)
-    outs = run(eng, prompts, params)
+    outs = run_requests(eng, prompts, params)
     assert eng.scheduler.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outs) == eng.scheduler.num_preemptions
     assert [o.token_ids for o in outs] == reference
@@ -72,8 +63,8 @@ def test_forced_preemption_same_outputs(smollm2_engine_factory, prompts, params,
 
 def test_prefix_cache_hits_on_shared_prompt(smollm2_engine_factory, prompts):
     eng = smollm2_engine_factory()
-    first = run(eng, [prompts[3]], [GREEDY])[0]
-    again = run(eng, [prompts[3]], [GREEDY])[0]
+    first = run_requests(eng, [prompts[3]], [GREEDY])[0]
+    again = run_requests(eng, [prompts[3]], [GREEDY])[0]
     assert first.num_cached_tokens == 0
     n = len(first.prompt_token_ids)
     assert again.num_cached_tokens == (n - 1) // 16 * 16 > 0
@@ -82,7 +73,7 @@ def test_prefix_cache_hits_on_shared_prompt(smollm2_engine_factory, prompts):
 
 def test_stop_strings_and_streaming_text(smollm2_engine_factory, prompts):
     eng = smollm2_engine_factory()
-    full = run(eng, [prompts[3]], [SamplingParams(temperature=0, max_tokens=40)])[0]
+    full = run_requests(eng, [prompts[3]], [SamplingParams(temperature=0, max_tokens=40)])[0]
     stop = full.text[9:12]
     assert len(full.text) > 14 and len(stop) == 3
     sp = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
@@ -100,7 +91,7 @@ def test_stop_strings_and_streaming_text(smollm2_engine_factory, prompts):
 
 def test_logprobs(smollm2_engine_factory, prompts):
     eng = smollm2_engine_factory()
-    out = run(eng, [prompts[0]], [SamplingParams(temperature=0, max_tokens=4, logprobs=3)])[0]
+    out = run_requests(eng, [prompts[0]], [SamplingParams(temperature=0, max_tokens=4, logprobs=3)])[0]
     assert len(out.logprobs) == 4
     for tok, entry in zip(out.token_ids, out.logprobs):
         chosen, top = entry[0], entry[1:]
@@ -112,7 +103,7 @@ def test_logprobs(smollm2_engine_factory, prompts):
 
 def test_request_metrics(smollm2_engine_factory, prompts):
     eng = smollm2_engine_factory()
-    outs = run(eng, prompts[:2], [GREEDY, GREEDY])
+    outs = run_requests(eng, prompts[:2], [GREEDY, GREEDY])
     for o in outs:
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
@@ -126,16 +117,16 @@ def test_multi_step_decode_matches_single_step(smollm2_engine_factory, prompts):
     lens = [5, 16, 9, 13]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
     ref_eng = smollm2_engine_factory()
-    ref = run(ref_eng, prompts, params)
+    ref = run_requests(ref_eng, prompts, params)
     stop = ref[3].text[6:9]
     params[3] = SamplingParams(temperature=0, max_tokens=13, stop=[stop])
-    ref[3] = run(ref_eng, [prompts[3]], [params[3]])[0]
+    ref[3] = run_requests(ref_eng, [prompts[3]], [params[3]])[0]
     for cfg in (dict(num_scheduler_steps=4), dict(num_scheduler_steps=3, num_kv_blocks=10,
                                                     enable_prefix_caching=False)):
         eng = smollm2_engine_factory(**cfg)
         steps = []
         eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
-        outs = run(eng, prompts, params)
+        outs = run_requests(eng, prompts, params)
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
         assert [o.text for o in outs] == [r.text for r in ref] and outs[3].finish_reason == "stop"
         multi = [e for e in steps if e.num_decode_steps > 1]
@@ -185,7 +176,7 @@ def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
     eng = smollm2_engine_factory(num_scheduler_steps=4)
     steps = []
     eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
-    outs = run(eng, prompts, params)
+    outs = run_requests(eng, prompts, params)
     assert [len(o.token_ids) for o in outs] == [7, 12, 9, 16]
     assert any(e.num_decode_steps > 1 for e in steps)
     V = eng.model_config.vocab_size
@@ -202,7 +193,7 @@ def test_multi_step_time_cap(smollm2_engine_factory, prompts):
         eng = smollm2_engine_factory(num_scheduler_steps=4, multi_step_max_ms=cap)
         steps = []
         eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
-        results[cap] = [o.token_ids for o in run(eng, prompts, params)]
+        results[cap] = [o.token_ids for o in run_requests(eng, prompts, params)]
         assert eng.decode_iter_s is not None and eng.decode_iter_s > 0
         k = max(e.num_decode_steps for e in steps)
         assert k == (2 if cap < 1 else 4), (cap, k)
@@ -214,12 +205,12 @@ def test_multi_step_admits_newcomers_in_groups(smollm2_engine_factory, prompts):
     are free or all of them fit; tokens are unchanged."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 12, 30, 30)]
     extra = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)] * 2
-    ref = run(smollm2_engine_factory(), prompts + prompts[:2], params + extra)
+    ref = run_requests(smollm2_engine_factory(), prompts + prompts[:2], params + extra)
     for admit_min in (1, 2):
         eng = smollm2_engine_factory(num_scheduler_steps=4, max_num_seqs=4, multi_step_admit_min=admit_min)
         events = []
         eng.events.subscribe(events.append)
-        outs = run(eng, prompts + prompts[:2], params + extra)
+        outs = run_requests(eng, prompts + prompts[:2], params + extra)
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
         step_of = {(e.kind, e.request_id): e.step for e in events if hasattr(e, "request_id")}
         fin1 = step_of[("finished", outs[1].request_id)]        # the second slot frees here

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine import llm_engine as llm_engine_mod
+from engine import step_events
 from engine.detokenizer import Detokenizer, check_stop_strings, streamable_len
 from engine.events import RequestEvent, StepEvent
 from engine.kernels.ops import get_ops
@@ -201,8 +201,8 @@ def test_no_listener_builds_no_records(monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("event built with no listener")
-    monkeypatch.setattr(llm_engine_mod, "StepEvent", boom)
-    monkeypatch.setattr(llm_engine_mod, "RequestEvent", boom)
+    monkeypatch.setattr(step_events, "StepEvent", boom)
+    monkeypatch.setattr(step_events, "RequestEvent", boom)
     rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(drain(eng)[rid].token_ids) == 4
     got = []

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from helpers import add_random_requests, drain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -18,14 +19,9 @@ def run_capture(dtype, **cfg):
         logs.append((md.graphed, out.float().cpu()))
         return out
     eng.runner.execute = spy
-    g = torch.Generator().manual_seed(0)
-    for n in (5, 300, 37, 129, 64, 1, 17, 250):
-        eng.add_request(torch.randint(0, 150000, (n,), generator=g).tolist(),
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    return [outs[k] for k in sorted(outs)], logs
+    ids = add_random_requests(eng, (5, 300, 37, 129, 64, 1, 17, 250), max_tokens=24, vocab=150000)
+    outs = drain(eng)
+    return [outs[i].token_ids for i in ids], logs
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-3), ("bfloat16", 0.15)])
@@ -71,11 +67,9 @@ def run_spec(num_kv_blocks=512, n=8, **cfg):
     for i in range(n):
         body = torch.randint(10, 49000, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen).tolist()
         eng.add_request(body * 2, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    outs = drain(eng)
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
-    return [outs[k] for k in sorted(outs)], keys, eng.stats()
+    return [outs[k].token_ids for k in sorted(outs)], keys, eng.stats()
 
 
 SPEC_METHODS = {
@@ -129,14 +123,9 @@ def run_tp(tp: int, **cfg):
     eng = LLMEngine(model="dummy:llama-3.1-8b", device="cuda", dtype="float32", max_model_len=1024,
                     max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=256, tensor_parallel_size=tp, **cfg)
     try:
-        g = torch.Generator().manual_seed(0)
-        ids = [eng.add_request(torch.randint(0, 128000, (n,), generator=g).tolist(),
-                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-               for n in (5, 300, 37, 129, 1, 250)]
-        outs = {}
-        while eng.has_unfinished_requests():
-            outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-        return [outs[i] for i in ids], eng.executor.pids if eng.executor else []
+        ids = add_random_requests(eng, (5, 300, 37, 129, 1, 250), max_tokens=24, vocab=128000)
+        outs = drain(eng)
+        return [outs[i].token_ids for i in ids], eng.executor.pids if eng.executor else []
     finally:
         eng.close()
 

@@ -5,10 +5,11 @@ import gc
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref
 from engine.quant.formats import quantize
+from helpers import add_random_requests, drain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -46,15 +47,10 @@ def test_quant_kernels_full_size(fmt):
 def _run(**cfg):
     eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", max_model_len=512, max_num_seqs=8,
                     max_num_batched_tokens=256, num_kv_blocks=256, **cfg)
-    g = torch.Generator().manual_seed(0)
-    for n in (5, 300, 37, 1):
-        eng.add_request(torch.randint(0, 150000, (n,), generator=g).tolist(),
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    ids = add_random_requests(eng, (5, 300, 37, 1), max_tokens=16, vocab=150000)
+    outs = drain(eng)
     eng.close()
-    return [outs[k] for k in sorted(outs)]
+    return [outs[i].token_ids for i in ids]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from helpers import drain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -30,13 +31,6 @@ def eng():
     if e.tokenizer is None:
         pytest.skip("no tokenizer for the random-weight preset (copy SmolLM2's tokenizer files, README)")
     return e
-
-
-def drain(e):
-    outs = {}
-    while e.has_unfinished_requests():
-        outs.update({o.request_id: o for o in e.step() if o.finished})
-    return outs
 
 
 def test_constrained_and_free_rows_on_gpu(eng, monkeypatch):

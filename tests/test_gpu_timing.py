@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
+from helpers import add_random_requests, drain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -12,14 +13,9 @@ def run(**cfg):
                     max_num_batched_tokens=256, num_kv_blocks=256, **cfg)
     steps = []
     eng.events.subscribe(lambda ev: steps.append(ev) if getattr(ev, "kind", "") == "step" else None)
-    g = torch.Generator().manual_seed(0)
-    for n in (5, 300, 37, 129, 64, 1, 17, 250):
-        eng.add_request(torch.randint(0, 150000, (n,), generator=g).tolist(),
-                        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    return [outs[k] for k in sorted(outs)], steps
+    ids = add_random_requests(eng, (5, 300, 37, 129, 64, 1, 17, 250), max_tokens=48, vocab=150000)
+    outs = drain(eng)
+    return [outs[i].token_ids for i in ids], steps
 
 
 @pytest.mark.parametrize("multi", [1, 8])

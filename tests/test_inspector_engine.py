@@ -15,9 +15,8 @@ from inspector.recorder import Recorder
 
 @pytest.fixture(scope="module")
 def loop():
-    lp = EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=24, max_num_seqs=8)).start()
-    yield lp
-    lp.shutdown()
+    with EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=24, max_num_seqs=8)) as lp:
+        yield lp
 
 
 @pytest.fixture

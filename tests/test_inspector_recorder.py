@@ -4,7 +4,8 @@ import threading
 import pytest
 
 from engine.events import EventBus, RequestEvent, ScheduledRequest, StepEvent
-from inspector.recorder import Recorder, step_output_tokens
+from inspector.recorder import Recorder
+from inspector.tracks import step_output_tokens
 from inspector.synthetic import simulate
 
 

@@ -1,6 +1,5 @@
 """The Lessons run on CPU with the tiny preset (small sweeps) and draw charts with data."""
 import pytest
-import torch
 
 from inspector import figures as F
 from inspector.lessons import LESSONS, Setup, run_lesson
@@ -12,12 +11,7 @@ SMALL = {"paging": dict(batches=[1, 4, 12], prompt_len=20, output_len=4, max_mod
          "chunked_prefill": dict(num_decoders=2, long_prompt=200, num_long=1, chunk=32, output_len=16)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)      # tiny matmuls: two threads only contend with each other on a shared CI box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name", list(LESSONS))

@@ -10,8 +10,7 @@ from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.events import RequestEvent, StepEvent
 from engine.sequence import Sequence
-from test_block_accounting import check_invariants
-from test_engine import run as run_all
+from helpers import check_block_invariants, drain, run_requests
 
 SYSTEM = ("You are Atlas, a meticulous assistant for a small public library. You answer questions about opening "
           "hours, borrowing rules, late fees, the children's reading programme, interlibrary loans and the "
@@ -23,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 def run(eng, prompts, params=GREEDY):
-    return run_all(eng, prompts, [params] * len(prompts))
+    return run_requests(eng, prompts, [params] * len(prompts))
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +107,7 @@ def test_counters_in_outputs_metrics_events_and_stats():
         eng.step()
     n_a = len(events)
     b = eng.add_request(shared + [7, 8, 9, 10, 11], SamplingParams(max_tokens=2, ignore_eos=True))
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    outs = drain(eng)
     steps_a = [e for e in events[:n_a] if isinstance(e, StepEvent)]
     steps_b = [e for e in events[n_a:] if isinstance(e, StepEvent)]
     assert sum(e.prefix_cache_queries for e in steps_a) == 51 and sum(e.prefix_cache_hits for e in steps_a) == 0
@@ -181,10 +178,10 @@ def test_seeded_workload_with_shared_prefixes_aborts_and_preemptions():
             eng.abort_request(live.pop(rng.randrange(len(live))))
             aborted += 1
         eng.step()
-        check_invariants(eng)
+        check_block_invariants(eng)
     while eng.has_unfinished_requests():
         eng.step()
-        check_invariants(eng)
+        check_block_invariants(eng)
     st = eng.stats()
     assert eng.scheduler.num_preemptions > 0 and aborted > 0 and st["prefix_cache_hits"] > 0
     pool = eng.block_manager.pool

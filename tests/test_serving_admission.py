@@ -17,10 +17,9 @@ MODEL = "dummy:tiny"
 
 @pytest.fixture(scope="module")
 def loop():
-    lp = EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=512, block_size=16, max_model_len=512,
-                                 max_num_seqs=64, max_num_batched_tokens=256)).start()
-    yield lp
-    lp.shutdown()
+    with EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=512, block_size=16, max_model_len=512,
+                                 max_num_seqs=64, max_num_batched_tokens=256)) as lp:
+        yield lp
 
 
 def test_burst_from_50_threads_is_admitted_within_two_steps(loop):

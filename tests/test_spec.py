@@ -9,52 +9,20 @@ import os
 import random
 
 import pytest
-import torch
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.events import StepEvent
+from helpers import SPEC_VOCAB, check_no_leak, drain
 
-VOCAB = 64
-
-
-def _hf_model(folder, seed, layers, scale=0.1):
-    import transformers
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                                   max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                   bos_token_id=0, eos_token_id=1)
-    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # N(0, 0.1): outputs that are neither constant nor pure noise
-        for name, p in m.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, scale)
-    m.save_pretrained(folder, safe_serialization=True)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest single-threaded, and a shared 2-core box punishes oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec_models")
-    _hf_model(root / "target", 0, 4)
-    _hf_model(root / "draft", 1, 2)          # an unrelated draft model: mostly rejected drafts
-    return {"target": str(root / "target"), "draft": str(root / "draft")}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _workload():
     rng = random.Random(0)
-    shared = [rng.randrange(2, VOCAB) for _ in range(9)]
+    shared = [rng.randrange(2, SPEC_VOCAB) for _ in range(9)]
     prompts, params = [], []
     for i in range(8):
-        body = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(2, 24))]
+        body = [rng.randrange(2, SPEC_VOCAB) for _ in range(rng.randrange(2, 24))]
         prompts.append(shared + body if i % 3 == 0 else body)      # some share a prefix (prefix caching)
         kw = dict(temperature=0.0, max_tokens=rng.randrange(10, 36), ignore_eos=True)
         if i == 2:
@@ -174,28 +142,21 @@ class StepChecks:
             assert (rs["num_draft_tokens"], rs["num_accepted_tokens"]) == (k, a)
 
 
-def _check_no_leak(eng):
-    bm = eng.block_manager
-    assert not eng.has_unfinished_requests()
-    assert bm.num_free_blocks == eng.num_blocks - 1
-    assert all(c == 0 for c in bm.pool.ref_counts)
-
-
-def _run(models, spec: dict, setup: dict):
+def _run(spec_models, spec: dict, setup: dict):
     cfg = dict(BASE)
     cfg.update({k: v for k, v in setup.items() if k != "n"})
     cfg.update(spec)
     adaptive = cfg.pop("adaptive", False)
     if "draft_model" in cfg:
-        cfg["draft_model"] = models[cfg["draft_model"]]
-    llm = LLM(model=models["target"], **cfg)
+        cfg["draft_model"] = spec_models[cfg["draft_model"]]
+    llm = LLM(model=spec_models["target"], **cfg)
     if adaptive:
         llm.engine.drafter.adaptive = True
     checks = StepChecks(llm.engine) if llm.engine.drafter is not None else None
     prompts, params = _workload()
     n = setup["n"]
     outs = llm.generate(prompts[:n], params[:n], use_tqdm=False)
-    _check_no_leak(llm.engine)
+    check_no_leak(llm.engine)
     if checks is not None:
         checks.check_totals(llm.engine.stats(), cfg["num_speculative_tokens"])
         llm.engine.checks = checks
@@ -203,15 +164,15 @@ def _run(models, spec: dict, setup: dict):
 
 
 @pytest.fixture(scope="module")
-def reference(models):
-    outs, _ = _run(models, {}, SETUPS["batched"])
+def reference(spec_models):
+    outs, _ = _run(spec_models, {}, SETUPS["batched"])
     return outs
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_identical_with_speculation(models, reference, method, setup):
-    outs, eng = _run(models, METHODS[method], SETUPS[setup])
+def test_greedy_identical_with_speculation(spec_models, reference, method, setup):
+    outs, eng = _run(spec_models, METHODS[method], SETUPS[setup])
     got = [(o.token_ids, o.finish_reason) for o in outs]
     assert got == [(o.token_ids, o.finish_reason) for o in reference[:len(got)]]
     for o, ref in zip(outs, reference):
@@ -237,23 +198,23 @@ def test_greedy_identical_with_speculation(models, reference, method, setup):
     if setup != "alone" and fixed_len and st["acceptance_rate"] < 1:
         assert eng.checks.rollbacks_crossing_blocks > 0  # rejected drafts whose blocks had to be returned
     if method == "draft-bad-adaptive" and setup == "batched":
-        fixed = _run(models, METHODS["draft-bad"] | dict(num_speculative_tokens=3), SETUPS[setup])[1].stats()
+        fixed = _run(spec_models, METHODS["draft-bad"] | dict(num_speculative_tokens=3), SETUPS[setup])[1].stats()
         assert st["spec_decode_num_draft_tokens"] < fixed["spec_decode_num_draft_tokens"] / 2
 
 
-def test_no_leaked_blocks_randomized_with_aborts(models):
+def test_no_leaked_blocks_randomized_with_aborts(spec_models):
     rng = random.Random(1)
     for method in ("ngram", "draft-bad", "self"):
         cfg = dict(BASE, num_kv_blocks=40, max_num_batched_tokens=24, **METHODS[method])
         if "draft_model" in cfg:
-            cfg["draft_model"] = models[cfg["draft_model"]]
-        eng = LLMEngine(model=models["target"], **cfg)
+            cfg["draft_model"] = spec_models[cfg["draft_model"]]
+        eng = LLMEngine(model=spec_models["target"], **cfg)
         checks = StepChecks(eng)                 # rollback and per-request accounting, every step
         live: list[str] = []
         aborted_with_blocks = 0
         for step in range(160):
             if step < 120 and rng.random() < 0.35:
-                prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 30))]
+                prompt = [rng.randrange(2, SPEC_VOCAB) for _ in range(rng.randrange(1, 30))]
                 sp = SamplingParams(temperature=rng.choice([0.0, 0.0, 0.8]), max_tokens=rng.randrange(1, 40),
                                     ignore_eos=rng.random() < 0.5, seed=rng.choice([None, step]))
                 live.append(eng.add_request(prompt, sp))
@@ -272,16 +233,16 @@ def test_no_leaked_blocks_randomized_with_aborts(models):
             assert refs == eng.block_manager.pool.ref_counts
         while eng.has_unfinished_requests():
             eng.step()
-        _check_no_leak(eng)
+        check_no_leak(eng)
         st = eng.stats()
         assert st["spec_decode_num_drafts"] > 0 and st["num_preemptions_total"] > 0 and aborted_with_blocks > 0
         checks.check_totals(st, cfg["num_speculative_tokens"])
         assert checks.rollbacks_crossing_blocks > 0
 
 
-def test_metrics_events_and_request_stats(models):
+def test_metrics_events_and_request_stats(spec_models):
     k = 3
-    eng = LLMEngine(model=models["target"], **dict(BASE, **METHODS["ngram"]))
+    eng = LLMEngine(model=spec_models["target"], **dict(BASE, **METHODS["ngram"]))
     events = []
     eng.events.subscribe(events.append)
     checks = StepChecks(eng)
@@ -344,41 +305,39 @@ def test_bundled_smollm2_greedy_identical():
     for name, d in drafters.items():
         eng.drafter = d
         results[name] = [o.token_ids for o in llm.chat(msgs, sp, use_tqdm=False)]
-        _check_no_leak(eng)
+        check_no_leak(eng)
     for name in ("ngram", "self"):
         assert results[name] == results["base"], name
         st = drafters[name].total_stats()
         assert st["spec_decode_num_accepted_tokens"] > 0, name
 
 
-def _auto_off_run(models, prompts, sp, auto_off: bool, events=None, **cfg):
-    eng = LLMEngine(model=models["target"], **dict(BASE, **METHODS["ngram"], speculative_auto_off=auto_off, **cfg))
+def _auto_off_run(spec_models, prompts, sp, auto_off: bool, events=None, **cfg):
+    eng = LLMEngine(model=spec_models["target"], **dict(BASE, **METHODS["ngram"], speculative_auto_off=auto_off, **cfg))
     if events is not None:
         eng.events.subscribe(events)
     checks = StepChecks(eng)
     for p in prompts:
         eng.add_request(p, sp)
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    _check_no_leak(eng)
+    outs = drain(eng)
+    check_no_leak(eng)
     checks.check_totals(eng.stats(), 3)
-    return [outs[k] for k in sorted(outs)], eng.stats()
+    return [outs[k].token_ids for k in sorted(outs)], eng.stats()
 
 
-def test_auto_off_stops_drafting_when_nothing_is_accepted(models):
+def test_auto_off_stops_drafting_when_nothing_is_accepted(spec_models):
     """Random prompts sampled at temperature 1 from a near-uniform random model: an n-gram draft is accepted
     with probability ~1/64, so drafting never pays; auto-off turns it off (with occasional probes) while
     every request still completes."""
     from inspector.figures import spec_spec
     from inspector.recorder import Recorder
     rng = random.Random(3)
-    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
+    prompts = [[rng.randrange(2, SPEC_VOCAB) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
     sp = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=5)
-    _, on = _auto_off_run(models, prompts, sp, auto_off=False)
+    _, on = _auto_off_run(spec_models, prompts, sp, auto_off=False)
     rec = Recorder()
     events = []
-    outs, auto = _auto_off_run(models, prompts, sp, auto_off=True, events=lambda e: (events.append(e), rec(e)))
+    outs, auto = _auto_off_run(spec_models, prompts, sp, auto_off=True, events=lambda e: (events.append(e), rec(e)))
     assert on["acceptance_rate"] < 0.15
     assert all(len(o) == 60 for o in outs)
     assert auto["spec_decode_num_draft_tokens"] < on["spec_decode_num_draft_tokens"] / 3
@@ -391,14 +350,14 @@ def test_auto_off_stops_drafting_when_nothing_is_accepted(models):
     assert off and max(off[0]["y"]) == 1.0
 
 
-def test_auto_off_keeps_drafting_on_repetitive_text(models):
+def test_auto_off_keeps_drafting_on_repetitive_text(spec_models):
     """Repetitive text (the model loops on a repeated prompt): most n-gram drafts are accepted, drafting stays on,
     and greedy output is the same as without speculation."""
     prompts = [[5, 9, 13, 22, 31, 40, 7] * 4, [8, 3, 8, 3, 8, 3, 8, 3, 12]]
     sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     events = []
-    outs, auto = _auto_off_run(models, prompts, sp, auto_off=True, events=events.append)
-    ref, on = _auto_off_run(models, prompts, sp, auto_off=False)
+    outs, auto = _auto_off_run(spec_models, prompts, sp, auto_off=True, events=events.append)
+    ref, on = _auto_off_run(spec_models, prompts, sp, auto_off=False)
     assert outs == ref
     assert on["acceptance_rate"] > 0.7
     assert auto["spec_decode_num_draft_tokens"] >= 0.8 * on["spec_decode_num_draft_tokens"]
@@ -406,15 +365,15 @@ def test_auto_off_keeps_drafting_on_repetitive_text(models):
     assert sum(e.spec["num_off"] for e in steps) <= 0.1 * sum(e.spec["num_decoding"] for e in steps)
 
 
-def test_auto_off_hands_over_to_multi_step(models):
+def test_auto_off_hands_over_to_multi_step(spec_models):
     """With every request's drafting off (random text sampled at temperature 1), decode steps become multi-step
     blocks (several iterations per host round trip); the blocks' tokens are not taken for verified drafts (KV
     accounting and blocks stay right: StepChecks every step, no leak) and every request completes."""
     rng = random.Random(4)
-    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
+    prompts = [[rng.randrange(2, SPEC_VOCAB) for _ in range(rng.randrange(8, 20))] for _ in range(4)]
     sp = SamplingParams(temperature=1.0, max_tokens=56, ignore_eos=True)
     events = []
-    got, st = _auto_off_run(models, prompts, sp, auto_off=True, events=events.append, num_scheduler_steps=4)
+    got, st = _auto_off_run(spec_models, prompts, sp, auto_off=True, events=events.append, num_scheduler_steps=4)
     assert [len(o) for o in got] == [56] * 4
     blocks = [e for e in events if isinstance(e, StepEvent) and e.num_decode_steps > 1]
     assert blocks and all(e.spec["num_drafts"] == 0 for e in blocks)

@@ -5,27 +5,12 @@ preemption."""
 import random
 
 import pytest
-import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.cuda_graphs import CudaGraphRunner
+from helpers import SPEC_VOCAB, check_no_leak, drain
 
-from test_spec import VOCAB, _check_no_leak, _hf_model
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec_graph_models")
-    _hf_model(root / "target", 0, 4)
-    return str(root / "target")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(target, n, num_kv_blocks=200, graphs=True, **spec):
@@ -40,17 +25,16 @@ def _run(target, n, num_kv_blocks=200, graphs=True, **spec):
         eng.runner.graphs = g
     rng = random.Random(7)
     for i in range(n):
-        body = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(3, 12))]
+        body = [rng.randrange(2, SPEC_VOCAB) for _ in range(rng.randrange(3, 12))]
         eng.add_request(body * 2, SamplingParams(temperature=0.0, max_tokens=rng.randrange(12, 24), ignore_eos=True))
-    outs = {}
-    while eng.has_unfinished_requests():
-        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-    _check_no_leak(eng)
+    outs = {rid: o.token_ids for rid, o in drain(eng).items()}
+    check_no_leak(eng)
     return [outs[k] for k in sorted(outs)], keys, eng.stats()
 
 
 @pytest.mark.parametrize("n, blocks", [(1, 200), (6, 200), (6, 17)], ids=["alone", "batched", "preemption"])
-def test_padded_verify_and_draft_layout_is_lossless(target, n, blocks):
+def test_padded_verify_and_draft_layout_is_lossless(spec_models, n, blocks):
+    target = spec_models["target"]
     ref, _, _ = _run(target, n, num_kv_blocks=blocks, graphs=False)
     for spec in (dict(speculative_method="ngram", num_speculative_tokens=3),
                  dict(speculative_method="self", num_speculative_tokens=2, draft_layers=2)):

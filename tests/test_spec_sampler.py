@@ -1,21 +1,16 @@
 """Speculative decoding is lossless in distribution: chi-square tests of the rejection sampler (synthetic p, q,
 deliberately bad drafts) and of whole engine runs against the target model's exact probabilities."""
 import itertools
-import random
 
 import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.spec import greedy_accept, ngram_propose, rejection_sample
+from helpers import save_random_llama
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -108,22 +103,7 @@ def test_greedy_accept_and_ngram():
 
 # ---- whole-engine distribution test ------------------------------------------------------------
 V_SMALL = 6
-
-
-def _tiny_hf(folder, seed, layers, scale):
-    import transformers
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   vocab_size=V_SMALL, max_position_embeddings=64, rms_norm_eps=1e-5,
-                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, prm in m.named_parameters():
-            if "norm" not in name:
-                prm.normal_(0, scale)
-    m.save_pretrained(folder, safe_serialization=True)
-    return m.eval()
+SMALL = dict(scale=0.5, vocab=V_SMALL, hidden=32, intermediate=64, head_dim=8, max_pos=64)
 
 
 def _exact_probs(hf, prompt, temperature, top_k):
@@ -144,10 +124,10 @@ def _exact_probs(hf, prompt, temperature, top_k):
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "self"])
 def test_engine_sampling_distribution_is_lossless(method, tmp_path):
-    target = _tiny_hf(tmp_path / "target", 0, 2, 0.5)
+    target = save_random_llama(tmp_path / "target", 0, 2, **SMALL)
     extra = {}
     if method == "draft":
-        _tiny_hf(tmp_path / "draft", 1, 1, 0.5)                       # an unrelated, bad draft model
+        save_random_llama(tmp_path / "draft", 1, 1, **SMALL)      # an unrelated, bad draft model
         extra["draft_model"] = str(tmp_path / "draft")
     if method == "self":
         extra["draft_layers"] = 1

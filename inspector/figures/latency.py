@@ -7,7 +7,8 @@ import numpy as np
 
 from inspector import metrics as M
 from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, _lst, empty_spec
-from inspector.recorder import Snapshot, step_output_tokens
+from inspector.recorder import Snapshot
+from inspector.tracks import step_output_tokens
 
 
 def histogram(values: np.ndarray, bins: int = 30) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -22,9 +22,21 @@ def _frame(res: dict, sub: str, titles: list[str], height: int) -> tuple[dict, d
     return lay, refs
 
 
+def _bar(x, y, name, ref, color) -> dict:
+    return dict(type="bar", x=list(x), y=list(y), name=name, xaxis=ref[0], yaxis=ref[1], marker=dict(color=color),
+                showlegend=False)
+
+
 def _axes(lay, ref, x, y, log_x=False):
     lay[_axname(ref[0], "x")].update(title=dict(text=x), **({"type": "log"} if log_x else {}))
     lay[_axname(ref[1], "y")].update(title=dict(text=y), rangemode="tozero")
+
+
+def _spec(lay, refs, data, left: tuple[str, str], right: tuple[str, str], log_x=False) -> dict:
+    """Both panels' axis titles, (x, y) each, and the figure spec."""
+    _axes(lay, refs[(1, 1)], *left, log_x=log_x)
+    _axes(lay, refs[(1, 2)], *right, log_x=log_x)
+    return {"data": data, "layout": lay}
 
 
 def paging_spec(res: dict, height: int = 400) -> dict:
@@ -42,9 +54,8 @@ def paging_spec(res: dict, height: int = 400) -> dict:
                           dash="dot", color=C[layout]))
     b = [r["batch"] for r in res["series"]["paged"]]
     data.append(_line(b, b, "requested", *refs[(1, 1)], dash="dash", mode="lines", color="#BBB"))
-    _axes(lay, refs[(1, 1)], "requests submitted together", "max running", log_x=True)
-    _axes(lay, refs[(1, 2)], "requests submitted together", "KV MiB reserved (solid) / used (dotted)", log_x=True)
-    return {"data": data, "layout": lay}
+    return _spec(lay, refs, data, ("requests submitted together", "max running"),
+                 ("requests submitted together", "KV MiB reserved (solid) / used (dotted)"), log_x=True)
 
 
 def kv_cache_spec(res: dict, height: int = 400) -> dict:
@@ -58,9 +69,7 @@ def kv_cache_spec(res: dict, height: int = 400) -> dict:
     on = res["series"]["cache on"]
     data.append(_line([r["output_len"] for r in on], [r["speedup"] for r in on], "speed-up", *refs[(1, 2)],
                       color="#59A14F"))
-    _axes(lay, refs[(1, 1)], "output tokens", "tok/s")
-    _axes(lay, refs[(1, 2)], "output tokens", "×")
-    return {"data": data, "layout": lay}
+    return _spec(lay, refs, data, ("output tokens", "tok/s"), ("output tokens", "×"))
 
 
 def batching_spec(res: dict, height: int = 400) -> dict:
@@ -73,11 +82,9 @@ def batching_spec(res: dict, height: int = 400) -> dict:
         data.append(_line(range(len(d["ttft_s"])), [t * 1e3 for t in d["ttft_s"]], mode, *refs[(1, 1)],
                           mode="markers"))
     modes = list(res["series"])
-    data.append(dict(type="bar", x=modes, y=[res["series"][m]["output_tok_s"] for m in modes], xaxis=refs[(1, 2)][0],
-                     yaxis=refs[(1, 2)][1], marker=dict(color=[C[m] for m in modes]), showlegend=False, name="tok/s"))
-    _axes(lay, refs[(1, 1)], "request", "TTFT ms")
-    _axes(lay, refs[(1, 2)], "", "tok/s")
-    return {"data": data, "layout": lay}
+    data.append(_bar(modes, [res["series"][m]["output_tok_s"] for m in modes], "tok/s", refs[(1, 2)],
+                     [C[m] for m in modes]))
+    return _spec(lay, refs, data, ("request", "TTFT ms"), ("", "tok/s"))
 
 
 def batch_sweep_spec(res: dict, height: int = 400) -> dict:
@@ -96,9 +103,7 @@ def batch_sweep_spec(res: dict, height: int = 400) -> dict:
                        mode="lines", color="#E15759"),
                  _line(b, [r["roofline_ms_per_step"] for r in rows], "HBM floor", *refs[(1, 2)], dash="dash",
                        mode="lines", color="#E15759", showlegend=False)]
-    _axes(lay, refs[(1, 1)], "batch", "tok/s", log_x=True)
-    _axes(lay, refs[(1, 2)], "batch", "ms", log_x=True)
-    return {"data": data, "layout": lay}
+    return _spec(lay, refs, data, ("batch", "tok/s"), ("batch", "ms"), log_x=True)
 
 
 def chunked_prefill_spec(res: dict, height: int = 400) -> dict:
@@ -109,13 +114,10 @@ def chunked_prefill_spec(res: dict, height: int = 400) -> dict:
     data = []
     for arm, d in res["series"].items():
         data.append(_line([t for t in d["t_s"]], d["itl_ms"], arm, *refs[(1, 1)], mode="markers"))
-        data.append(dict(type="bar", x=["mean", "p99", "max"], y=[d["mean_itl_ms"], d["p99_itl_ms"], d["max_itl_ms"]],
-                         name=arm, xaxis=refs[(1, 2)][0], yaxis=refs[(1, 2)][1], marker=dict(color=C[arm]),
-                         showlegend=False))
+        data.append(_bar(["mean", "p99", "max"], [d["mean_itl_ms"], d["p99_itl_ms"], d["max_itl_ms"]], arm,
+                         refs[(1, 2)], C[arm]))
     lay["barmode"] = "group"
-    _axes(lay, refs[(1, 1)], "seconds since the first token", "ITL ms")
-    _axes(lay, refs[(1, 2)], "", "ms")
-    return {"data": data, "layout": lay}
+    return _spec(lay, refs, data, ("seconds since the first token", "ITL ms"), ("", "ms"))
 
 
 BUILDERS = {"paging": paging_spec, "kv_cache": kv_cache_spec, "batching": batching_spec,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, empty_spec
 from inspector.figures.style import PHASE_COLORS, PHASE_LABELS
-from inspector.recorder import PHASES, Snapshot
+from inspector.recorder import Snapshot
+from inspector.tracks import PHASES
 
 
 def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, max_steps: int = 400,

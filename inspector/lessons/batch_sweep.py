@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from inspector.lessons.common import Setup, close, greedy, random_prompts, result, run
+from inspector.lessons.common import Setup, close, greedy, kv_pool, random_prompts, result, run
 
 TITLE = "Batch-size sweep"
 WHAT = ("Decode tok/s grows almost linearly with the batch while ms/step barely moves, because each step reads "
@@ -36,7 +36,7 @@ def run_lesson(setup: Setup, batches: list[int] | None = None, prompt_len: int =
     max_len = prompt_len + output_len + 1
     eng = setup.engine(max_num_seqs=max(batches), max_model_len=max_len, enable_prefix_caching=False,
                        max_num_batched_tokens=max(256, prompt_len * max(batches)),
-                       num_kv_blocks=max(batches) * (-(-max_len // 16)) + 2, block_size=16)
+                       **kv_pool(max(batches), max_len))
     bw = hbm_bandwidth(eng.device) if eng.device.type == "cuda" else None
     rows = []
     for b in batches:

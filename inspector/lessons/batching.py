@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inspector.lessons.common import Setup, close, greedy, random_prompts, result, run
+from inspector.lessons.common import Setup, close, greedy, kv_pool, random_prompts, result, run
 
 TITLE = "Continuous vs static batching"
 WHAT = ("The same requests with mixed output lengths: continuous batching admits a waiting request as soon as a "
@@ -23,7 +23,7 @@ def run_lesson(setup: Setup, num_requests: int | None = None, max_num_seqs: int 
     series, summary = {}, {}
     for mode in ("continuous", "static"):
         eng = setup.engine(scheduling=mode, max_num_seqs=seqs, max_model_len=max_len, enable_prefix_caching=False,
-                           num_kv_blocks=seqs * (-(-max_len // 16)) + 2, block_size=16)
+                           **kv_pool(seqs, max_len))
         prompts = random_prompts(n, prompt_range, eng.model_config.vocab_size, setup.seed)
         r = run(eng, prompts, [greedy(k) for k in outs])
         done = sorted(r.outputs.values(), key=lambda o: int(o.request_id.split("-")[1]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inspector.lessons.common import Setup, close, greedy, random_prompts, result, run
+from inspector.lessons.common import Setup, close, greedy, kv_pool, random_prompts, result, run
 
 TITLE = "Chunked prefill on vs off"
 WHAT = ("Long prompts arriving while others decode: without chunking a whole prompt runs in one step and the "
@@ -25,8 +25,7 @@ def run_lesson(setup: Setup, num_decoders: int | None = None, long_prompt: int |
     for chunked in (True, False):
         eng = setup.engine(enable_chunked_prefill=chunked, max_num_batched_tokens=chunk if chunked else max_len,
                            max_model_len=max_len, num_scheduler_steps=1, enable_prefix_caching=False,
-                           max_num_seqs=dec + num_long, block_size=16,
-                           num_kv_blocks=(dec + num_long) * (-(-max_len // 16)) + 2)
+                           max_num_seqs=dec + num_long, **kv_pool(dec + num_long, max_len))
         V = eng.model_config.vocab_size
         longs = random_prompts(num_long, long_prompt, V, setup.seed + 1)
         arrive_at = {output_len // 4 + 3 * i: p for i, p in enumerate(longs)}   # while the decoders run

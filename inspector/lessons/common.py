@@ -61,6 +61,12 @@ def random_prompts(n: int, lengths, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(10, vocab, int(k)).tolist() for k in lens]
 
 
+def kv_pool(num_seqs: int, max_len: int, block_size: int = 16) -> dict:
+    """Engine settings for a KV pool that holds `num_seqs` requests of `max_len` tokens at once (plus the null
+    block and one spare)."""
+    return dict(num_kv_blocks=num_seqs * -(-max_len // block_size) + 2, block_size=block_size)
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=int(max_tokens), ignore_eos=True)
 

@@ -2,7 +2,7 @@
 sequence and the gap widens with the output length."""
 from __future__ import annotations
 
-from inspector.lessons.common import Setup, close, greedy, random_prompts, result, run
+from inspector.lessons.common import Setup, close, greedy, kv_pool, random_prompts, result, run
 
 TITLE = "KV cache on vs off"
 WHAT = ("Without a KV cache each new token recomputes the whole sequence, so tokens per second fall as outputs "
@@ -16,7 +16,7 @@ def run_lesson(setup: Setup, lengths: list[int] | None = None, prompt_len: int =
     for on in (True, False):
         eng = setup.engine(enable_kv_cache=on, enable_prefix_caching=False, max_model_len=max_len,
                            max_num_batched_tokens=max(256, max_len * batch), max_num_seqs=max(batch, 2),
-                           num_kv_blocks=batch * (-(-max_len // 16)) + 2, block_size=16)
+                           **kv_pool(batch, max_len))
         rows = []
         for L in lengths:
             r = run(eng, random_prompts(batch, prompt_len, eng.model_config.vocab_size, setup.seed), greedy(L))

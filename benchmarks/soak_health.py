@@ -1,0 +1,95 @@
+"""The soak test's view of the server's health: gauges parsed from `/metrics`, the server's RSS, a sampler that
+writes one row per period, and a wait for the server to go idle."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+
+from benchmarks.soak_users import BAD, GOOD, Soak
+
+_LINE = re.compile(r'^kvscope:(\w+)(\{[^}]*\})?\s+([-+0-9.eEinfaN]+)$')
+
+
+def parse_metrics(text: str) -> dict:
+    """The gauges the sampler needs, and API responses summed by status class."""
+    out = {"http_2xx": 0.0, "http_4xx": 0.0, "http_5xx": 0.0}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "api_requests_total":
+            st = re.search(r'status="(\d)', labels)
+            if st and f"http_{st.group(1)}xx" in out:
+                out[f"http_{st.group(1)}xx"] += value
+        elif name == "cache_config_info":
+            mm = re.search(r'max_model_len="(\d+)"', labels)
+            if mm:
+                out["max_model_len"] = int(mm.group(1))
+        elif not labels.count(",") and name in ("num_requests_running", "num_requests_waiting", "num_kv_blocks",
+                                                "num_free_kv_blocks", "num_preemptions_total"):
+            out[name] = value
+    if "num_kv_blocks" in out:
+        out["kv_blocks_in_use"] = out["num_kv_blocks"] - 1 - out["num_free_kv_blocks"]   # block 0 is reserved
+    return out
+
+
+def rss_mib(pid: int | None) -> float:
+    if not pid:
+        return float("nan")
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        procs = [p] + p.children(recursive=True)
+        return sum(q.memory_info().rss for q in procs if q.is_running()) / 2**20
+    except psutil.Error:
+        return float("nan")
+
+
+def slope_per_s(ts: list[float], ys: list[float]) -> float:
+    n = len(ts)
+    if n < 2:
+        return 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    den = sum((t - mt) ** 2 for t in ts)
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den if den else 0.0
+
+
+async def sampler(base: str, pid: int | None, soak: Soak, rows: list, period: float, stop: asyncio.Event):
+    async with httpx.AsyncClient(base_url=base, timeout=30.0) as client:
+        while True:
+            done = stop.is_set()
+            t = time.monotonic() - soak.t0
+            try:
+                m = parse_metrics((await client.get("/metrics")).text)
+            except Exception as e:
+                m = {"error": str(e)}
+            ta = soak.tally
+            rows.append(dict(t_s=round(t, 2), rss_mib=round(rss_mib(pid), 1),
+                             kv_blocks_in_use=m.get("kv_blocks_in_use"), kv_blocks_total=m.get("num_kv_blocks"),
+                             running=m.get("num_requests_running"), waiting=m.get("num_requests_waiting"),
+                             preemptions=m.get("num_preemptions_total"), server_2xx=m.get("http_2xx"),
+                             server_4xx=m.get("http_4xx"), server_5xx=m.get("http_5xx"),
+                             requests_sent=sum(ta.sent.values()), good_ok=sum(ta.ok[a] for a in GOOD),
+                             bad_4xx=sum(ta.ok[a] for a in BAD), client_failures=ta.num_failed))
+            if done:
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def wait_idle(base: str, timeout: float) -> dict:
+    """Poll /metrics until nothing runs or waits and no KV block is in use (or the timeout)."""
+    end = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=base, timeout=30.0) as client:
+        while True:
+            m = parse_metrics((await client.get("/metrics")).text)
+            idle = not m.get("num_requests_running") and not m.get("num_requests_waiting")
+            if (idle and m.get("kv_blocks_in_use") == 0) or time.monotonic() > end:
+                return m
+            await asyncio.sleep(0.5)

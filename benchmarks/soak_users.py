@@ -1,0 +1,139 @@
+"""The soak test's simulated users: each loops until the deadline, picking one action at a time (weights in
+ACTIONS), and tallies sent / correct outcomes per action (see benchmarks/soak.py for what each action checks)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+ACTIONS = {"stream": 45, "chat": 10, "disconnect": 12, "cancel": 10, "bad": 12, "too_long": 6, "ui": 5}
+GOOD, BAD = ("stream", "chat"), ("bad", "too_long")
+PROMPT_IDS = (100, 40000)          # token ids drawn from here (inside every preset's and SmolLM2's vocabulary)
+
+
+@dataclass
+class Tally:
+    sent: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
+    ok: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
+    num_failed: int = 0
+    failures: list = field(default_factory=list)     # (t, action, message), the first 50 kept
+
+    def fail(self, t0: float, action: str, msg: str) -> None:
+        self.num_failed += 1
+        if len(self.failures) < 50:
+            self.failures.append((round(time.monotonic() - t0, 1), action, msg[:300]))
+
+
+class Soak:
+    def __init__(self, base: str, model: str, max_model_len: int, args, t0: float):
+        self.base, self.model, self.mml, self.args, self.t0 = base.rstrip("/"), model, max_model_len, args, t0
+        self.tally = Tally()
+        self.deadline = t0 + args.duration
+
+    def prompt(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(*PROMPT_IDS) for _ in range(n)]
+
+    async def user(self, uid: int) -> None:
+        rng = random.Random(self.args.seed * 1000 + uid)
+        names, weights = list(ACTIONS), list(ACTIONS.values())
+        timeout = httpx.Timeout(self.args.request_timeout, connect=30.0)
+        async with httpx.AsyncClient(base_url=self.base, timeout=timeout) as client:
+            while time.monotonic() < self.deadline:
+                action = rng.choices(names, weights)[0]
+                self.tally.sent[action] += 1
+                try:
+                    ok, why = await getattr(self, action)(client, rng)
+                except Exception as e:           # a transport error counts against the action
+                    ok, why = False, f"{type(e).__name__}: {e}"
+                if ok:
+                    self.tally.ok[action] += 1
+                elif action in (*GOOD, *BAD, "ui"):
+                    self.tally.fail(self.t0, action, why)
+                await asyncio.sleep(rng.uniform(0, self.args.think_s))
+
+    def _body(self, rng, **kw) -> dict:
+        return dict(model=self.model, prompt=self.prompt(rng, rng.randint(*self.args.prompt_len)),
+                    max_tokens=rng.randint(*self.args.output_len), temperature=0, ignore_eos=True, **kw)
+
+    async def stream(self, client, rng):
+        body = self._body(rng, stream=True, logprobs=0, stream_options={"include_usage": True})
+        n_tok, finish, usage = 0, None, None
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return False, f"status {r.status_code}: {(await r.aread())[:200]!r}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                for ch in ev.get("choices") or []:
+                    n_tok += len((ch.get("logprobs") or {}).get("tokens") or [])
+                    finish = ch.get("finish_reason") or finish
+                usage = ev.get("usage") or usage
+        want = body["max_tokens"]
+        got = (usage or {}).get("completion_tokens")
+        if finish != "length" or got != want or n_tok != want:
+            return False, f"finish={finish} usage={got} streamed={n_tok} want={want}"
+        return True, ""
+
+    async def chat(self, client, rng):
+        want = rng.randint(*self.args.output_len)
+        body = dict(model=self.model, max_tokens=want, temperature=0, ignore_eos=True,
+                    messages=[{"role": "user", "content": f"Count to {rng.randint(3, 30)}, please."}])
+        r = await client.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            return False, f"status {r.status_code}: {r.text[:200]}"
+        got = r.json()["usage"]["completion_tokens"]
+        fin = r.json()["choices"][0]["finish_reason"]
+        return (got == want and fin == "length"), f"finish={fin} usage={got} want={want}"
+
+    async def disconnect(self, client, rng):
+        body = self._body(rng, stream=True)
+        body["max_tokens"] = max(body["max_tokens"], 8)
+        stop_after = rng.randint(1, 4)
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= stop_after:
+                    break                     # leaving the block closes the connection mid-stream
+        return True, ""
+
+    async def cancel(self, client, rng):
+        try:
+            await asyncio.wait_for(client.post("/v1/completions", json=self._body(rng)), rng.uniform(0.05, 1.0))
+        except asyncio.TimeoutError:
+            pass
+        return True, ""
+
+    async def bad(self, client, rng):
+        kind = rng.randrange(6)
+        body = self._body(rng)
+        if kind == 0:
+            body["max_tokens"] = -1
+        elif kind == 1:
+            body["temperature"] = -0.5
+        elif kind == 2:
+            body["top_p"] = 1.5
+        elif kind == 3:
+            del body["prompt"]
+        elif kind == 4:
+            body["model"] = "no-such-model"
+        if kind == 5:
+            r = await client.post("/v1/completions", content=b'{"prompt": [1, 2,', headers={"content-type":
+                                                                                            "application/json"})
+        else:
+            r = await client.post("/v1/completions", json=body)
+        return 400 <= r.status_code < 500, f"bad #{kind}: status {r.status_code}"
+
+    async def too_long(self, client, rng):
+        body = dict(model=self.model, prompt=self.prompt(rng, self.mml + rng.randint(1, 64)), max_tokens=4)
+        r = await client.post("/v1/completions", json=body)
+        return 400 <= r.status_code < 500, f"status {r.status_code}"
+
+    async def ui(self, client, rng):
+        r = await client.get("/")
+        return r.status_code == 200, f"status {r.status_code}"
