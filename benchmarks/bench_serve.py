@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from benchmarks.common import print_table, slug, write_json  # noqa: E402
 from benchmarks.serve_procs import (launch_server, start_command, start_pyspy, stop_launched,  # noqa: E402
                                     stop_process)
-from benchmarks.serve_client import run_sharded  # noqa: E402
+from benchmarks.serve_client import make_spec, run_sharded, spec_kwargs  # noqa: E402
 from inspector import metrics as M  # noqa: E402
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress  # noqa: E402
 from inspector.load import LengthDist, LoadSpec  # noqa: E402
@@ -121,12 +121,6 @@ def server_side(before: dict, after: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ report
-def _lengths(n: int, r: float) -> LengthDist:
-    if r <= 0:
-        return LengthDist("fixed", n, n)
-    return LengthDist("uniform", max(1, int(n * (1 - r))), max(1, int(n * (1 + r))))
-
-
 def print_report(s: dict, wall: float, args, srv: dict) -> None:
     w = 50
 
@@ -197,20 +191,6 @@ def parse_targets(args) -> list[tuple[str, str]]:
             raise SystemExit(f"--target: expected NAME=URL|launch|offline (got {t!r})")
         out.append((name, value))
     return out
-
-
-def spec_kwargs(w) -> dict:
-    return dict(num_prompts=w.num_prompts, request_rate=w.request_rate, burstiness=w.burstiness,
-                max_concurrency=w.max_concurrency, input_len=w.input_len, output_len=w.output_len,
-                range_ratio=w.range_ratio, seed=w.seed)
-
-
-def make_spec(num_prompts, request_rate, burstiness, max_concurrency, input_len, output_len, range_ratio, seed,
-              client_procs: int = 1) -> LoadSpec:
-    conc = max_concurrency if not max_concurrency or client_procs == 1 else -(-max_concurrency // client_procs)
-    return LoadSpec(name="bench_serve", num_requests=num_prompts, rate=request_rate, burstiness=burstiness,
-                    max_concurrency=conc, prompt_len=_lengths(input_len, range_ratio),
-                    output_len=_lengths(output_len, range_ratio), seed=seed, temperature=0.0, ignore_eos=True)
 
 
 def _spec(w) -> LoadSpec:

@@ -15,17 +15,37 @@ import multiprocessing as mp
 import time
 
 from engine.outputs import RequestMetrics
+from inspector.load import LengthDist, LoadSpec
 from inspector.recorder import RequestRecord
 
 START_MARGIN_S = 1.0           # from the last child saying ready to the common start (connections open meanwhile)
 
 
-def _child(conn, url: str, model: str | None, api_key: str | None, spec_kwargs: dict, vocab_size: int,
+def _lengths(n: int, r: float) -> LengthDist:
+    if r <= 0:
+        return LengthDist("fixed", n, n)
+    return LengthDist("uniform", max(1, int(n * (1 - r))), max(1, int(n * (1 + r))))
+
+
+def spec_kwargs(w) -> dict:
+    return dict(num_prompts=w.num_prompts, request_rate=w.request_rate, burstiness=w.burstiness,
+                max_concurrency=w.max_concurrency, input_len=w.input_len, output_len=w.output_len,
+                range_ratio=w.range_ratio, seed=w.seed)
+
+
+def make_spec(num_prompts, request_rate, burstiness, max_concurrency, input_len, output_len, range_ratio, seed,
+              client_procs: int = 1) -> LoadSpec:
+    conc = max_concurrency if not max_concurrency or client_procs == 1 else -(-max_concurrency // client_procs)
+    return LoadSpec(name="bench_serve", num_requests=num_prompts, rate=request_rate, burstiness=burstiness,
+                    max_concurrency=conc, prompt_len=_lengths(input_len, range_ratio),
+                    output_len=_lengths(output_len, range_ratio), seed=seed, temperature=0.0, ignore_eos=True)
+
+
+def _child(conn, url: str, model: str | None, api_key: str | None, workload: dict, vocab_size: int,
            k: int, n: int, timeout: float, warm: bool) -> None:
-    from benchmarks.bench_serve import make_spec
     from inspector.http_load import HttpLoadRunner, HttpTarget
     try:
-        runner = HttpLoadRunner(HttpTarget(url, model=model, api_key=api_key), make_spec(**spec_kwargs),
+        runner = HttpLoadRunner(HttpTarget(url, model=model, api_key=api_key), make_spec(**workload),
                                 vocab_size=vocab_size, shard=(k, n))
         if warm:       # as many connections as this process could have open at once
             runner.warm_connections = min(len(runner.items), runner.spec.max_concurrency or len(runner.items), 256)
@@ -45,9 +65,9 @@ def _child(conn, url: str, model: str | None, api_key: str | None, spec_kwargs: 
                                 "http_status": p["http_status"]}).encode())
 
 
-def run_sharded(url: str, model: str | None, api_key: str | None, spec_kwargs: dict, vocab_size: int,
+def run_sharded(url: str, model: str | None, api_key: str | None, workload: dict, vocab_size: int,
                 n: int, timeout: float, warm: bool = False) -> dict:
-    """Run the workload `make_spec(**spec_kwargs)` from n processes (with `warm`, each opens its connections
+    """Run the workload `make_spec(**workload)` from n processes (with `warm`, each opens its connections
     before the start). Returns {records, errors, failed,
     not_sent, model, http_status, t_start, t_end}: t_start is the agreed start, t_end when the last
     process finished."""
@@ -55,7 +75,7 @@ def run_sharded(url: str, model: str | None, api_key: str | None, spec_kwargs: d
     pipes, procs = [], []
     for k in range(n):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(child, url, model, api_key, spec_kwargs, vocab_size, k, n, timeout, warm),
+        p = ctx.Process(target=_child, args=(child, url, model, api_key, workload, vocab_size, k, n, timeout, warm),
                         daemon=True, name=f"bench-client-{k}")
         p.start()
         child.close()

@@ -84,8 +84,7 @@ def test_sharded_client_sends_the_same_workload_from_several_processes(srv, loop
     """bench_serve's --client-procs: the workload split by user over client processes that start at one
     instant (connections opened ahead) gives the same requests as one process, and every arrival is
     stamped at or after the agreed start."""
-    from benchmarks.bench_serve import make_spec
-    from benchmarks.serve_client import run_sharded
+    from benchmarks.serve_client import make_spec, run_sharded
     kw = dict(num_prompts=6, request_rate=math.inf, burstiness=1.0, max_concurrency=None, input_len=12,
               output_len=4, range_ratio=0.5, seed=5)
     res = run_sharded(srv.url, None, None, kw, 1000, n=2, timeout=120, warm=True)
