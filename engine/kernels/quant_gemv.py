@@ -1,10 +1,14 @@
 """fused_linear (see gemv.py) over quantized weights: the small-batch decode linear reading 1 or 1/2 byte per
 weight instead of 2, with the same RMSNorm / SiLU-mul prologues and residual epilogue.
 
-Formats (engine/quant/formats.py): int8 per-channel (the row scale is applied once, after the dot), fp8
-block-wise (each weight times its 128x128 block's scale as it is loaded), int4 group-wise (two codes per byte, a
-tile is [rows, groups, bytes]: each group's scale and min multiply its partial dots once, not every weight).
-Weight-only: activations stay in the model dtype and accumulate in fp32.
+Formats (engine/quant/formats.py), weight-only (activations stay in the model dtype, fp32 accumulation):
+- int8 per-channel: codes times activations, the row scale once after the dot;
+- fp8 block-wise: a program's rows lie in one 128-row block (BLOCK_N divides 128), so the block scales of a
+  k-tile are a vector over k that multiplies the activation, not every weight;
+- int4 group-wise: a tile is [rows, groups, bytes]; per group sum(q * a) * scale + sum(a) * min.
+Codes become fp32 by integer ops on their bits (CVT 1) rather than the conversion instructions (CVT 0): those
+issue at 16 per clock per SM on Hopper, while weights at 1/2-1 byte streamed at full bandwidth need 16-32.
+Launch configs come from QUANT_GEMV_CONFIGS (benchmarks/sweep_quant_gemv.py's winners per format and shape).
 """
 from __future__ import annotations
 
@@ -20,39 +24,60 @@ FMT_IDS = {"int8": 0, "fp8": 1}
 
 
 @triton.jit
-def _w8_tile(w_rows, s_ptr, offs_n, offs_k, nm, K, stride_sn, FMT: tl.constexpr, BLOCK: tl.constexpr):
-    """[BN, BK] fp32 weight tile: int8 codes (scaled later), or fp8 times its block scale."""
-    wm = nm[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_rows + offs_k[None, :], mask=wm, other=0.0).to(tl.float32)
+def _w8_values(w, FMT: tl.constexpr, CVT: tl.constexpr):
+    """Weight bytes as int8 (int8 codes, or fp8 e4m3 bit patterns) -> fp32 code values (scales not applied)."""
+    if CVT == 0:
+        if FMT == 0:
+            return w.to(tl.float32)
+        return w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    x = w.to(tl.int32)                                                         # sign-extended
+    if FMT == 0:
+        return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0    # bits of 1.5 * 2^23 + q
+    # seeeemmm -> sign to bit 31, eeeemmm to bits 26..20: the fp32 with those bits is the fp8 value * 2^-120
+    # (subnormal codes give fp32 denormals; plain fp32 multiplies keep them)
+    return ((x << 20) & -2014314496).to(tl.float32, bitcast=True) * 1.329227995784916e36   # mask 0x87F00000
+
+
+@triton.jit
+def _w8_load(w_rows, offs_k, nm, K):
+    return tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & (offs_k < K)[None, :], other=0)   # [BN, BK]
+
+
+@triton.jit
+def _w8_activation(x_rows, nw_ptr, s_row, offs_k, mm, K, FMT: tl.constexpr, PROLOGUE: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """_activation (gemv.py); fp8: times the block scales of this k-tile for the program's 128-row block."""
+    a, sq = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
     if FMT == 1:
-        s = tl.load(s_ptr + (offs_n // BLOCK)[:, None] * stride_sn + (offs_k // BLOCK)[None, :], mask=wm, other=0.0)
-        w = w * s
-    return w
+        a = a * tl.load(s_row + offs_k // BLOCK, mask=offs_k < K, other=0.0)[None, :]
+    return a, sq
 
 
 @triton.jit
 def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
                     stride_xm, stride_wn, stride_sn, stride_rm, stride_om, eps,
                     FMT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                    USE_PDL: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1]
+    s_row = s_ptr + ((pid * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn        # fp8: the rows' block of scales
     offs_k = tl.arange(0, BLOCK_K)
-    w = _w8_tile(w_rows, s_ptr, offs_n, offs_k, nm, K, stride_sn, FMT, BLOCK)  # fetched before the PDL wait
+    w = _w8_load(w_rows, offs_k, nm, K)                                        # fetched before the PDL wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    a, ss = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
-    acc = tl.sum(a[:, None, :] * w[None, :, :], axis=2)                         # [BM, BN, BK] -> [BM, BN]
+    a, ss = _w8_activation(x_rows, nw_ptr, s_row, offs_k, mm, K, FMT, PROLOGUE, BLOCK, BLOCK_M)
+    acc = tl.sum(a[:, None, :] * _w8_values(w, FMT, CVT)[None, :, :], axis=2)  # [BM, BN, BK] -> [BM, BN]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _w8_tile(w_rows, s_ptr, offs_n, offs_k, nm, K, stride_sn, FMT, BLOCK)
-        a, sq = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        w = _w8_load(w_rows, offs_k, nm, K)
+        a, sq = _w8_activation(x_rows, nw_ptr, s_row, offs_k, mm, K, FMT, PROLOGUE, BLOCK, BLOCK_M)
+        acc += tl.sum(a[:, None, :] * _w8_values(w, FMT, CVT)[None, :, :], axis=2)
         ss += sq
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]   # per-channel scale
@@ -69,33 +94,48 @@ def _activation3(x_rows, nw_ptr, k3, mm, K, PROLOGUE: tl.constexpr):
         g = tl.load(x_rows + k3, mask=xmask, other=0.0).to(tl.float32)
         u = tl.load(x_rows + K + k3, mask=xmask, other=0.0).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g)) * u).to(x_rows.dtype.element_ty).to(tl.float32)
-        sq = tl.zeros_like(tl.sum(tl.sum(a, axis=2), axis=1))
     else:
         a = tl.load(x_rows + k3, mask=xmask, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
         sq = tl.sum(tl.sum(a * a, axis=2), axis=1)
-        if PROLOGUE == 1:
-            a = a * tl.load(nw_ptr + k3, mask=k3 < K, other=0.0).to(tl.float32)
+        a = a * tl.load(nw_ptr + k3, mask=k3 < K, other=0.0).to(tl.float32)
+    else:
+        sq = tl.zeros_like(tl.sum(tl.sum(a, axis=2), axis=1))
     return a, sq
 
 
 @triton.jit
-def _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE: tl.constexpr,
-             HALF: tl.constexpr, NG: tl.constexpr):
-    """Groups [g0, g0 + NG) of BN rows: -> ([BM, BN] partial dot, [BM] sum of squares). A group's scale and min
-    multiply its two partial dots (q . a) and sum(a) once, not every weight."""
+def _w4_load(w_rows, g0, nm, G, HALF: tl.constexpr, NG: tl.constexpr):
+    """Groups [g0, g0 + NG) of BN packed rows: [BN, NG, H] bytes."""
     offs_g = g0 + tl.arange(0, NG)
     offs_h = tl.arange(0, HALF)
-    gm = offs_g < G
-    b = tl.load(w_rows + (offs_g[:, None] * HALF + offs_h[None, :])[None, :, :],
-                mask=nm[:, None, None] & gm[None, :, None], other=0).to(tl.int32)        # [BN, NG, H] bytes
-    s = tl.load(s_rows + offs_g[None, :], mask=nm[:, None] & gm[None, :], other=0.0).to(tl.float32)   # [BN, NG]
-    z = tl.load(z_rows + offs_g[None, :], mask=nm[:, None] & gm[None, :], other=0.0).to(tl.float32)
-    k3 = (offs_g[:, None] * (2 * HALF) + offs_h[None, :])[None, :, :]                    # [1, NG, H] low k's
-    a_lo, sq_lo = _activation3(x_rows, nw_ptr, k3, mm, K, PROLOGUE)                      # [BM, NG, H]
+    return tl.load(w_rows + (offs_g[:, None] * HALF + offs_h[None, :])[None, :, :],
+                   mask=nm[:, None, None] & (offs_g < G)[None, :, None], other=0)
+
+
+@triton.jit
+def _w4_dot(b, x_rows, nw_ptr, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE: tl.constexpr, CVT: tl.constexpr,
+            HALF: tl.constexpr, NG: tl.constexpr):
+    """Bytes b [BN, NG, H] of groups [g0, g0 + NG) -> ([BM, BN] partial dot, [BM] sum of squares). A group's
+    scale and min multiply its partial sums sum(q * a) and sum(a) once, not every weight."""
+    offs_g = g0 + tl.arange(0, NG)
+    gm = nm[:, None] & (offs_g < G)[None, :]
+    s = tl.load(s_rows + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)           # [BN, NG]
+    z = tl.load(z_rows + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
+    k3 = (offs_g[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :])[None, :, :]       # [1, NG, H] low k's
+    a_lo, sq_lo = _activation3(x_rows, nw_ptr, k3, mm, K, PROLOGUE)                     # [BM, NG, H]
     a_hi, sq_hi = _activation3(x_rows, nw_ptr, k3 + HALF, mm, K, PROLOGUE)
-    qa = tl.sum(a_lo[:, None, :, :] * (b & 15).to(tl.float32)[None, :, :, :], axis=3) \
-        + tl.sum(a_hi[:, None, :, :] * (b >> 4).to(tl.float32)[None, :, :, :], axis=3)  # [BM, BN, NG]
-    sa = tl.sum(a_lo, axis=2) + tl.sum(a_hi, axis=2)                                    # [BM, NG]
+    sa = tl.sum(a_lo + a_hi, axis=2)                                                   # [BM, NG]
+    bi = b.to(tl.int32)
+    if CVT == 0:
+        q_lo = (bi & 15).to(tl.float32)
+        q_hi = (bi >> 4).to(tl.float32)
+    else:
+        q_lo = ((bi & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0        # bits of 2^23 + q
+        q_hi = ((bi & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0       # 16 * the high code
+        a_hi = a_hi * 0.0625
+    qa = tl.sum(a_lo[:, None, :, :] * q_lo[None, :, :, :] + a_hi[:, None, :, :] * q_hi[None, :, :, :],
+                axis=3)                                                                 # [BM, BN, NG]
     part = tl.sum(qa * s[None, :, :] + sa[:, None, :] * z[None, :, :], axis=2)         # [BM, BN]
     return part, sq_lo + sq_hi
 
@@ -104,7 +144,8 @@ def _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE:
 def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K, G,
                     stride_xm, stride_wn, stride_sn, stride_rm, stride_om, eps,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
-                    HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr):
+                    CVT: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    NG: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
@@ -112,40 +153,50 @@ def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M
     w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn            # [BN, 1, 1] packed rows
     s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn                  # [BN, 1]
     z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+    b = _w4_load(w_rows, 0, nm, G, HALF, NG)                                   # fetched before the PDL wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc, ss = _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, 0, nm, mm, K, G, PROLOGUE, HALF, NG)
+    acc, ss = _w4_dot(b, x_rows, nw_ptr, s_rows, z_rows, 0, nm, mm, K, G, PROLOGUE, CVT, HALF, NG)
     for g0 in range(NG, G, NG):
-        part, sq = _w4_step(x_rows, nw_ptr, w_rows, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE, HALF, NG)
+        b = _w4_load(w_rows, g0, nm, G, HALF, NG)
+        part, sq = _w4_dot(b, x_rows, nw_ptr, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE, CVT, HALF, NG)
         acc += part
         ss += sq
     _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
               PROLOGUE, HAS_BIAS, HAS_RES)
 
 
-def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K (int4: bytes per tile), num_warps): gemv.py's shapes at a similar byte count per tile
-    (a 1-byte weight row of BLOCK_K k's is half the bytes of a bf16 one, so tiles run twice as wide in k)."""
-    if K >= 4096:
-        bn, bk, warps = 4, 4096, 8
-    elif N <= K:
-        bn, bk, warps = 4, 4096, 4
-    else:
-        bn, bk, warps = 4, 2048, 2
-    if fmt == "int4":
-        bk //= 2
+# (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, CVT) at M = 1: benchmarks/sweep_quant_gemv.py's best on an H200
+# for Llama-3.1-8B's and Llama-3.2-1B's projections (BLOCK_K counts weights, two per int4 byte)
+QUANT_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+
+
+def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K (weights along k per step), num_warps, CVT) for an [M <= 16, K] x [N, K].T product:
+    the swept entry for this shape, else a rule by the projection's aspect (down: K > N; gate_up: N >= 4K).
+    BLOCK_K shrinks as M grows, keeping the [M, BLOCK_N, BLOCK_K] product tile's registers."""
+    cfg = QUANT_GEMV_CONFIGS.get((fmt, N, K))
+    if cfg is None:
+        if K > N:
+            cfg = (16, 2048, 8, 1)          # down: wide tiles amortise the SiLU prologue over more rows
+        elif N >= 4 * K:
+            cfg = (8, 2048, 4, 1)
+        else:
+            cfg = (4, 4096, 4, 1)
+    bn, bk, warps, cvt = cfg
     bm = triton.next_power_of_2(M)
-    return bn, max(64, min(bk, triton.next_power_of_2(K), 8192 // (bm * bn))), warps
+    return bn, max(64, min(bk // bm, triton.next_power_of_2(K))), warps, cvt
 
 
 def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: tuple[int, int],
                        bias: torch.Tensor | None = None, *, prologue: str | None = None,
                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                        residual: torch.Tensor | None = None, pdl: bool = False,
-                       config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] for silu_mul) -> [M, N] = prologue(x) @ W.T (+ bias) (+ residual), W the [N, K]
-    weight the format's tensors qt stand for (engine/quant/formats.py). M is small (a decode step)."""
+    weight the format's tensors qt stand for (engine/quant/formats.py). M is small (a decode step).
+    config: (BLOCK_N, BLOCK_K, num_warps, CVT), else quant_gemv_config's."""
     M = x.shape[0]
     N, K = shape
     assert prologue in PROLOGUES and x.stride(-1) == 1
@@ -156,23 +207,26 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
         return out
     if residual is not None:
         assert residual.shape == (M, N) and residual.stride(-1) == 1
-    bn, bk, warps = config or quant_gemv_config(fmt, M, N, K)
+    bn, bk, warps, cvt = config or quant_gemv_config(fmt, M, N, K)
     dummy = qt.get("weight", qt.get("qweight"))
     common = dict(PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                  USE_PDL=pdl, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn, num_warps=warps,
+                  USE_PDL=pdl, CVT=cvt, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn, num_warps=warps,
                   num_stages=1, **({"launch_pdl": True} if pdl else {}))
     args_tail = (bias if bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
                  residual if residual is not None else out, out)
     rs = residual.stride(0) if residual is not None else 0
     if fmt == "int4":
         w, s, z = qt["qweight"], qt["scales"], qt["mins"]
-        half = int4_group(qt) // 2
+        group = int4_group(qt)
+        bk = bk if config else max(bk, group)
+        assert bk % group == 0, f"int4 BLOCK_K {bk} must be a multiple of the group size {group}"
         _gemv_w4_kernel[(triton.cdiv(N, bn),)](
             x, w, s, z, *args_tail, M, N, K, s.shape[1], x.stride(0), w.stride(0), s.stride(0), rs,
-            out.stride(0), eps, HALF=half, NG=max(1, bk // half), **common)
+            out.stride(0), eps, HALF=group // 2, NG=bk // group, **common)
     else:
-        w = qt["weight"]
+        w = qt["weight"].view(torch.int8)                  # fp8: its bit patterns (CVT 1 decodes them)
         s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]
+        assert fmt == "int8" or BLOCK % bn == 0, f"fp8 BLOCK_N {bn} must divide the {BLOCK}-row scale block"
         _gemv_w8_kernel[(triton.cdiv(N, bn),)](
             x, w, s, *args_tail, M, N, K, x.stride(0), w.stride(0), s.stride(0), rs, out.stride(0), eps,
             FMT=FMT_IDS[fmt], BLOCK=BLOCK, BLOCK_K=bk, **common)
