@@ -160,7 +160,7 @@ def main():
                        speedup_vs_bf16=bf16_us / top["us"], floor_us=wb / bw / 1e3)
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-            del ts
+            ts = None
             torch.cuda.empty_cache()
     out = dict(device=dev, shape=args.shape, ceilings=ceil, rows=rows, sweeps=sweeps,
                best={f"{f},{n},{k}": c for (f, n, k), c in best.items()}, seconds=time.time() - t0)
