@@ -1,14 +1,14 @@
 """GPU: the quantized small-batch fused linear (engine/kernels/quant_gemv.py) on a preset's four projections
 (Llama-3.1-8B by default) at batch 1, per format (fp8, int8, int4), swept over launch configs
-(BLOCK_N, BLOCK_K, num_warps, CVT), against the bf16 fused linear (engine/kernels/gemv.py) on the same shape,
-as GB/s of weight bytes (codes + scales) and % of the measured copy bandwidth.
+(BLOCK_N, BLOCK_K, num_warps, CVT, PRE), against the bf16 fused linear (engine/kernels/gemv.py) on the same
+shape, as GB/s of weight bytes (codes + scales) and % of the measured copy bandwidth.
 
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step; configs compile in parallel worker processes first (a kernel
-variant is compiled once per format and prologue: projections with the same fusions share it). CVT 0 (the
-conversion instructions) is timed at each shape's best CVT 1 config, to show what decoding codes by bit
-operations buys. Prints the table last and a QUANT_GEMV_CONFIGS literal of the winners to paste into
-engine/kernels/quant_gemv.py. Usage:
+variant is compiled once per format and prologue: projections with the same fusions share it). The best
+config is timed again with the other CVT (conversion instructions vs bit operations) to show what that buys.
+Prints the table last, and a QUANT_GEMV_CONFIGS literal of the winners to paste into engine/kernels/quant_gemv.py.
+Usage:
     python benchmarks/sweep_quant_gemv.py [--shape llama-3.1-8b] [--formats fp8,int8,int4] [--quick]
 JSON to benchmarks/results/quant_gemv_<device>_<shape>.json (and $OUT/ when set).
 """
@@ -36,15 +36,17 @@ from engine.quant.formats import quantize  # noqa: E402
 FORMATS = ("fp8", "int8", "int4")
 
 
-def configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, num_warps, CVT=1): 16 to 128 weights per thread per step (the fp32 product tile's
-    registers); fp8's BLOCK_N divides its 128-row scale block."""
+def configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps, CVT, PRE): 16 to 256 weights per thread per k-tile; CVT 1 only for int8 and
+    int4 (the conversion instructions lose there by 1.3-1.6x on an H200), both for fp8 (within a few %)."""
     out = []
     for warps in (1, 2, 4, 8):
-        for bn in (1, 2, 4, 8, 16, 32):
-            for bk in (1024, 2048, 4096, 8192):
-                if 512 * warps <= bn * bk <= 4096 * warps:
-                    out.append((bn, bk, warps, 1))
+        for bn in (2, 4, 8, 16):
+            for bk in (1024, 2048, 4096):
+                if 512 * warps <= bn * bk <= 8192 * warps:
+                    for pre in (0, 1):
+                        for cvt in ((0, 1) if fmt == "fp8" else (1,)):
+                            out.append((bn, bk, warps, cvt, pre))
     return out[::3] if quick else out
 
 
@@ -101,7 +103,7 @@ def main():
     dev = device_name()
     ceil = ceilings()
     bw = ceil["copy_GBps"]
-    # one compile per kernel variant: (format, prologue, residual, config); the 0-CVT twins are compiled later
+    # one compile per kernel variant: (format, prologue, residual, config)
     variants, jobs = {}, []
     for fmt in fmts:
         for spec in shapes.values():
@@ -147,7 +149,8 @@ def main():
                 print(f"{fmt} {name}: no config passed ({sweep[:2]})", flush=True)
                 continue
             top = ok[0]
-            cvt0 = measure(top["cfg"][:3] + (0,))
+            c = top["cfg"]
+            cvt0 = measure((*c[:3], 1 - c[3], c[4]))
             table_cfg = quant_gemv_config(fmt, 1, N, K)
             table = measure(table_cfg)
             best[(fmt, N, K)] = top["cfg"]
@@ -170,8 +173,8 @@ def main():
             json.dump(out, f, indent=1, default=str)
     print(f"\n{dev}: copy {bw:.0f} GB/s; {args.shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
           f"incl. scales); weights streamed from HBM; json: {path}")
-    print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} {'best':>15s} {'GB/s':>6s} {'CVT 0 at best':>15s} "
-          f"{'table cfg':>15s} {'bf16 fused':>15s} {'x bf16':>6s}  best cfg (BN, BK, warps, CVT)")
+    print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} {'best':>15s} {'GB/s':>6s} {'other CVT':>15s} "
+          f"{'table cfg':>15s} {'bf16 fused':>15s} {'x bf16':>6s}  best cfg (BN, BK, warps, CVT, PRE)")
     for r in rows:
         print(f"{r['format']:5s} {r['shape']:8s} {r['MB']:6.1f} {r['floor_us']:6.1f} "
               + " ".join(f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%)" if k != "best" else

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..quant.formats import BLOCK, dequantize, int4_group
 from . import torch_ops
-from .gemv import PROLOGUES, _activation, _epilogue
+from .gemv import PROLOGUES, _epilogue
 
 FMT_IDS = {"int8": 0, "fp8": 1}
 
@@ -39,31 +39,70 @@ def _w8_values(w, FMT: tl.constexpr, CVT: tl.constexpr):
 
 
 @triton.jit
+def _row_activation(x_row, nw_ptr, offs_k, K, PROLOGUE: tl.constexpr):
+    """prologue(x) of one row at k offsets offs_k (any shape) in fp32, and its sum of squares (rms_norm; else
+    0)."""
+    km = offs_k < K
+    if PROLOGUE == 2:
+        g = tl.load(x_row + offs_k, mask=km, other=0.0).to(tl.float32)
+        u = tl.load(x_row + K + offs_k, mask=km, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * u).to(x_row.dtype.element_ty).to(tl.float32)
+    else:
+        a = tl.load(x_row + offs_k, mask=km, other=0.0).to(tl.float32)
+    sq = 0.0
+    if PROLOGUE == 1:
+        sq = tl.sum(a * a)
+        a = a * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)
+    return a, sq
+
+
+@triton.jit
+def _x_row(x_ptr, m: tl.constexpr, M, stride_xm, BLOCK_M: tl.constexpr):
+    """Row m of the activation; rows past M (padding to BLOCK_M) read row M - 1, their outputs are not stored."""
+    if BLOCK_M == 1:
+        return x_ptr
+    return x_ptr + tl.minimum(M - 1, m) * stride_xm
+
+
+@triton.jit
+def _add_row(acc, ss, part, sq, offs_m, m, PROLOGUE: tl.constexpr):
+    """acc [BM, BN] += part [BN] in row m; ss [BM] += sq in row m (rms_norm)."""
+    acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+    if PROLOGUE == 1:
+        ss = tl.where(offs_m == m, ss + sq, ss)
+    return acc, ss
+
+
+@triton.jit
 def _w8_load(w_rows, offs_k, nm, K):
     return tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & (offs_k < K)[None, :], other=0)   # [BN, BK]
 
 
 @triton.jit
-def _w8_activation(x_rows, nw_ptr, s_row, offs_k, mm, K, FMT: tl.constexpr, PROLOGUE: tl.constexpr,
-                   BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
-    """_activation (gemv.py); fp8: times the block scales of this k-tile for the program's 128-row block."""
-    a, sq = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
-    if FMT == 1:
-        a = a * tl.load(s_row + offs_k // BLOCK, mask=offs_k < K, other=0.0)[None, :]
-    return a, sq
+def _w8_rows(w, acc, ss, x_ptr, nw_ptr, s_row, offs_k, offs_m, M, K, stride_xm, FMT: tl.constexpr,
+             PROLOGUE: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One k-tile w [BN, BK] of raw bytes against each of the M activation rows: the weights are decoded once."""
+    wf = _w8_values(w, FMT, CVT)                                               # [BN, BK] fp32
+    if FMT == 1:                # block scales of the program's 128-row block, per k: they ride on the activation
+        sc = tl.load(s_row + offs_k // BLOCK, mask=offs_k < K, other=0.0)
+    for m in tl.static_range(BLOCK_M):
+        a, sq = _row_activation(_x_row(x_ptr, m, M, stride_xm, BLOCK_M), nw_ptr, offs_k, K, PROLOGUE)    # [BK]
+        if FMT == 1:
+            a = a * sc
+        acc, ss = _add_row(acc, ss, tl.sum(a[None, :] * wf, axis=1), sq, offs_m, m, PROLOGUE)
+    return acc, ss
 
 
 @triton.jit
 def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
                     stride_xm, stride_wn, stride_sn, stride_rm, stride_om, eps,
                     FMT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                    USE_PDL: tl.constexpr, CVT: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr, CVT: tl.constexpr, PRE: tl.constexpr, BLOCK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1]
     s_row = s_ptr + ((pid * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn        # fp8: the rows' block of scales
     offs_k = tl.arange(0, BLOCK_K)
@@ -71,37 +110,22 @@ def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    a, ss = _w8_activation(x_rows, nw_ptr, s_row, offs_k, mm, K, FMT, PROLOGUE, BLOCK, BLOCK_M)
-    acc = tl.sum(a[:, None, :] * _w8_values(w, FMT, CVT)[None, :, :], axis=2)  # [BM, BN, BK] -> [BM, BN]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = _w8_load(w_rows, offs_k, nm, K)
-        a, sq = _w8_activation(x_rows, nw_ptr, s_row, offs_k, mm, K, FMT, PROLOGUE, BLOCK, BLOCK_M)
-        acc += tl.sum(a[:, None, :] * _w8_values(w, FMT, CVT)[None, :, :], axis=2)
-        ss += sq
+        if PRE:                 # the next tile is in flight while this one is multiplied
+            w_next = _w8_load(w_rows, offs_k + BLOCK_K, nm, K)
+        acc, ss = _w8_rows(w, acc, ss, x_ptr, nw_ptr, s_row, offs_k, offs_m, M, K, stride_xm, FMT, PROLOGUE, CVT,
+                           BLOCK, BLOCK_M)
+        if PRE:
+            w = w_next
+        else:
+            w = _w8_load(w_rows, offs_k + BLOCK_K, nm, K)
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]   # per-channel scale
     _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
               PROLOGUE, HAS_BIAS, HAS_RES)
-
-
-@triton.jit
-def _activation3(x_rows, nw_ptr, k3, mm, K, PROLOGUE: tl.constexpr):
-    """_activation (gemv.py) over a [1, NG, H] block of k offsets: [BM, NG, H] fp32 tile and its rows' sums of
-    squares (rms_norm; else zeros). x_rows [BM, 1, 1]."""
-    xmask = mm[:, None, None] & (k3 < K)
-    if PROLOGUE == 2:
-        g = tl.load(x_rows + k3, mask=xmask, other=0.0).to(tl.float32)
-        u = tl.load(x_rows + K + k3, mask=xmask, other=0.0).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g)) * u).to(x_rows.dtype.element_ty).to(tl.float32)
-    else:
-        a = tl.load(x_rows + k3, mask=xmask, other=0.0).to(tl.float32)
-    if PROLOGUE == 1:
-        sq = tl.sum(tl.sum(a * a, axis=2), axis=1)
-        a = a * tl.load(nw_ptr + k3, mask=k3 < K, other=0.0).to(tl.float32)
-    else:
-        sq = tl.zeros_like(tl.sum(tl.sum(a, axis=2), axis=1))
-    return a, sq
 
 
 @triton.jit
@@ -114,18 +138,16 @@ def _w4_load(w_rows, g0, nm, G, HALF: tl.constexpr, NG: tl.constexpr):
 
 
 @triton.jit
-def _w4_dot(b, x_rows, nw_ptr, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE: tl.constexpr, CVT: tl.constexpr,
-            HALF: tl.constexpr, NG: tl.constexpr):
-    """Bytes b [BN, NG, H] of groups [g0, g0 + NG) -> ([BM, BN] partial dot, [BM] sum of squares). A group's
-    scale and min multiply its partial sums sum(q * a) and sum(a) once, not every weight."""
+def _w4_rows(b, acc, ss, x_ptr, nw_ptr, s_rows, z_rows, g0, nm, offs_m, M, K, G, stride_xm,
+             PROLOGUE: tl.constexpr, CVT: tl.constexpr, HALF: tl.constexpr, NG: tl.constexpr,
+             BLOCK_M: tl.constexpr):
+    """Bytes b [BN, NG, H] of groups [g0, g0 + NG) against each activation row. A group's scale and min multiply
+    its partial sums sum(q * a) and sum(a) once, not every weight."""
     offs_g = g0 + tl.arange(0, NG)
     gm = nm[:, None] & (offs_g < G)[None, :]
     s = tl.load(s_rows + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)           # [BN, NG]
     z = tl.load(z_rows + offs_g[None, :], mask=gm, other=0.0).to(tl.float32)
-    k3 = (offs_g[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :])[None, :, :]       # [1, NG, H] low k's
-    a_lo, sq_lo = _activation3(x_rows, nw_ptr, k3, mm, K, PROLOGUE)                     # [BM, NG, H]
-    a_hi, sq_hi = _activation3(x_rows, nw_ptr, k3 + HALF, mm, K, PROLOGUE)
-    sa = tl.sum(a_lo + a_hi, axis=2)                                                   # [BM, NG]
+    k2 = offs_g[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]                     # [NG, H] low k's
     bi = b.to(tl.int32)
     if CVT == 0:
         q_lo = (bi & 15).to(tl.float32)
@@ -133,23 +155,28 @@ def _w4_dot(b, x_rows, nw_ptr, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE: tl.co
     else:
         q_lo = ((bi & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0        # bits of 2^23 + q
         q_hi = ((bi & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0       # 16 * the high code
-        a_hi = a_hi * 0.0625
-    qa = tl.sum(a_lo[:, None, :, :] * q_lo[None, :, :, :] + a_hi[:, None, :, :] * q_hi[None, :, :, :],
-                axis=3)                                                                 # [BM, BN, NG]
-    part = tl.sum(qa * s[None, :, :] + sa[:, None, :] * z[None, :, :], axis=2)         # [BM, BN]
-    return part, sq_lo + sq_hi
+    for m in tl.static_range(BLOCK_M):
+        x_row = _x_row(x_ptr, m, M, stride_xm, BLOCK_M)
+        a_lo, sq_lo = _row_activation(x_row, nw_ptr, k2, K, PROLOGUE)              # [NG, H]
+        a_hi, sq_hi = _row_activation(x_row, nw_ptr, k2 + HALF, K, PROLOGUE)
+        sa = tl.sum(a_lo + a_hi, axis=1)                                                # [NG]
+        if CVT == 1:
+            a_hi = a_hi * 0.0625
+        qa = tl.sum(a_lo[None, :, :] * q_lo + a_hi[None, :, :] * q_hi, axis=2)         # [BN, NG]
+        part = tl.sum(qa * s + sa[None, :] * z, axis=1)                                 # [BN]
+        acc, ss = _add_row(acc, ss, part, sq_lo + sq_hi, offs_m, m, PROLOGUE)
+    return acc, ss
 
 
 @triton.jit
 def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K, G,
                     stride_xm, stride_wn, stride_sn, stride_rm, stride_om, eps,
                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
-                    CVT: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    NG: tl.constexpr):
+                    CVT: tl.constexpr, PRE: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NG: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
-    x_rows = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm            # [BM, 1, 1]
     w_rows = w_ptr + offs_n[:, None, None].to(tl.int64) * stride_wn            # [BN, 1, 1] packed rows
     s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn                  # [BN, 1]
     z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
@@ -157,46 +184,47 @@ def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc, ss = _w4_dot(b, x_rows, nw_ptr, s_rows, z_rows, 0, nm, mm, K, G, PROLOGUE, CVT, HALF, NG)
-    for g0 in range(NG, G, NG):
-        b = _w4_load(w_rows, g0, nm, G, HALF, NG)
-        part, sq = _w4_dot(b, x_rows, nw_ptr, s_rows, z_rows, g0, nm, mm, K, G, PROLOGUE, CVT, HALF, NG)
-        acc += part
-        ss += sq
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for g0 in range(0, G, NG):
+        if PRE:
+            b_next = _w4_load(w_rows, g0 + NG, nm, G, HALF, NG)
+        acc, ss = _w4_rows(b, acc, ss, x_ptr, nw_ptr, s_rows, z_rows, g0, nm, offs_m, M, K, G, stride_xm,
+                           PROLOGUE, CVT, HALF, NG, BLOCK_M)
+        if PRE:
+            b = b_next
+        else:
+            b = _w4_load(w_rows, g0 + NG, nm, G, HALF, NG)
     _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
               PROLOGUE, HAS_BIAS, HAS_RES)
 
 
-# (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, CVT) at M = 1: benchmarks/sweep_quant_gemv.py's best on an H200
-# for Llama-3.1-8B's and Llama-3.2-1B's projections (BLOCK_K counts weights, two per int4 byte)
-QUANT_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}
+# (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, CVT, PRE) at M = 1: benchmarks/sweep_quant_gemv.py's best on an
+# H200 for Llama-3.1-8B's and Llama-3.2-1B's projections (BLOCK_K counts weights, two per int4 byte; PRE 1: the
+# next k-tile is loaded before this one is multiplied)
+QUANT_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 
 
-def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K (weights along k per step), num_warps, CVT) for an [M <= 16, K] x [N, K].T product:
-    the swept entry for this shape, else a rule by the projection's aspect (down: K > N; gate_up: N >= 4K).
-    BLOCK_K shrinks as M grows, keeping the [M, BLOCK_N, BLOCK_K] product tile's registers."""
+def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, CVT, PRE) for an [M <= 16, K] x [N, K].T product: the swept entry for this
+    shape, else a rule by the projection's aspect (down: K > N; gate_up: N >= 4K). BLOCK_K shrinks as M grows
+    (each row's activation tile is live beside the weights)."""
     cfg = QUANT_GEMV_CONFIGS.get((fmt, N, K))
     if cfg is None:
-        if K > N:
-            cfg = (16, 2048, 8, 1)          # down: wide tiles amortise the SiLU prologue over more rows
-        elif N >= 4 * K:
-            cfg = (8, 2048, 4, 1)
-        else:
-            cfg = (4, 4096, 4, 1)
-    bn, bk, warps, cvt = cfg
+        cfg = (8, 2048, 4, 1, 1) if K > N or N >= 4 * K else (4, 1024, 1, 1, 1)
+    bn, bk, warps, cvt, pre = cfg
     bm = triton.next_power_of_2(M)
-    return bn, max(64, min(bk // bm, triton.next_power_of_2(K))), warps, cvt
+    return bn, max(64, min(bk // max(1, bm // 2), triton.next_power_of_2(K))), warps, cvt, pre
 
 
 def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: tuple[int, int],
                        bias: torch.Tensor | None = None, *, prologue: str | None = None,
                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                        residual: torch.Tensor | None = None, pdl: bool = False,
-                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                       config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] for silu_mul) -> [M, N] = prologue(x) @ W.T (+ bias) (+ residual), W the [N, K]
     weight the format's tensors qt stand for (engine/quant/formats.py). M is small (a decode step).
-    config: (BLOCK_N, BLOCK_K, num_warps, CVT), else quant_gemv_config's."""
+    config: (BLOCK_N, BLOCK_K, num_warps, CVT, PRE), else quant_gemv_config's."""
     M = x.shape[0]
     N, K = shape
     assert prologue in PROLOGUES and x.stride(-1) == 1
@@ -207,11 +235,11 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
         return out
     if residual is not None:
         assert residual.shape == (M, N) and residual.stride(-1) == 1
-    bn, bk, warps, cvt = config or quant_gemv_config(fmt, M, N, K)
+    bn, bk, warps, cvt, pre = config or quant_gemv_config(fmt, M, N, K)
     dummy = qt.get("weight", qt.get("qweight"))
     common = dict(PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                  USE_PDL=pdl, CVT=cvt, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn, num_warps=warps,
-                  num_stages=1, **({"launch_pdl": True} if pdl else {}))
+                  USE_PDL=pdl, CVT=cvt, PRE=pre, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_N=bn,
+                  num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     args_tail = (bias if bias is not None else dummy, norm_weight if norm_weight is not None else dummy,
                  residual if residual is not None else out, out)
     rs = residual.stride(0) if residual is not None else 0
@@ -224,7 +252,7 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
             x, w, s, z, *args_tail, M, N, K, s.shape[1], x.stride(0), w.stride(0), s.stride(0), rs,
             out.stride(0), eps, HALF=group // 2, NG=bk // group, **common)
     else:
-        w = qt["weight"].view(torch.int8)                  # fp8: its bit patterns (CVT 1 decodes them)
+        w = qt["weight"].view(torch.int8)                  # fp8: its bit patterns (decoded in the kernel)
         s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]
         assert fmt == "int8" or BLOCK % bn == 0, f"fp8 BLOCK_N {bn} must divide the {BLOCK}-row scale block"
         _gemv_w8_kernel[(triton.cdiv(N, bn),)](
