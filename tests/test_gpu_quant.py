@@ -7,8 +7,9 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
-from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref
-from engine.quant.formats import quantize
+from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref, quant_gemv_config
+from engine.quant.formats import dequantize, quantize
+from helpers import every_code_weight
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -41,6 +42,35 @@ def test_quant_kernels_full_size(fmt):
                 y = quant_matmul(x, fmt, t, (N, K), act_fp8=True)
                 assert _rel(y, quant_matmul_ref(x.float(), fmt, t, (N, K), act_fp8=True)) < 1e-2, (name, M)
                 assert _rel(y, ref) < 0.06, (name, M)            # fp8 activations: ~2^-4 per element
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_gemv_configs_full_size(fmt):
+    """Each 8B projection under its table config and that config's variants (the other decode, the other loop
+    order, fp8's widest row tile) against the reference: every path a swept winner can take."""
+    torch.manual_seed(0)
+    for name, (N, K) in SHAPES.items():
+        t = quantize(torch.randn(N, K, device="cuda") * 0.02, fmt)
+        bn, bk, warps, cvt, pre = quant_gemv_config(fmt, 1, N, K)
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        ref = quant_fused_linear_ref(x.float(), fmt, t, (N, K))
+        for cfg in ((bn, bk, warps, cvt, pre), (bn, bk, warps, 1 - cvt, pre), (bn, bk, warps, cvt, 1 - pre),
+                    (16, 1024, 4, cvt, pre)):
+            assert _rel(quant_fused_linear(x, fmt, t, (N, K), config=cfg), ref) < 1e-2, (name, cfg)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_gemv_decodes_every_code_exactly(fmt):
+    """Compiled decodes (bit operations and conversion instructions) give every code's exact value: fp8
+    subnormals are not flushed to zero."""
+    N, K = 16, 256
+    t = every_code_weight(fmt, N, K, "cuda")
+    w = dequantize(fmt, t, (N, K))
+    for c0 in range(0, K, 16):
+        x = torch.eye(K, device="cuda")[c0:c0 + 16]                     # 16 one-hot rows, fp32
+        for cvt in (0, 1):
+            y = quant_fused_linear(x, fmt, t, (N, K), config=(8, 256, 1, cvt, 1))
+            assert torch.equal(y, w[:, c0:c0 + 16].T), (fmt, cvt, c0)
 
 
 def _run(**cfg):
