@@ -6,8 +6,10 @@ Formats (engine/quant/formats.py), weight-only (activations stay in the model dt
 - fp8 block-wise: a program's rows lie in one 128-row block (BLOCK_N divides 128), so the block scales of a
   k-tile are a vector over k that multiplies the activation, not every weight;
 - int4 group-wise: a tile is [rows, groups, bytes]; per group sum(q * a) * scale + sum(a) * min.
-Codes become fp32 by integer ops on their bits (CVT 1) rather than the conversion instructions (CVT 0): those
-issue at 16 per clock per SM on Hopper, while weights at 1/2-1 byte streamed at full bandwidth need 16-32.
+A weight tile is decoded to fp32 once, then multiplied by each activation row in turn. int8 / int4 codes become
+fp32 by integer operations on their bits (CVT 1): int->float conversions issue at 16 per clock per SM on Hopper,
+and 1/2-1 byte weights streamed at full bandwidth need 16-32 (on an H200 they were 1.3-1.6x slower). fp8 keeps
+the conversion instructions (CVT 0: Hopper converts e4m3 pairs), which measured faster than its bit decode.
 Launch configs come from QUANT_GEMV_CONFIGS (benchmarks/sweep_quant_gemv.py's winners per format and shape).
 """
 from __future__ import annotations
@@ -65,12 +67,34 @@ def _x_row(x_ptr, m: tl.constexpr, M, stride_xm, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _add_row(acc, ss, part, sq, offs_m, m, PROLOGUE: tl.constexpr):
-    """acc [BM, BN] += part [BN] in row m; ss [BM] += sq in row m (rms_norm)."""
-    acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
-    if PROLOGUE == 1:
-        ss = tl.where(offs_m == m, ss + sq, ss)
+def _acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulators: per row m the dot [BN] and the sum of squares. At M = 1 a [BN] vector that keeps the layout
+    the k-reduction leaves it in (a [1, BN] tile would be re-laid out through shared memory every k-tile)."""
+    if BLOCK_M == 1:
+        return tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([1], dtype=tl.float32)
+    return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
+
+
+@triton.jit
+def _add_row(acc, ss, part, sq, offs_m, m, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc[m] += part [BN]; ss[m] += sq (rms_norm)."""
+    if BLOCK_M == 1:
+        acc += part
+        if PROLOGUE == 1:
+            ss += sq
+    else:
+        acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+        if PROLOGUE == 1:
+            ss = tl.where(offs_m == m, ss + sq, ss)
     return acc, ss
+
+
+@triton.jit
+def _acc_rows(acc, BLOCK_M: tl.constexpr):
+    """-> [BM, BN] for the epilogue."""
+    if BLOCK_M == 1:
+        return acc[None, :]
+    return acc
 
 
 @triton.jit
@@ -89,7 +113,7 @@ def _w8_rows(w, acc, ss, x_ptr, nw_ptr, s_row, offs_k, offs_m, M, K, stride_xm, 
         a, sq = _row_activation(_x_row(x_ptr, m, M, stride_xm, BLOCK_M), nw_ptr, offs_k, K, PROLOGUE)    # [BK]
         if FMT == 1:
             a = a * sc
-        acc, ss = _add_row(acc, ss, tl.sum(a[None, :] * wf, axis=1), sq, offs_m, m, PROLOGUE)
+        acc, ss = _add_row(acc, ss, tl.sum(a[None, :] * wf, axis=1), sq, offs_m, m, PROLOGUE, BLOCK_M)
     return acc, ss
 
 
@@ -110,8 +134,7 @@ def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, ss = _acc_init(BLOCK_M, BLOCK_N)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if PRE:                 # the next tile is in flight while this one is multiplied
@@ -122,6 +145,7 @@ def _gemv_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M, N, K,
             w = w_next
         else:
             w = _w8_load(w_rows, offs_k + BLOCK_K, nm, K)
+    acc = _acc_rows(acc, BLOCK_M)
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]   # per-channel scale
     _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
@@ -164,7 +188,7 @@ def _w4_rows(b, acc, ss, x_ptr, nw_ptr, s_rows, z_rows, g0, nm, offs_m, M, K, G,
             a_hi = a_hi * 0.0625
         qa = tl.sum(a_lo[None, :, :] * q_lo + a_hi[None, :, :] * q_hi, axis=2)         # [BN, NG]
         part = tl.sum(qa * s + sa[None, :] * z, axis=1)                                 # [BN]
-        acc, ss = _add_row(acc, ss, part, sq_lo + sq_hi, offs_m, m, PROLOGUE)
+        acc, ss = _add_row(acc, ss, part, sq_lo + sq_hi, offs_m, m, PROLOGUE, BLOCK_M)
     return acc, ss
 
 
@@ -184,8 +208,7 @@ def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, ss = _acc_init(BLOCK_M, BLOCK_N)
     for g0 in range(0, G, NG):
         if PRE:
             b_next = _w4_load(w_rows, g0 + NG, nm, G, HALF, NG)
@@ -195,23 +218,43 @@ def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M
             b = b_next
         else:
             b = _w4_load(w_rows, g0 + NG, nm, G, HALF, NG)
-    _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
+    _epilogue(_acc_rows(acc, BLOCK_M), ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
               PROLOGUE, HAS_BIAS, HAS_RES)
 
 
 # (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, CVT, PRE) at M = 1: benchmarks/sweep_quant_gemv.py's best on an
-# H200 for Llama-3.1-8B's and Llama-3.2-1B's projections (BLOCK_K counts weights, two per int4 byte; PRE 1: the
-# next k-tile is loaded before this one is multiplied)
-QUANT_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
+# H200 (BLOCK_K counts weights, two per int4 byte; PRE 1: the next k-tile is loaded before this one is multiplied)
+QUANT_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
+    # Llama-3.1-8B: qkv, o, gate_up, down (--quick grid)
+    ("fp8", 6144, 4096): (4, 1024, 1, 0, 1),
+    ("int8", 6144, 4096): (4, 1024, 1, 1, 1),
+    ("int4", 6144, 4096): (4, 1024, 1, 1, 0),
+    ("fp8", 4096, 4096): (8, 1024, 4, 0, 1),
+    ("int8", 4096, 4096): (8, 1024, 4, 1, 1),
+    ("int4", 4096, 4096): (8, 1024, 4, 1, 1),
+    ("fp8", 28672, 4096): (4, 1024, 1, 0, 1),
+    ("int8", 28672, 4096): (4, 1024, 1, 1, 1),
+    ("int4", 28672, 4096): (4, 1024, 1, 1, 0),
+    ("fp8", 4096, 14336): (16, 1024, 4, 0, 1),
+    ("int8", 4096, 14336): (16, 1024, 4, 1, 1),
+    ("int4", 4096, 14336): (8, 2048, 4, 1, 1),
+}
 
 
 def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, CVT, PRE) for an [M <= 16, K] x [N, K].T product: the swept entry for this
-    shape, else a rule by the projection's aspect (down: K > N; gate_up: N >= 4K). BLOCK_K shrinks as M grows
-    (each row's activation tile is live beside the weights)."""
+    shape, else the 8B winners' pattern by the projection's aspect (down: K > N; o: square; else qkv / gate_up).
+    fp8 decodes with the conversion instructions (Hopper converts e4m3 pairs), int8 / int4 by bit operations.
+    BLOCK_K shrinks as M grows (each row's activation tile is live beside the weights)."""
     cfg = QUANT_GEMV_CONFIGS.get((fmt, N, K))
     if cfg is None:
-        cfg = (8, 2048, 4, 1, 1) if K > N or N >= 4 * K else (4, 1024, 1, 1, 1)
+        cvt = 0 if fmt == "fp8" else 1
+        if K > N:
+            cfg = (8, 2048, 4, cvt, 1) if fmt == "int4" else (16, 1024, 4, cvt, 1)
+        elif N == K:
+            cfg = (8, 1024, 4, cvt, 1)
+        else:
+            cfg = (4, 1024, 1, cvt, 1)
     bn, bk, warps, cvt, pre = cfg
     bm = triton.next_power_of_2(M)
     return bn, max(64, min(bk // max(1, bm // 2), triton.next_power_of_2(K))), warps, cvt, pre
