@@ -6,7 +6,7 @@ shape, as GB/s of weight bytes (codes + scales) and % of the measured copy bandw
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step; configs compile in parallel worker processes first (a kernel
 variant is compiled once per format and prologue: projections with the same fusions share it). The best
-config is timed again with the other CVT (conversion instructions vs bit operations) to show what that buys.
+config is timed again with each of the format's other decodes (CVT: conversion instructions vs bit operations).
 Prints the table last, and a QUANT_GEMV_CONFIGS literal of the winners to paste into engine/kernels/quant_gemv.py.
 Usage:
     python benchmarks/sweep_quant_gemv.py [--shape llama-3.1-8b] [--formats fp8,int8,int4] [--quick]
@@ -36,17 +36,20 @@ from engine.quant.formats import quantize  # noqa: E402
 FORMATS = ("fp8", "int8", "int4")
 
 
+CVTS = {"fp8": (0, 1), "int8": (0, 1, 2), "int4": (0, 1)}     # the decodes each format has (quant_gemv.py)
+SWEPT_CVTS = {"fp8": (0, 1), "int8": (1, 2), "int4": (1,)}     # CVT 0 lost by 1.3-1.6x for int8 / int4 (H200)
+
+
 def configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, num_warps, CVT, PRE): 16 to 256 weights per thread per k-tile; CVT 1 only for int8 and
-    int4 (the conversion instructions lose there by 1.3-1.6x on an H200), both for fp8 (within a few %).
-    quick: the neighbourhood of the first sweep's winners (BLOCK_N 4-16, BLOCK_K 1-2k, 1-4 warps)."""
+    """(BLOCK_N, BLOCK_K, num_warps, CVT, PRE) with 16 to 256 weights per thread per k-tile. quick: the
+    neighbourhood of the earlier sweeps' winners (BLOCK_N 4-16, BLOCK_K 1-2k, 1-4 warps: no winner was outside)."""
     out = []
     for warps in (1, 2, 4) if quick else (1, 2, 4, 8):
         for bn in (4, 8, 16) if quick else (2, 4, 8, 16):
             for bk in (1024, 2048) if quick else (1024, 2048, 4096):
                 if 512 * warps <= bn * bk <= 8192 * warps:
                     for pre in (0, 1):
-                        for cvt in ((0, 1) if fmt == "fp8" else (1,)):
+                        for cvt in SWEPT_CVTS[fmt]:
                             out.append((bn, bk, warps, cvt, pre))
     return out
 
@@ -151,14 +154,14 @@ def main():
                 continue
             top = ok[0]
             c = top["cfg"]
-            cvt0 = measure((*c[:3], 1 - c[3], c[4]))
+            by_cvt = {v: (top if v == c[3] else measure((*c[:3], v, c[4])))["us"] for v in CVTS[fmt]}
             table_cfg = quant_gemv_config(fmt, 1, N, K)
             table = measure(table_cfg)
             best[(fmt, N, K)] = top["cfg"]
             sweeps[f"{fmt}/{name}"] = ok[:10]
             row = dict(format=fmt, shape=name, N=N, K=K, prologue=pro, residual=res, MB=wb / 1e6,
                        best_cfg=top["cfg"], best_us=top["us"], best_GBps=top["GBps"], best_pct=top["pct_copy"],
-                       best_rel_err=top["rel_err"], cvt0_us=cvt0["us"], cvt0_pct=cvt0["pct_copy"],
+                       best_rel_err=top["rel_err"], us_by_cvt=by_cvt,
                        table_cfg=table_cfg, table_us=table["us"], table_pct=table["pct_copy"],
                        bf16_us=bf16_us, bf16_pct=100 * bf16_bytes / bf16_us / 1e3 / bw,
                        speedup_vs_bf16=bf16_us / top["us"], floor_us=wb / bw / 1e3)
@@ -174,13 +177,13 @@ def main():
             json.dump(out, f, indent=1, default=str)
     print(f"\n{dev}: copy {bw:.0f} GB/s; {args.shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
           f"incl. scales); weights streamed from HBM; json: {path}")
-    print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} {'best':>15s} {'GB/s':>6s} {'other CVT':>15s} "
+    print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} {'best':>15s} {'GB/s':>6s} {'CVT 0/1/2':>17s} "
           f"{'table cfg':>15s} {'bf16 fused':>15s} {'x bf16':>6s}  best cfg (BN, BK, warps, CVT, PRE)")
     for r in rows:
+        cvts = "/".join(f"{r['us_by_cvt'][v]:.1f}" for v in sorted(r["us_by_cvt"]))
         print(f"{r['format']:5s} {r['shape']:8s} {r['MB']:6.1f} {r['floor_us']:6.1f} "
-              + " ".join(f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%)" if k != "best" else
-                         f"{r['best_us']:7.1f} ({r['best_pct']:3.0f}%) {r['best_GBps']:6.0f}"
-                         for k in ("best", "cvt0", "table", "bf16"))
+              f"{r['best_us']:7.1f} ({r['best_pct']:3.0f}%) {r['best_GBps']:6.0f} {cvts:>17s} "
+              + " ".join(f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%)" for k in ("table", "bf16"))
               + f" {r['speedup_vs_bf16']:6.2f}  {r['best_cfg']}")
     print("\n# paste into engine/kernels/quant_gemv.py (merging entries of other shapes):")
     print("QUANT_GEMV_CONFIGS.update({")

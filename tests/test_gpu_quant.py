@@ -46,16 +46,16 @@ def test_quant_kernels_full_size(fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_quant_gemv_configs_full_size(fmt):
-    """Each 8B projection under its table config and that config's variants (the other decode, the other loop
-    order, fp8's widest row tile) against the reference: every path a swept winner can take."""
+    """Each 8B projection under its table config and that config's variants (every decode, the other loop order,
+    a wide row tile) against the reference: every path a swept winner can take."""
     torch.manual_seed(0)
     for name, (N, K) in SHAPES.items():
         t = quantize(torch.randn(N, K, device="cuda") * 0.02, fmt)
         bn, bk, warps, cvt, pre = quant_gemv_config(fmt, 1, N, K)
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         ref = quant_fused_linear_ref(x.float(), fmt, t, (N, K))
-        for cfg in ((bn, bk, warps, cvt, pre), (bn, bk, warps, 1 - cvt, pre), (bn, bk, warps, cvt, 1 - pre),
-                    (16, 1024, 4, cvt, pre)):
+        cvts = (0, 1, 2) if fmt == "int8" else (0, 1)
+        for cfg in [(bn, bk, warps, v, pre) for v in cvts] + [(bn, bk, warps, cvt, 1 - pre), (16, 1024, 4, cvt, pre)]:
             assert _rel(quant_fused_linear(x, fmt, t, (N, K), config=cfg), ref) < 1e-2, (name, cfg)
 
 
@@ -68,7 +68,7 @@ def test_quant_gemv_decodes_every_code_exactly(fmt):
     w = dequantize(fmt, t, (N, K))
     for c0 in range(0, K, 16):
         x = torch.eye(K, device="cuda")[c0:c0 + 16]                     # 16 one-hot rows, fp32
-        for cvt in (0, 1):
+        for cvt in (0, 1, 2) if fmt == "int8" else (0, 1):
             y = quant_fused_linear(x, fmt, t, (N, K), config=(8, 256, 1, cvt, 1))
             assert torch.equal(y, w[:, c0:c0 + 16].T), (fmt, cvt, c0)
 

@@ -51,13 +51,15 @@ def test_int4_layout_nibbles():
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 128), ("int4", 32)])
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
 def test_quant_gemv_matches_reference(fmt, group, prologue):
-    """Both decodes (CVT 1: bit operations, 0: conversion instructions) and both loop orders (PRE 1: next tile
-    prefetched), M = 1 and a padded M = 3; N over one 128-row fp8 scale block, K not a multiple of 128."""
+    """The decodes (CVT 1: bit operations, 0: conversion instructions, int8's 2: a multiply-add) and both loop
+    orders (PRE 1: next tile prefetched), M = 1 and a padded M = 3; N over one 128-row fp8 scale block, K not a
+    multiple of 128."""
     torch.manual_seed(1)
     N, K = 133, 333
     t = quantize(torch.randn(N, K) * 0.05, fmt, group)
     bk = 128 if fmt == "int4" else 64
-    for M, dtype, cfg in ((1, torch.float32, (4, bk, 1, 1, 1)), (3, torch.float16, (16, 2 * bk, 1, 0, 0))):
+    cvt = 2 if fmt == "int8" else 0                                  # int8's third decode
+    for M, dtype, cfg in ((1, torch.float32, (4, bk, 1, 1, 1)), (3, torch.float16, (16, 2 * bk, 1, cvt, 0))):
         x = torch.randn(M, 2 * K if prologue == "silu_mul" else K).to(dtype)
         kw = dict(prologue=prologue, norm_weight=(torch.rand(K) + 0.5).to(dtype), eps=1e-5,
                   residual=torch.randn(M, N).to(dtype))
@@ -70,14 +72,14 @@ def test_quant_gemv_matches_reference(fmt, group, prologue):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quant_gemv_decodes_every_code_exactly(fmt):
-    """One-hot activation rows read the weight back column by column: each decode (CVT 0 and 1) gives every code's
-    exact value, as the torch reference dequantizes it."""
+    """One-hot activation rows read the weight back column by column: each decode (CVT) gives every code's exact
+    value, as the torch reference dequantizes it."""
     N, K = 16, 256
     t = every_code_weight(fmt, N, K)
     w = dequantize(fmt, t, (N, K))
     cols = [0, 1, 2, 63, 64, 65, 127, 128, 200, 255]
     x = torch.eye(K)[cols]                                             # [M = 10, K] one-hot rows, fp32
-    for cvt in (0, 1):
+    for cvt in (0, 1, 2) if fmt == "int8" else (0, 1):
         y = quant_fused_linear(x, fmt, t, (N, K), config=(8, 256, 1, cvt, 1))
         assert torch.equal(y, w[:, cols].T), (fmt, cvt)
 

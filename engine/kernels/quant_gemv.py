@@ -6,6 +6,8 @@ Formats (engine/quant/formats.py), weight-only (activations stay in the model dt
 - fp8 block-wise: a program's rows lie in one 128-row block (BLOCK_N divides 128), so the block scales of a
   k-tile are a vector over k that multiplies the activation, not every weight;
 - int4 group-wise: a tile is [rows, groups, bytes]; per group sum(q * a) * scale + sum(a) * min.
+CVT picks the decode: 0 conversion instructions, 1 the bits of 2^23 + q (an integer add and a float subtract),
+2 (int8) the bits of 1 + (q + 128) / 256 (one integer multiply-add), undone on the row sums.
 A weight tile is decoded to fp32 once, then multiplied by each activation row in turn. int8 / int4 codes become
 fp32 by integer operations on their bits (CVT 1): int->float conversions issue at 16 per clock per SM on Hopper,
 and 1/2-1 byte weights streamed at full bandwidth need 16-32 (on an H200 they were 1.3-1.6x slower). fp8 keeps
@@ -34,6 +36,8 @@ def _w8_values(w, FMT: tl.constexpr, CVT: tl.constexpr):
         return w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     x = w.to(tl.int32)                                                         # sign-extended
     if FMT == 0:
+        if CVT == 2:            # 1 + (q + 128) / 256 in one integer multiply-add (see _w8_rows)
+            return (x * 32768 + 0x3FC00000).to(tl.float32, bitcast=True)
         return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0    # bits of 1.5 * 2^23 + q
     # seeeemmm -> sign to bit 31, eeeemmm to bits 26..20: the fp32 with those bits is the fp8 value * 2^-120
     # (subnormal codes give fp32 denormals; plain fp32 multiplies keep them)
@@ -113,7 +117,10 @@ def _w8_rows(w, acc, ss, x_ptr, nw_ptr, s_row, offs_k, offs_m, M, K, stride_xm, 
         a, sq = _row_activation(_x_row(x_ptr, m, M, stride_xm, BLOCK_M), nw_ptr, offs_k, K, PROLOGUE)    # [BK]
         if FMT == 1:
             a = a * sc
-        acc, ss = _add_row(acc, ss, tl.sum(a[None, :] * wf, axis=1), sq, offs_m, m, PROLOGUE, BLOCK_M)
+        part = tl.sum(a[None, :] * wf, axis=1)                                  # [BN]
+        if CVT == 2:            # wf = 1 + (q + 128) / 256, a * wf exact: sum(a q) = 256 sum(a wf) - 384 sum(a); both
+            part = part * 256.0 - 384.0 * tl.sum(a)     # sums are O(sum |a|): ~9 of fp32's 24 bits go, bf16 keeps 8
+        acc, ss = _add_row(acc, ss, part, sq, offs_m, m, PROLOGUE, BLOCK_M)
     return acc, ss
 
 
@@ -298,6 +305,7 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
         w = qt["weight"].view(torch.int8)                  # fp8: its bit patterns (decoded in the kernel)
         s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]
         assert fmt == "int8" or BLOCK % bn == 0, f"fp8 BLOCK_N {bn} must divide the {BLOCK}-row scale block"
+        assert cvt < 2 or fmt == "int8", f"CVT {cvt} is int8's"
         _gemv_w8_kernel[(triton.cdiv(N, bn),)](
             x, w, s, *args_tail, M, N, K, x.stride(0), w.stride(0), s.stride(0), rs, out.stride(0), eps,
             FMT=FMT_IDS[fmt], BLOCK=BLOCK, BLOCK_K=bk, **common)
