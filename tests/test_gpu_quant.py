@@ -73,6 +73,30 @@ def test_quant_gemv_decodes_every_code_exactly(fmt):
             assert torch.equal(y, w[:, c0:c0 + 16].T), (fmt, cvt, c0)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_qkv_rope_store_full_size(fmt):
+    """The 8B q/k/v projection with RoPE and the KV store in its epilogue (PDL on Hopper) against dequantize +
+    the torch composition."""
+    from engine.kernels.quant_gemv import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
+    torch.manual_seed(0)
+    H, Hk, D, K, bs = 32, 8, 128, 4096, 16
+    N = (H + 2 * Hk) * D
+    t = quantize(torch.randn(N, K, device="cuda") * 0.02, fmt)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    nw = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+    cos_sin = torch.randn(1024, D, device="cuda")
+    positions, slots = torch.tensor([700], device="cuda"), torch.tensor([37], device="cuda")
+    kc = torch.zeros(8, bs, Hk, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    kc_ref, vc_ref = kc.float(), vc.float()
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    q = quant_fused_qkv_rope_store(x, fmt, t, (N, K), None, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots,
+                                   pdl=pdl)
+    q_ref = quant_fused_qkv_rope_store_ref(x.float(), fmt, t, (N, K), None, nw.float(), 1e-5, H, Hk, positions,
+                                           cos_sin, kc_ref, vc_ref, slots)
+    assert _rel(q, q_ref) < 1e-2 and _rel(kc, kc_ref) < 1e-2 and _rel(vc, vc_ref) < 1e-2
+
+
 def _run(**cfg):
     eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", max_model_len=512, max_num_seqs=8,
                     max_num_batched_tokens=256, num_kv_blocks=256, **cfg)

@@ -84,6 +84,34 @@ def test_quant_gemv_decodes_every_code_exactly(fmt):
         assert torch.equal(y, w[:, cols].T), (fmt, cvt)
 
 
+@pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 128), ("int4", 32)])
+def test_quant_qkv_rope_store_matches_reference(fmt, group):
+    """The quantized q/k/v linear with RoPE and the KV store in its epilogue vs dequantize + the torch
+    composition: q, and the caches (a padding slot stores nothing); rows span two fp8 scale blocks."""
+    from engine.kernels.quant_gemv import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
+    torch.manual_seed(4)
+    H, Hk, D, K, bs = 4, 2, 32, 200, 4
+    N = (H + 2 * Hk) * D
+    t = quantize(torch.randn(N, K) * 0.05, fmt, group)
+    cos_sin = torch.randn(64, D)
+    for M, dtype, bias, cfg in ((1, torch.float32, False, (4, 128, 1, 1, 1)), (3, torch.float16, True, None)):
+        x = torch.randn(M, K).to(dtype)
+        nw = (torch.rand(K) + 0.5).to(dtype)
+        b = torch.randn(N).to(dtype) if bias else None
+        positions = torch.randint(0, 64, (M,))
+        slots = torch.tensor([5, -1, 9][:M])
+        kc, vc = torch.randn(4, bs, Hk, D).to(dtype), torch.randn(4, bs, Hk, D).to(dtype)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q = quant_fused_qkv_rope_store(x, fmt, t, (N, K), b, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots,
+                                       config=cfg)
+        q_ref = quant_fused_qkv_rope_store_ref(x, fmt, t, (N, K), b, nw, 1e-5, H, Hk, positions, cos_sin, kc_ref,
+                                               vc_ref, slots)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(q.float(), q_ref.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(kc.float(), kc_ref.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(vc.float(), vc_ref.float(), atol=tol, rtol=tol)
+
+
 def test_quant_gemv_config_table():
     """Launch configs: the swept table's entry for a known shape, the rule otherwise; BLOCK_K shrinks with M."""
     from engine.kernels.quant_gemv import QUANT_GEMV_CONFIGS, quant_gemv_config
@@ -237,10 +265,10 @@ def _prefill_then_decode(model, ids):
     return pre, dec
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_quantized_model_triton_matches_torch(fmt):
-    """Inside the model the Triton kernels (GEMM for a prefill, the fused GEMV with its prologues and residual
-    for a decode step) give the torch path's logits."""
+    """Inside the model the Triton kernels (GEMM for a prefill; for a decode step the fused GEMVs with their
+    prologues and residual, q/k/v with RoPE and the KV store in its epilogue) give the torch path's logits."""
     from engine.kernels.ops import get_ops
     from engine.models.loader import build_model
     cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}
