@@ -6,7 +6,8 @@ shape, as GB/s of weight bytes (codes + scales) and % of the measured copy bandw
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step; configs compile in parallel worker processes first (a kernel
 variant is compiled once per format and prologue: projections with the same fusions share it). The best
-config is timed again with each of the format's other decodes (CVT: conversion instructions vs bit operations).
+config is timed again with each of the format's other decodes (CVT: conversion instructions vs bit operations),
+and quant_gemm.py's tensor-core kernel (M padded to 16, no fusions) is timed beside it.
 Prints the table last, and a QUANT_GEMV_CONFIGS literal of the winners to paste into engine/kernels/quant_gemv.py.
 Usage:
     python benchmarks/sweep_quant_gemv.py [--shape llama-3.1-8b] [--formats fp8,int8,int4] [--quick]
@@ -30,6 +31,7 @@ from benchmarks.bench_kernels import ceilings  # noqa: E402
 from benchmarks.common import device_name, slug, write_json  # noqa: E402
 from benchmarks.sweep_gemv import graph_us, shapes_for  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
+from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref  # noqa: E402
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref, quant_gemv_config  # noqa: E402
 from engine.quant.formats import quantize  # noqa: E402
 
@@ -38,6 +40,11 @@ FORMATS = ("fp8", "int8", "int4")
 
 CVTS = {"fp8": (0, 1), "int8": (0, 1, 2), "int4": (0, 1)}     # the decodes each format has (quant_gemv.py)
 SWEPT_CVTS = {"fp8": (0, 1), "int8": (1, 2), "int4": (1,)}     # CVT 0 lost by 1.3-1.6x for int8 / int4 (H200)
+
+
+# quant_gemm.py's tensor-core kernel at M = 1 (padded to BLOCK_M 16), weight-only, no fusions: is a tl.dot path
+# worth building for decode? (BLOCK_M, BLOCK_N, num_warps, num_stages)
+GEMM_CONFIGS = ((16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (16, 64, 2, 4))
 
 
 def configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
@@ -88,7 +95,10 @@ def _compile(job):
     N, K, pro, res = spec
     x, ts, nw, r = make(fmt, (min(N, 1024), K, pro, res))       # same specialisation as the full shape
     try:
-        call(fmt, (min(N, 1024), K, pro, res), x, ts[0], nw, r, cfg)
+        if len(cfg) == 4:                                        # a GEMM config
+            quant_matmul(x[:, :K].contiguous(), fmt, ts[0], (min(N, 1024), K), config=cfg)
+        else:
+            call(fmt, (min(N, 1024), K, pro, res), x, ts[0], nw, r, cfg)
         torch.cuda.synchronize()
         return None
     except Exception as e:
@@ -116,6 +126,9 @@ def main():
                 if key not in variants:
                     variants[key] = len(jobs)
                     jobs.append((fmt, spec, c))
+        for c in GEMM_CONFIGS:                                   # one compile per format: no fusions
+            variants[(fmt, "gemm", c)] = len(jobs)
+            jobs.append((fmt, next(iter(shapes.values())), c))
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(14, os.cpu_count() or 2), mp_context=ctx) as pool:
         results = list(pool.map(_compile, jobs))
@@ -157,12 +170,23 @@ def main():
             by_cvt = {v: (top if v == c[3] else measure((*c[:3], v, c[4])))["us"] for v in CVTS[fmt]}
             table_cfg = quant_gemv_config(fmt, 1, N, K)
             table = measure(table_cfg)
+            xk = x[:, :K].contiguous()                          # the GEMM's plain [1, K] input
+            gref = quant_matmul_ref(xk.float(), fmt, ts[0], (N, K))
+            gemm = []
+            for gc in GEMM_CONFIGS:
+                if errors.get((fmt, "gemm", gc)):
+                    continue
+                gerr = float((quant_matmul(xk, fmt, ts[0], (N, K), config=gc).float() - gref).norm() / gref.norm())
+                if gerr < 1e-2:
+                    gemm.append((graph_us(lambda t, gc=gc: quant_matmul(xk, fmt, t, (N, K), config=gc), ts), gc))
+            gemm_us, gemm_cfg = min(gemm) if gemm else (float("nan"), None)
             best[(fmt, N, K)] = top["cfg"]
             sweeps[f"{fmt}/{name}"] = ok[:10]
             row = dict(format=fmt, shape=name, N=N, K=K, prologue=pro, residual=res, MB=wb / 1e6,
                        best_cfg=top["cfg"], best_us=top["us"], best_GBps=top["GBps"], best_pct=top["pct_copy"],
                        best_rel_err=top["rel_err"], us_by_cvt=by_cvt,
                        table_cfg=table_cfg, table_us=table["us"], table_pct=table["pct_copy"],
+                       gemm_us=gemm_us, gemm_pct=100 * wb / gemm_us / 1e3 / bw, gemm_cfg=gemm_cfg,
                        bf16_us=bf16_us, bf16_pct=100 * bf16_bytes / bf16_us / 1e3 / bw,
                        speedup_vs_bf16=bf16_us / top["us"], floor_us=wb / bw / 1e3)
             rows.append(row)
@@ -178,12 +202,13 @@ def main():
     print(f"\n{dev}: copy {bw:.0f} GB/s; {args.shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
           f"incl. scales); weights streamed from HBM; json: {path}")
     print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} {'best':>15s} {'GB/s':>6s} {'CVT 0/1/2':>17s} "
-          f"{'table cfg':>15s} {'bf16 fused':>15s} {'x bf16':>6s}  best cfg (BN, BK, warps, CVT, PRE)")
+          f"{'table cfg':>15s} {'GEMM (tl.dot)':>15s} {'bf16 fused':>15s} {'x bf16':>6s}  best cfg "
+          f"(BN, BK, warps, CVT, PRE)")
     for r in rows:
         cvts = "/".join(f"{r['us_by_cvt'][v]:.1f}" for v in sorted(r["us_by_cvt"]))
         print(f"{r['format']:5s} {r['shape']:8s} {r['MB']:6.1f} {r['floor_us']:6.1f} "
               f"{r['best_us']:7.1f} ({r['best_pct']:3.0f}%) {r['best_GBps']:6.0f} {cvts:>17s} "
-              + " ".join(f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%)" for k in ("table", "bf16"))
+              + " ".join(f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%)" for k in ("table", "gemm", "bf16"))
               + f" {r['speedup_vs_bf16']:6.2f}  {r['best_cfg']}")
     print("\n# paste into engine/kernels/quant_gemv.py (merging entries of other shapes):")
     print("QUANT_GEMV_CONFIGS.update({")
