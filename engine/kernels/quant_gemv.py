@@ -6,12 +6,13 @@ Formats (engine/quant/formats.py), weight-only (activations stay in the model dt
 - fp8 block-wise: a program's rows lie in one 128-row block (BLOCK_N divides 128), so the block scales of a
   k-tile are a vector over k that multiplies the activation, not every weight;
 - int4 group-wise: a tile is [rows, groups, bytes]; per group sum(q * a) * scale + sum(a) * min.
-CVT picks the decode: 0 conversion instructions, 1 the bits of 2^23 + q (an integer add and a float subtract),
-2 (int8) the bits of 1 + (q + 128) / 256 (one integer multiply-add), undone on the row sums.
-A weight tile is decoded to fp32 once, then multiplied by each activation row in turn. int8 / int4 codes become
-fp32 by integer operations on their bits (CVT 1): int->float conversions issue at 16 per clock per SM on Hopper,
-and 1/2-1 byte weights streamed at full bandwidth need 16-32 (on an H200 they were 1.3-1.6x slower). fp8 keeps
-the conversion instructions (CVT 0: Hopper converts e4m3 pairs), which measured faster than its bit decode.
+A weight tile is decoded to fp32 once, then multiplied by each activation row in turn. CVT picks the decode: 0
+the conversion instructions; 1 the bits of 2^23 + q (an integer add and a float subtract); 2 (int8) the bits of
+1 + (q + 128) / 256 (one integer multiply-add), the offset undone on the row sums. int->float conversions issue
+at 16 per clock per SM on Hopper, while 1/2-1 byte weights at full bandwidth need 16-32; which decode wins
+depends on the kernel around it (H200: the first version's int8 conversions 1.6x slower than CVT 1; in this one
+int8 / int4 within 5% either way, fp8's bit decode 1.1-1.4x slower than Hopper's paired e4m3 conversion), so
+CVT is part of the swept config.
 Launch configs come from QUANT_GEMV_CONFIGS (benchmarks/sweep_quant_gemv.py's winners per format and shape).
 """
 from __future__ import annotations
@@ -119,8 +120,8 @@ def _w8_rows(w, acc, ss, x_ptr, nw_ptr, s_row, offs_k, offs_m, M, K, stride_xm, 
         if FMT == 1:
             a = a * sc
         part = tl.sum(a[None, :] * wf, axis=1)                                  # [BN]
-        if CVT == 2:            # wf = 1 + (q + 128) / 256, a * wf exact: sum(a q) = 256 sum(a wf) - 384 sum(a); both
-            part = part * 256.0 - 384.0 * tl.sum(a)     # sums are O(sum |a|): ~9 of fp32's 24 bits go, bf16 keeps 8
+        if CVT == 2:    # wf = 1 + (q + 128) / 256, a * wf exact: sum(a q) = 256 sum(a wf) - 384 sum(a). Both sums
+            part = part * 256.0 - 384.0 * tl.sum(a)     # are O(sum |a|): the difference keeps ~15 bits; bf16 has 8
         acc, ss = _add_row(acc, ss, part, sq, offs_m, m, PROLOGUE, BLOCK_M)
     return acc, ss
 
@@ -290,30 +291,30 @@ def _qkv_rope_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, q_ptr, kc_
 # (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, CVT, PRE) at M = 1: benchmarks/sweep_quant_gemv.py's best on an
 # H200 (BLOCK_K counts weights, two per int4 byte; PRE 1: the next k-tile is loaded before this one is multiplied)
 QUANT_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
-    # Llama-3.1-8B: qkv, o, gate_up, down (--quick grid)
+    # Llama-3.1-8B: qkv, o, gate_up, down (--quick grid; int4 and int8 o: CVT 0 timed at the best CVT 1 config)
     ("fp8", 6144, 4096): (4, 1024, 1, 0, 1),
     ("int8", 6144, 4096): (4, 1024, 1, 1, 1),
-    ("int4", 6144, 4096): (4, 1024, 1, 1, 0),
+    ("int4", 6144, 4096): (4, 1024, 1, 0, 0),
     ("fp8", 4096, 4096): (8, 1024, 4, 0, 1),
-    ("int8", 4096, 4096): (8, 1024, 4, 1, 1),
-    ("int4", 4096, 4096): (8, 1024, 4, 1, 1),
+    ("int8", 4096, 4096): (8, 1024, 4, 0, 1),
+    ("int4", 4096, 4096): (8, 1024, 4, 0, 1),
     ("fp8", 28672, 4096): (4, 1024, 1, 0, 1),
     ("int8", 28672, 4096): (4, 1024, 1, 1, 1),
-    ("int4", 28672, 4096): (4, 1024, 1, 1, 0),
+    ("int4", 28672, 4096): (4, 1024, 1, 0, 0),
     ("fp8", 4096, 14336): (16, 1024, 4, 0, 1),
     ("int8", 4096, 14336): (16, 1024, 4, 1, 1),
-    ("int4", 4096, 14336): (8, 2048, 4, 1, 1),
+    ("int4", 4096, 14336): (8, 2048, 4, 0, 1),
 }
 
 
 def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, CVT, PRE) for an [M <= 16, K] x [N, K].T product: the swept entry for this
     shape, else the 8B winners' pattern by the projection's aspect (down: K > N; o: square; else qkv / gate_up).
-    fp8 decodes with the conversion instructions (Hopper converts e4m3 pairs), int8 / int4 by bit operations.
+    The decode (CVT) is the one that won most often for the format.
     BLOCK_K shrinks as M grows (each row's activation tile is live beside the weights)."""
     cfg = QUANT_GEMV_CONFIGS.get((fmt, N, K))
     if cfg is None:
-        cvt = 0 if fmt == "fp8" else 1
+        cvt = 1 if fmt == "int8" else 0
         if K > N:
             cfg = (8, 2048, 4, cvt, 1) if fmt == "int4" else (16, 1024, 4, cvt, 1)
         elif N == K:
