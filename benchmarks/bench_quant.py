@@ -7,7 +7,8 @@
            the freed memory buys, and nano-vllm's workload throughput (256 requests, 100-1024 in/out)
 
     python benchmarks/bench_quant.py [--sections kernels,model] [--formats none,fp8,int8,int4] [--requests 256]
-Prints tables last; writes benchmarks/results/quant_<device>.json (and $OUT/ when set).
+Prints tables last; writes benchmarks/results/quant_<device>.json (and $OUT/ when set). The GEMVs' launch configs
+per shape come from benchmarks/sweep_quant_gemv.py (engine/kernels/quant_gemv.py: QUANT_GEMV_CONFIGS).
 """
 from __future__ import annotations
 

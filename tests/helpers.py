@@ -84,3 +84,18 @@ def check_no_leak(eng) -> None:
     assert not eng.has_unfinished_requests()
     assert bm.num_free_blocks == eng.num_blocks - 1
     assert all(c == 0 for c in bm.pool.ref_counts)
+
+def every_code_weight(fmt: str, N: int, K: int, device="cpu") -> dict:
+    """A weight of the format whose codes run through every value (fp8: every finite bit pattern, subnormals
+    included), with unit scales and zero mins: it dequantizes to the code values themselves."""
+    i = torch.arange(N * K, device=device).view(N, K)
+    if fmt == "int8":
+        return {"weight": (i % 255 - 127).to(torch.int8), "weight_scale": torch.ones(N, 1, device=device)}
+    if fmt == "fp8":
+        bits = (i % 254).to(torch.uint8)
+        bits = torch.where(bits >= 127, bits + 1, bits)                # skip 0x7F (NaN); 0xFF never occurs
+        return {"weight": bits.view(torch.float8_e4m3fn),
+                "weight_scale_inv": torch.ones(-(-N // 128), -(-K // 128), device=device)}
+    return {"qweight": (i[:, :K // 2] % 256).to(torch.uint8),
+            "scales": torch.ones(N, K // 128, dtype=torch.float16, device=device),
+            "mins": torch.zeros(N, K // 128, dtype=torch.float16, device=device)}

@@ -7,9 +7,9 @@ import torch
 
 from engine import LLMEngine
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
-from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref
-from engine.quant.formats import quantize
-from helpers import add_random_requests, drain
+from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref, quant_gemv_config
+from engine.quant.formats import dequantize, quantize
+from helpers import add_random_requests, drain, every_code_weight
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -42,6 +42,59 @@ def test_quant_kernels_full_size(fmt):
                 y = quant_matmul(x, fmt, t, (N, K), act_fp8=True)
                 assert _rel(y, quant_matmul_ref(x.float(), fmt, t, (N, K), act_fp8=True)) < 1e-2, (name, M)
                 assert _rel(y, ref) < 0.06, (name, M)            # fp8 activations: ~2^-4 per element
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_gemv_configs_full_size(fmt):
+    """Each 8B projection under its table config and that config's variants (every decode, the other loop order,
+    a wide row tile) against the reference: every path a swept winner can take."""
+    torch.manual_seed(0)
+    for name, (N, K) in SHAPES.items():
+        t = quantize(torch.randn(N, K, device="cuda") * 0.02, fmt)
+        bn, bk, warps, cvt, pre = quant_gemv_config(fmt, 1, N, K)
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        ref = quant_fused_linear_ref(x.float(), fmt, t, (N, K))
+        cvts = (0, 1, 2) if fmt == "int8" else (0, 1)
+        for cfg in [(bn, bk, warps, v, pre) for v in cvts] + [(bn, bk, warps, cvt, 1 - pre), (16, 1024, 4, cvt, pre)]:
+            assert _rel(quant_fused_linear(x, fmt, t, (N, K), config=cfg), ref) < 1e-2, (name, cfg)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_gemv_decodes_every_code_exactly(fmt):
+    """Compiled decodes (bit operations and conversion instructions) give every code's exact value: fp8
+    subnormals are not flushed to zero."""
+    N, K = 16, 256
+    t = every_code_weight(fmt, N, K, "cuda")
+    w = dequantize(fmt, t, (N, K))
+    for c0 in range(0, K, 16):
+        x = torch.eye(K, device="cuda")[c0:c0 + 16]                     # 16 one-hot rows, fp32
+        for cvt in (0, 1, 2) if fmt == "int8" else (0, 1):
+            y = quant_fused_linear(x, fmt, t, (N, K), config=(8, 256, 1, cvt, 1))
+            assert torch.equal(y, w[:, c0:c0 + 16].T), (fmt, cvt, c0)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_qkv_rope_store_full_size(fmt):
+    """The 8B q/k/v projection with RoPE and the KV store in its epilogue (PDL on Hopper) against dequantize +
+    the torch composition."""
+    from engine.kernels.quant_gemv import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
+    torch.manual_seed(0)
+    H, Hk, D, K, bs = 32, 8, 128, 4096, 16
+    N = (H + 2 * Hk) * D
+    t = quantize(torch.randn(N, K, device="cuda") * 0.02, fmt)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    nw = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+    cos_sin = torch.randn(1024, D, device="cuda")
+    positions, slots = torch.tensor([700], device="cuda"), torch.tensor([37], device="cuda")
+    kc = torch.zeros(8, bs, Hk, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    kc_ref, vc_ref = kc.float(), vc.float()
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    q = quant_fused_qkv_rope_store(x, fmt, t, (N, K), None, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots,
+                                   pdl=pdl)
+    q_ref = quant_fused_qkv_rope_store_ref(x.float(), fmt, t, (N, K), None, nw.float(), 1e-5, H, Hk, positions,
+                                           cos_sin, kc_ref, vc_ref, slots)
+    assert _rel(q, q_ref) < 1e-2 and _rel(kc, kc_ref) < 1e-2 and _rel(vc, vc_ref) < 1e-2
 
 
 def _run(**cfg):

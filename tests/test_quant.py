@@ -11,6 +11,7 @@ from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref
 from engine.quant.formats import BLOCK, FORMATS, dequantize, quantize
 from engine.quant.linear import QuantLinear, weight_bytes
+from helpers import every_code_weight
 
 # relative Frobenius error of quantize -> dequantize on N(0, 1) weights (measured 0.027 / 0.007 / 0.098)
 ROUND_TRIP_BOUND = {"fp8": 0.035, "int8": 0.01, "int4": 0.12}
@@ -50,18 +51,76 @@ def test_int4_layout_nibbles():
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 128), ("int4", 32)])
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
 def test_quant_gemv_matches_reference(fmt, group, prologue):
+    """The decodes (CVT 1: bit operations, 0: conversion instructions, int8's 2: a multiply-add) and both loop
+    orders (PRE 1: next tile prefetched), M = 1 and a padded M = 3; N over one 128-row fp8 scale block, K not a
+    multiple of 128."""
     torch.manual_seed(1)
-    N, K = 37, 333                                       # K not a multiple of the 128 block
+    N, K = 133, 333
     t = quantize(torch.randn(N, K) * 0.05, fmt, group)
-    for M, dtype in ((1, torch.float32), (3, torch.float16)):
+    bk = 128 if fmt == "int4" else 64
+    cvt = 2 if fmt == "int8" else 0                                  # int8's third decode
+    for M, dtype, cfg in ((1, torch.float32, (4, bk, 1, 1, 1)), (3, torch.float16, (16, 2 * bk, 1, cvt, 0))):
         x = torch.randn(M, 2 * K if prologue == "silu_mul" else K).to(dtype)
         kw = dict(prologue=prologue, norm_weight=(torch.rand(K) + 0.5).to(dtype), eps=1e-5,
                   residual=torch.randn(M, N).to(dtype))
         bias = torch.randn(N).to(dtype)
-        y = quant_fused_linear(x, fmt, t, (N, K), bias, config=(4, 64, 1), **kw)
+        y = quant_fused_linear(x, fmt, t, (N, K), bias, config=cfg, **kw)
         ref = quant_fused_linear_ref(x, fmt, t, (N, K), bias, **kw)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_gemv_decodes_every_code_exactly(fmt):
+    """One-hot activation rows read the weight back column by column: each decode (CVT) gives every code's exact
+    value, as the torch reference dequantizes it."""
+    N, K = 16, 256
+    t = every_code_weight(fmt, N, K)
+    w = dequantize(fmt, t, (N, K))
+    cols = [0, 1, 2, 63, 64, 65, 127, 128, 200, 255]
+    x = torch.eye(K)[cols]                                             # [M = 10, K] one-hot rows, fp32
+    for cvt in (0, 1, 2) if fmt == "int8" else (0, 1):
+        y = quant_fused_linear(x, fmt, t, (N, K), config=(8, 256, 1, cvt, 1))
+        assert torch.equal(y, w[:, cols].T), (fmt, cvt)
+
+
+@pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 32)])
+def test_quant_qkv_rope_store_matches_reference(fmt, group):
+    """The quantized q/k/v linear with RoPE and the KV store in its epilogue vs dequantize + the torch
+    composition: q, and the caches (a padding slot stores nothing); fp8's rows span two scale blocks."""
+    from engine.kernels.quant_gemv import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
+    torch.manual_seed(4)
+    (H, Hk), D, K, bs = ((4, 2) if fmt == "fp8" else (2, 1)), 32, 200, 4
+    N = (H + 2 * Hk) * D
+    t = quantize(torch.randn(N, K) * 0.05, fmt, group)
+    cos_sin = torch.randn(64, D)
+    for M, dtype, bias, cfg in ((1, torch.float32, False, (4, 128, 1, 1, 1)), (3, torch.float16, True, None)):
+        x = torch.randn(M, K).to(dtype)
+        nw = (torch.rand(K) + 0.5).to(dtype)
+        b = torch.randn(N).to(dtype) if bias else None
+        positions = torch.randint(0, 64, (M,))
+        slots = torch.tensor([5, -1, 9][:M])
+        kc, vc = torch.randn(4, bs, Hk, D).to(dtype), torch.randn(4, bs, Hk, D).to(dtype)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q = quant_fused_qkv_rope_store(x, fmt, t, (N, K), b, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots,
+                                       config=cfg)
+        q_ref = quant_fused_qkv_rope_store_ref(x, fmt, t, (N, K), b, nw, 1e-5, H, Hk, positions, cos_sin, kc_ref,
+                                               vc_ref, slots)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(q.float(), q_ref.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(kc.float(), kc_ref.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(vc.float(), vc_ref.float(), atol=tol, rtol=tol)
+
+
+def test_quant_gemv_config_table():
+    """Launch configs: the swept table's entry for a known shape, the rule otherwise; BLOCK_K shrinks with M."""
+    from engine.kernels.quant_gemv import QUANT_GEMV_CONFIGS, quant_gemv_config
+    for (fmt, N, K), cfg in QUANT_GEMV_CONFIGS.items():
+        assert quant_gemv_config(fmt, 1, N, K) == cfg
+        assert fmt == "int8" or fmt == "int4" or 128 % cfg[0] == 0        # fp8 rows stay in one scale block
+    bn, bk, warps, cvt, pre = quant_gemv_config("int8", 1, 999, 333)     # unknown shape: the rule
+    assert bk <= 512 and warps >= 1 and cvt in (0, 1) and pre in (0, 1)
+    assert quant_gemv_config("int8", 16, 6144, 4096)[1] < quant_gemv_config("int8", 1, 6144, 4096)[1]
 
 
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 128), ("int4", 64)])
@@ -206,10 +265,10 @@ def _prefill_then_decode(model, ids):
     return pre, dec
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_quantized_model_triton_matches_torch(fmt):
-    """Inside the model the Triton kernels (GEMM for a prefill, the fused GEMV with its prologues and residual
-    for a decode step) give the torch path's logits."""
+    """Inside the model the Triton kernels (GEMM for a prefill; for a decode step the fused GEMVs with their
+    prologues and residual, q/k/v with RoPE and the KV store in its epilogue) give the torch path's logits."""
     from engine.kernels.ops import get_ops
     from engine.models.loader import build_model
     cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}

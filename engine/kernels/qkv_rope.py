@@ -55,8 +55,20 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + rows1).to(tl.float32)[None, :]
         acc2 += tl.load(b_ptr + rows1 + HALF).to(tl.float32)[None, :]
+    _rope_store(acc1, acc2, head, j, offs_m, mm, H, Hk, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr,
+                stride_qm, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                D, BLOCK_SIZE)
+
+
+@triton.jit
+def _rope_store(x1, x2, head, j, offs_m, mm, H, Hk, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr,
+                stride_qm, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Outputs x1, x2 [BM, P] (fp32) of rows j, j + D/2 of one head -> rounded to the projection's dtype,
+    rotated (q, k), stored: q to [M, H, D], k and v into the paged caches at their slots (negative: skipped)."""
+    HALF: tl.constexpr = D // 2
     dt = q_ptr.dtype.element_ty
-    x1, x2 = acc1.to(dt).to(tl.float32), acc2.to(dt).to(tl.float32)    # the projection's output dtype, as unfused
+    x1, x2 = x1.to(dt).to(tl.float32), x2.to(dt).to(tl.float32)        # the projection's output dtype, as unfused
     m2 = mm[:, None]
     if head < H + Hk:                                           # q or k: rotate
         pos = tl.load(pos_ptr + offs_m, mask=mm, other=0).to(tl.int64)[:, None]

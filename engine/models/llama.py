@@ -12,7 +12,7 @@ from torch import nn
 
 from ..distributed.parallel_state import SINGLE, TensorParallel
 from ..kernels.metadata import AttentionMetadata
-from ..quant.linear import fused_linear
+from ..quant.linear import fused_linear, fused_qkv_rope_store, qkv_rope_fusable
 from ..timing import NullTimer
 from .config import ModelConfig
 
@@ -70,14 +70,13 @@ class Attention(nn.Module):
                             pdl: bool) -> torch.Tensor:
         """h [T, hidden] residual stream -> attention output [T, H * D]: RMSNorm, q/k/v, RoPE and the KV store
         in one fused linear (two kernels with q/k norm), then attention."""
-        # the head norm sits between projection and RoPE; a quantized qkv has no RoPE/store epilogue
-        if self.qk_norm or not isinstance(self.qkv_proj, nn.Linear):
+        # the head norm sits between projection and RoPE
+        if self.qk_norm or not qkv_rope_fusable(self.qkv_proj, self.d):
             qkv = fused_linear(self.ops, self.qkv_proj, h, prologue="rms_norm", norm_weight=norm.weight,
                                eps=norm.eps, pdl=pdl)
             return self.attend(qkv, md, cos_sin, pdl).reshape(h.shape[0], self.h * self.d)
-        q = self.ops.fused_qkv_rope_store(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps,
-                                          self.h, self.hk, md.positions, cos_sin, self.k_cache, self.v_cache,
-                                          md.slot_mapping, pdl=pdl)      # [T, H, D]
+        q = fused_qkv_rope_store(self.ops, self.qkv_proj, h, norm.weight, norm.eps, self.h, self.hk, md.positions,
+                                 cos_sin, self.k_cache, self.v_cache, md.slot_mapping, pdl=pdl)      # [T, H, D]
         o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)
         return o.reshape(h.shape[0], self.h * self.d)
 

@@ -58,6 +58,17 @@ class QuantLinear(nn.Module):
         return quant_fused_linear(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
                                   norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl)
 
+    def fused_qkv_rope_store(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, num_heads: int,
+                             num_kv_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """ops.fused_qkv_rope_store's contract (kernels/qkv_rope.py) over this layer's weight and bias."""
+        args = (norm_weight, eps, num_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        if self.kernels != "triton":
+            from ..kernels import torch_ops
+            return torch_ops.fused_qkv_rope_store(x, self.dequantize(x.dtype), self.bias, *args)
+        from ..kernels.quant_gemv import quant_fused_qkv_rope_store
+        return quant_fused_qkv_rope_store(x, self.fmt, self.tensors(), self.shape, self.bias, *args, pdl=pdl)
+
     def extra_repr(self) -> str:
         return f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
 
@@ -67,6 +78,22 @@ def fused_linear(ops, layer: nn.Module, x: torch.Tensor, **fusions) -> torch.Ten
     if isinstance(layer, QuantLinear):
         return layer.fused(x, **fusions)
     return ops.fused_linear(x, layer.weight, layer.bias, **fusions)
+
+
+def qkv_rope_fusable(layer: nn.Module, head_dim: int) -> bool:
+    """Whether the q/k/v projection can take RoPE and the KV store in its epilogue (ops.fused_qkv_rope_store or
+    QuantLinear.fused_qkv_rope_store)."""
+    if isinstance(layer, QuantLinear):
+        from ..kernels.quant_gemv import qkv_rope_supported
+        return qkv_rope_supported(layer.fmt, head_dim)
+    return isinstance(layer, nn.Linear)
+
+
+def fused_qkv_rope_store(ops, layer: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """ops.fused_qkv_rope_store over a plain or a quantized q/k/v projection (see qkv_rope_fusable)."""
+    if isinstance(layer, QuantLinear):
+        return layer.fused_qkv_rope_store(x, *args, **kwargs)
+    return ops.fused_qkv_rope_store(x, layer.weight, layer.bias, *args, **kwargs)
 
 
 def _layer_linears(model):
