@@ -105,6 +105,14 @@ def test_engine_settings_form_covers_every_field_and_roundtrips():
     assert forms.config_from_form(names, vals).gemv_max_tokens == 0
     vals[names.index("gemv_max_tokens")] = ""
     assert forms.config_from_form(names, vals).gemv_max_tokens is None
+    i = names.index("structured_overlap")                # a `bool | None` field: auto / on / off
+    assert vals[i] == "auto"
+    for choice, value in (("on", True), ("off", False), ("auto", None)):
+        vals[i] = choice
+        assert forms.config_from_form(names, vals).structured_overlap is value
+    vals[i] = "sometimes"
+    with pytest.raises(ValueError, match="structured_overlap"):
+        forms.config_from_form(names, vals)
 
 
 def test_cli_args():

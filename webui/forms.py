@@ -161,6 +161,7 @@ CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "floa
             "kernels": ["auto", "torch", "triton"], "kv_cache_layout": ["paged", "contiguous"],
             "speculative_method": ["off", "ngram", "draft", "self"], "quantization": ["none", "fp8", "int8", "int4"]}
 _NONE_CHOICE = {"speculative_method": "off", "quantization": "none"}   # the choice that stands for None
+TRISTATE = {"auto": None, "on": True, "off": False}     # `bool | None` fields (None: the engine decides)
 _OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
 _OPTIONAL_STR = {"model", "draft_model"}
 _ZERO_IS_A_VALUE = {"gemv_max_tokens"}           # optional ints where 0 means "off", not "default"
@@ -185,7 +186,8 @@ FIELD_HELP = {
 
 
 def config_field_specs() -> list[tuple[str, str, Any]]:
-    """(name, kind, default) for every EngineConfig field; kind in bool/choice/int/opt_int/float/str/opt_str."""
+    """(name, kind, default) for every EngineConfig field; kind in bool/opt_bool/choice/int/opt_int/float/opt_float/
+    str/opt_str."""
     out = []
     for f in dataclasses.fields(EngineConfig):
         d = f.default if f.default is not dataclasses.MISSING else None
@@ -198,6 +200,8 @@ def config_field_specs() -> list[tuple[str, str, Any]]:
             kind = "opt_str"
         elif d is None and ann.startswith("float"):
             kind = "opt_float"
+        elif d is None and ann.startswith("bool"):
+            kind = "opt_bool"
         elif isinstance(d, bool):
             kind = "bool"
         elif isinstance(d, int):
@@ -224,6 +228,10 @@ def config_from_form(names: list[str], values: list) -> EngineConfig:
             kw[name] = None if x is None or (x == 0 and name not in _ZERO_IS_A_VALUE) else x
         elif kind == "opt_float":
             kw[name] = parse_num(v, name, allow_none=True)
+        elif kind == "opt_bool":
+            if v not in TRISTATE and v not in (None, ""):
+                raise ValueError(f"{name}: must be one of {list(TRISTATE)} (got {v!r})")
+            kw[name] = TRISTATE.get(v)
         elif kind == "int":
             kw[name] = parse_num(v, name, integer=True)
         elif kind == "float":
@@ -245,5 +253,7 @@ def config_form_values(cfg: EngineConfig, names: list[str]) -> list:
             v = v or _NONE_CHOICE[n]
         elif kinds.get(n) == "opt_str":
             v = v or ""
+        elif kinds.get(n) == "opt_bool":
+            v = next(k for k, b in TRISTATE.items() if b is v)
         out.append(v)
     return out

@@ -10,7 +10,8 @@ import gradio as gr
 from inspector import export as X
 from inspector import figures as F
 from inspector import load as L
-from webui.forms import CHOICES, FIELD_HELP, config_field_specs, config_form_values, config_from_form, parse_num
+from webui.forms import (CHOICES, FIELD_HELP, TRISTATE, config_field_specs, config_form_values, config_from_form,
+                         parse_num)
 from webui.host import CompareJob, EngineHost, EngineUnavailable
 from webui.render import RESIZE_PLOTS_JS, compare_table, spec_plot
 
@@ -33,6 +34,8 @@ def settings_tab(host: EngineHost) -> None:
                     elif kind == "choice":
                         c = gr.Dropdown(CHOICES[name], value=val, label=name, allow_custom_value=(name == "device"),
                                         info=info)
+                    elif kind == "opt_bool":
+                        c = gr.Dropdown(list(TRISTATE), value=val, label=name, info=info)
                     elif kind in ("int", "opt_int"):
                         c = gr.Number(value=val, precision=0, label=name, info=info,
                                       placeholder="empty = default" if kind == "opt_int" else None)
