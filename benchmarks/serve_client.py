@@ -46,9 +46,7 @@ def _child(conn, url: str, model: str | None, api_key: str | None, workload: dic
     from inspector.http_load import HttpLoadRunner, HttpTarget
     try:
         runner = HttpLoadRunner(HttpTarget(url, model=model, api_key=api_key), make_spec(**workload),
-                                vocab_size=vocab_size, shard=(k, n))
-        if warm:       # as many connections as this process could have open at once
-            runner.warm_connections = min(len(runner.items), runner.spec.max_concurrency or len(runner.items), 256)
+                                vocab_size=vocab_size, shard=(k, n), warm_connections=warm)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
         return

@@ -107,7 +107,7 @@ class HttpLoadRunner(RunState):
     def __init__(self, target: HttpTarget | str, spec: LoadSpec, slo: M.SLO | None = None,
                  vocab_size: int | None = None, special_ids=(), max_model_len: int | None = None,
                  on_record: Callable[[RequestRecord], None] | None = None, discover_server: bool = True,
-                 shard: tuple[int, int] = (0, 1), warm_connections: int = 0):
+                 shard: tuple[int, int] = (0, 1), warm_connections: bool = False):
         self.target = HttpTarget(target) if isinstance(target, str) else target
         self.spec = spec
         self.slo = slo
@@ -130,7 +130,7 @@ class HttpLoadRunner(RunState):
         if n > 1:       # this process's share of the users (benchmarks split a workload over client processes)
             self.items = [it for it in self.items if it.user % n == k]
         self._init_state()
-        self.warm_connections = warm_connections    # opened (GET /v1/models) before the first arrival
+        self.warm_connections = warm_connections    # open them (GET /v1/models) before the first arrival
         self.status_counts: Counter = Counter()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
@@ -188,14 +188,15 @@ class HttpLoadRunner(RunState):
         sem = asyncio.Semaphore(conc) if conc else None
         turns = max(1, spec.num_turns)
         by_user = self.items_by_user()
-        keep = max(conc or 64, self.warm_connections)
-        limits = httpx.Limits(max_connections=conc, max_keepalive_connections=keep)
+        # as many connections as could be open at once
+        n_warm = min(len(self.items), conc or len(self.items), 256) if self.warm_connections else 0
+        limits = httpx.Limits(max_connections=conc, max_keepalive_connections=max(conc or 64, n_warm))
         timeout = httpx.Timeout(self.target.timeout_s, connect=30.0)
         t0 = self._t_start or time.perf_counter()
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self.target.auth_headers()) as client:
-            if self.warm_connections:       # connect ahead: the run then times requests, not TCP set-up
-                await asyncio.gather(*(client.get(self.target.v1 + "/models")
-                                       for _ in range(self.warm_connections)), return_exceptions=True)
+            if n_warm:                      # connect ahead: the run then times requests, not TCP set-up
+                await asyncio.gather(*(client.get(self.target.v1 + "/models") for _ in range(n_warm)),
+                                     return_exceptions=True)
 
             async def user(items: list[LoadItem]) -> None:
                 history = list(self.prefix)

@@ -77,7 +77,7 @@ def test_quant_gemv_decodes_every_code_exactly(fmt):
 def test_quant_qkv_rope_store_full_size(fmt):
     """The 8B q/k/v projection with RoPE and the KV store in its epilogue (PDL on Hopper) against dequantize +
     the torch composition."""
-    from engine.kernels.quant_gemv import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
+    from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
     torch.manual_seed(0)
     H, Hk, D, K, bs = 32, 8, 128, 4096, 16
     N = (H + 2 * Hk) * D

@@ -88,7 +88,7 @@ def test_quant_gemv_decodes_every_code_exactly(fmt):
 def test_quant_qkv_rope_store_matches_reference(fmt, group):
     """The quantized q/k/v linear with RoPE and the KV store in its epilogue vs dequantize + the torch
     composition: q, and the caches (a padding slot stores nothing); fp8's rows span two scale blocks."""
-    from engine.kernels.quant_gemv import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
+    from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
     torch.manual_seed(4)
     (H, Hk), D, K, bs = ((4, 2) if fmt == "fp8" else (2, 1)), 32, 200, 4
     N = (H + 2 * Hk) * D

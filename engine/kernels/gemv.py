@@ -104,6 +104,16 @@ def gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return bn, max(32, min(bk, triton.next_power_of_2(K), 8192 // (bm * bn))), warps, 1
 
 
+def check_gemv_args(x: torch.Tensor, N: int, K: int, prologue: str | None, norm_weight, residual) -> None:
+    """The input contract fused_linear and the quantized GEMVs share: x [M, K] ([M, 2K] for silu_mul) with
+    contiguous rows, a norm weight for rms_norm, a residual [M, N] with contiguous rows."""
+    assert prologue in PROLOGUES and x.stride(-1) == 1
+    assert x.shape[-1] == (2 * K if prologue == "silu_mul" else K), (x.shape, (N, K), prologue)
+    assert prologue != "rms_norm" or norm_weight is not None
+    if residual is not None:
+        assert residual.shape == (x.shape[0], N) and residual.stride(-1) == 1
+
+
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  prologue: str | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  residual: torch.Tensor | None = None, pdl: bool = False,
@@ -113,14 +123,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     of the previous kernel (see pdl_supported), overlapping its tail with this kernel's first weight fetch."""
     M = x.shape[0]
     N, K = weight.shape
-    assert prologue in PROLOGUES and x.stride(-1) == 1 and weight.stride(-1) == 1
-    assert x.shape[-1] == (2 * K if prologue == "silu_mul" else K), (x.shape, weight.shape, prologue)
-    assert prologue != "rms_norm" or norm_weight is not None
+    assert weight.stride(-1) == 1
+    check_gemv_args(x, N, K, prologue, norm_weight, residual)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    if residual is not None:
-        assert residual.shape == (M, N) and residual.stride(-1) == 1
     bn, bk, warps, stages = config or gemv_config(M, N, K)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,

@@ -23,8 +23,7 @@ import triton.language as tl
 
 from ..quant.formats import BLOCK, dequantize, int4_group
 from . import torch_ops
-from .gemv import PROLOGUES, _epilogue
-from .qkv_rope import _rope_store
+from .gemv import PROLOGUES, _epilogue, check_gemv_args
 
 FMT_IDS = {"int8": 0, "fp8": 1}
 
@@ -254,40 +253,6 @@ def _gemv_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M
               PROLOGUE, HAS_BIAS, HAS_RES)
 
 
-@triton.jit
-def _qkv_rope_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr,
-                           slot_ptr, M, N, K, G, H, Hk, stride_xm, stride_wn, stride_sn, stride_qm, stride_cs,
-                           stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, eps,
-                           FMT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, CVT: tl.constexpr, PRE: tl.constexpr,
-                           BLOCK: tl.constexpr, HALF_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """qkv_rope.py's kernel over quantized weights (FMT 0 int8, 1 fp8, 2 int4): a program's 2P rows are P rotation
-    pairs (j, j + D/2) of one head, interleaved, so the dot's [BM, 2P] splits into the pair's halves."""
-    HALF: tl.constexpr = D // 2
-    pid = tl.program_id(0)
-    head = pid // (HALF // P)                                   # 0..H-1 q, H..H+Hk-1 k, then v
-    j0 = (pid % (HALF // P)) * P
-    j = j0 + tl.arange(0, P)                                    # [P] first-half dims of this program's pairs
-    i = tl.arange(0, 2 * P)
-    offs_n = head * D + j0 + i // 2 + (i % 2) * HALF            # [2P] rows j, j + D/2, j + 1, ...
-    offs_m = tl.arange(0, BLOCK_M)
-    mm, nm = offs_m < M, offs_n < N
-    if FMT == 2:
-        acc, ss = _w4_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, M, K, G, stride_xm, stride_wn, stride_sn,
-                          1, USE_PDL, CVT, PRE, HALF_G, BLOCK_M, 2 * P, BLOCK_K // (2 * HALF_G))
-    else:
-        s_row = s_ptr + ((head * D + j0) // BLOCK).to(tl.int64) * stride_sn    # fp8: D divides 128
-        acc, ss = _w8_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, s_row, M, K, stride_xm, stride_wn, stride_sn,
-                          FMT, 1, USE_PDL, CVT, PRE, BLOCK, BLOCK_M, 2 * P, BLOCK_K)
-    acc = acc * tl.rsqrt(ss / K + eps)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    x1, x2 = tl.split(tl.reshape(acc, (BLOCK_M, P, 2)))         # [BM, P] each
-    _rope_store(x1, x2, head, j, offs_m, mm, H, Hk, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr,
-                stride_qm, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                D, BLOCK_SIZE)
-
-
 # (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, CVT, PRE) at M = 1: benchmarks/sweep_quant_gemv.py's best on an
 # H200 (BLOCK_K counts weights, two per int4 byte; PRE 1: the next k-tile is loaded before this one is multiplied)
 QUANT_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
@@ -336,14 +301,10 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
     config: (BLOCK_N, BLOCK_K, num_warps, CVT, PRE), else quant_gemv_config's."""
     M = x.shape[0]
     N, K = shape
-    assert prologue in PROLOGUES and x.stride(-1) == 1
-    assert x.shape[-1] == (2 * K if prologue == "silu_mul" else K), (x.shape, shape, prologue)
-    assert prologue != "rms_norm" or norm_weight is not None
+    check_gemv_args(x, N, K, prologue, norm_weight, residual)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    if residual is not None:
-        assert residual.shape == (M, N) and residual.stride(-1) == 1
     bn, bk, warps, cvt, pre = config or quant_gemv_config(fmt, M, N, K)
     dummy = qt.get("weight", qt.get("qweight"))
     common = dict(PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
@@ -369,58 +330,6 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
             x, w, s, *args_tail, M, N, K, x.stride(0), w.stride(0), s.stride(0), rs, out.stride(0), eps,
             FMT=FMT_IDS[fmt], BLOCK=BLOCK, BLOCK_K=bk, **common)
     return out
-
-
-def qkv_rope_supported(fmt: str, head_dim: int) -> bool:
-    """Whether quant_fused_qkv_rope_store takes this head size (fp8: a head's rows lie in one 128-row block)."""
-    return head_dim % 2 == 0 and (fmt != "fp8" or BLOCK % head_dim == 0)
-
-
-def quant_fused_qkv_rope_store(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: tuple[int, int],
-                               bias: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, num_heads: int,
-                               num_kv_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
-                               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                               pdl: bool = False, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """qkv_rope.fused_qkv_rope_store over the quantized q/k/v weight qt ([N, K] = shape): x [M, K] residual
-    stream -> q [M, H, D] = RoPE(RMSNorm(x) @ Wq.T); RoPE(k) and v into the caches at flat slots (negative:
-    skipped). config: quant_gemv_config's tuple (its BLOCK_N is replaced by the program's 2 P rows)."""
-    M, K = x.shape
-    N = shape[0]
-    D = N // (num_heads + 2 * num_kv_heads)
-    assert N == (num_heads + 2 * num_kv_heads) * D and shape[1] == K and x.stride(-1) == 1
-    assert qkv_rope_supported(fmt, D), (fmt, D)
-    assert cos_sin.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    q = torch.empty((M, num_heads, D), dtype=x.dtype, device=x.device)
-    if M == 0:
-        return q
-    half = D // 2
-    P = 2 if half % 2 == 0 else 1                               # rotation pairs per program
-    _, bk, warps, cvt, pre = config or quant_gemv_config(fmt, M, N, K)
-    if fmt == "int4":
-        w, s, z = qt["qweight"], qt["scales"], qt["mins"]
-        group = int4_group(qt)
-        bk = bk if config else max(bk, group)
-        assert bk % group == 0, f"int4 BLOCK_K {bk} must be a multiple of the group size {group}"
-        fmt_id, G = 2, s.shape[1]
-    else:
-        w = qt["weight"].view(torch.int8)
-        s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]
-        z, group, fmt_id, G = s, 2, FMT_IDS[fmt], 0
-    _qkv_rope_quant_kernel[((num_heads + 2 * num_kv_heads) * (half // P),)](
-        x, w, s, z, bias if bias is not None else x, norm_weight, q, k_cache, v_cache, positions, cos_sin,
-        slot_mapping, M, N, K, G, num_heads, num_kv_heads, x.stride(0), w.stride(0), s.stride(0), q.stride(0),
-        cos_sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], eps,
-        FMT=fmt_id, D=D, P=P, BLOCK_SIZE=k_cache.shape[1], HAS_BIAS=bias is not None, USE_PDL=pdl, CVT=cvt,
-        PRE=pre, BLOCK=BLOCK, HALF_G=group // 2, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_K=bk,
-        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
-    return q
-
-
-def quant_fused_qkv_rope_store_ref(x, fmt, qt, shape, bias, norm_weight, eps, num_heads, num_kv_heads, positions,
-                                   cos_sin, k_cache, v_cache, slot_mapping, pdl=False):
-    """Dequantize, then torch_ops.fused_qkv_rope_store."""
-    return torch_ops.fused_qkv_rope_store(x, dequantize(fmt, qt, shape, x.dtype), bias, norm_weight, eps, num_heads,
-                                          num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
 
 def quant_fused_linear_ref(x, fmt, qt, shape, bias=None, *, prologue=None, norm_weight=None, eps=1e-6,

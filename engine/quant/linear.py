@@ -66,7 +66,7 @@ class QuantLinear(nn.Module):
         if self.kernels != "triton":
             from ..kernels import torch_ops
             return torch_ops.fused_qkv_rope_store(x, self.dequantize(x.dtype), self.bias, *args)
-        from ..kernels.quant_gemv import quant_fused_qkv_rope_store
+        from ..kernels.quant_qkv_rope import quant_fused_qkv_rope_store
         return quant_fused_qkv_rope_store(x, self.fmt, self.tensors(), self.shape, self.bias, *args, pdl=pdl)
 
     def extra_repr(self) -> str:
@@ -84,7 +84,7 @@ def qkv_rope_fusable(layer: nn.Module, head_dim: int) -> bool:
     """Whether the q/k/v projection can take RoPE and the KV store in its epilogue (ops.fused_qkv_rope_store or
     QuantLinear.fused_qkv_rope_store)."""
     if isinstance(layer, QuantLinear):
-        from ..kernels.quant_gemv import qkv_rope_supported
+        from ..kernels.quant_qkv_rope import qkv_rope_supported
         return qkv_rope_supported(layer.fmt, head_dim)
     return isinstance(layer, nn.Linear)
 
