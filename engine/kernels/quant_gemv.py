@@ -75,9 +75,11 @@ def _x_row(x_ptr, m: tl.constexpr, M, stride_xm, BLOCK_M: tl.constexpr):
 def _acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Accumulators: per row m the dot [BN] and the sum of squares. At M = 1 a [BN] vector that keeps the layout
     the k-reduction leaves it in (a [1, BN] tile would be re-laid out through shared memory every k-tile)."""
-    if BLOCK_M == 1:
-        return tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([1], dtype=tl.float32)
-    return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
+    if BLOCK_M == 1:            # one return: Triton checks every return of a function for one type
+        acc, ss = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([1], dtype=tl.float32)
+    else:
+        acc, ss = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
+    return acc, ss
 
 
 @triton.jit
@@ -98,8 +100,10 @@ def _add_row(acc, ss, part, sq, offs_m, m, PROLOGUE: tl.constexpr, BLOCK_M: tl.c
 def _acc_rows(acc, BLOCK_M: tl.constexpr):
     """-> [BM, BN] for the epilogue."""
     if BLOCK_M == 1:
-        return acc[None, :]
-    return acc
+        out = acc[None, :]
+    else:
+        out = acc
+    return out
 
 
 @triton.jit

@@ -1,0 +1,108 @@
+"""The Triton kernels compiled for a Hopper GPU (sm_90) on this CPU machine.
+
+TRITON_INTERPRET=1 runs kernels as Python, so it never meets the compiler's own rules (one type for every
+`return` of a jitted function, layout and shape checks). Compiling to a cubin needs no GPU, only Triton's
+bundled ptxas. The kernels are compiled in a child process with the interpreter off (under it, `triton.jit`
+gives interpreted functions), at the launch configurations their wrappers choose.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {"w_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*fp32", "cs_ptr": "*fp32", "pos_ptr": "*i64",
+            "slot_ptr": "*i64", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32", "lse_ptr": "*fp32"}
+FLOATS = {"eps", "qk_scale"}
+
+
+def compile_sm90(kernel, constexprs: dict, pointers: dict | None = None) -> None:
+    """Compile `kernel` with these constexprs; pointers default to bf16, other run-time arguments to i32."""
+    ptrs = dict(POINTERS, **(pointers or {}))
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptrs.get(name, "*bf16")
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    missing = [n for n, p in zip(kernel.arg_names, kernel.params) if p.is_constexpr and n not in constexprs]
+    assert not missing, f"constexprs not given: {missing}"
+    src = ASTSource(fn=kernel, signature=sig,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+    triton.compile(src, target=TARGET)
+
+
+def check_quant_gemv(fmt, block_m):
+    from engine.kernels import quant_gemv
+    for (f, N, K), (bn, bk, _warps, cvt, pre) in quant_gemv.QUANT_GEMV_CONFIGS.items():
+        if f != fmt:
+            continue
+        base = dict(PROLOGUE=1, HAS_BIAS=False, HAS_RES=True, USE_PDL=True, CVT=cvt, PRE=bool(pre),
+                    BLOCK_M=block_m, BLOCK_N=bn)
+        if fmt == "int4":
+            compile_sm90(quant_gemv._gemv_w4_kernel, dict(base, HALF=16, NG=bk // 32))
+        else:
+            compile_sm90(quant_gemv._gemv_w8_kernel,
+                         dict(base, FMT=quant_gemv.FMT_IDS[fmt], BLOCK=128, BLOCK_K=bk))
+        break                                   # one shape per format: the configs differ only in sizes
+
+
+def check_quant_qkv_rope(fmt, block_m):
+    from engine.kernels import quant_qkv_rope
+    compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel,
+                 dict(FMT=fmt, D=64, P=2, BLOCK_SIZE=16, HAS_BIAS=True, USE_PDL=True, CVT=0, PRE=True, BLOCK=128,
+                      HALF_G=32 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=256))
+
+
+def check_bf16_decode(block_m):
+    from engine.kernels import gemv, qkv_rope
+    compile_sm90(gemv._gemv_kernel, dict(PROLOGUE=2, HAS_BIAS=False, HAS_RES=True, USE_PDL=True,
+                                         BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=512))
+    compile_sm90(qkv_rope._qkv_rope_kernel, dict(D=64, P=2, BLOCK_SIZE=16, HAS_BIAS=False, USE_PDL=True,
+                                                 BLOCK_M=block_m, BLOCK_K=512))
+
+
+def check_paged_attention():
+    from engine.kernels import paged_attention
+    compile_sm90(paged_attention._prefill_kernel,
+                 dict(G=4, GP=4, BQ=32, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, SKIP_DECODES=True,
+                      DOT_PREC="tf32"))
+    compile_sm90(paged_attention._decode_kernel,
+                 dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,
+                      DOT_PREC="tf32", USE_PDL=True))
+
+
+CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 4])] + \
+         [(check_quant_qkv_rope, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
+         [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
+
+
+def main() -> int:
+    failed = 0
+    for fn, args in CHECKS:
+        try:
+            fn(*args)
+        except Exception as e:                  # report every failing kernel, not only the first
+            failed += 1
+            print(f"FAILED {fn.__name__}{args}: {type(e).__name__}: {e}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def test_kernels_compile_for_sm90():
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
