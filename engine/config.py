@@ -48,6 +48,9 @@ class EngineConfig:
     kernels: str = "auto"               # auto: triton on cuda, torch on cpu
     enable_cuda_graphs: bool = True     # decode-only steps on cuda
     cuda_graph_max_batch: int = 256
+    mixed_cuda_graphs: bool = True      # steps mixing prefill chunks and decodes replay a CUDA graph per token
+    #                                     bucket (up to mixed_cuda_graph_max_tokens): no Python kernel launches
+    mixed_cuda_graph_max_tokens: int = 2048
     enable_step_timings: bool = True    # per-region forward timings in step events
     graph_timing_interval: int = 200    # every N-th graph-eligible forward runs eagerly under the CUDA-event
     #                                     timer instead of replaying its graph (same outputs), so graph-replayed
@@ -149,6 +152,8 @@ class EngineConfig:
             need(self.speculative_method is None, "speculative_method",
                  "is not supported with tensor_parallel_size > 1 (the drafter would run on rank 0 alone)")
         need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
+        need(isinstance(self.mixed_cuda_graph_max_tokens, int) and 16 <= self.mixed_cuda_graph_max_tokens <= 8192,
+             "mixed_cuda_graph_max_tokens", "must be an int in [16, 8192]")
         need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
              "spec_cuda_graph_max_batch", "must be an int in [1, 256]")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")

@@ -14,7 +14,14 @@ Q - q_i, so the causal mask inside the speculative tokens is unchanged for the r
 to its own position); padded rows write their K/V to the null block's slot 0 and only they see the key
 positions past the real ones. Logits are computed for every padded row and the needed rows gathered after
 the replay. Self-speculative drafting (the first `draft_layers` layers) replays decode-shaped graphs of its
-own per batch size. Other steps run eagerly.
+own per batch size.
+
+Mixed steps (`EngineConfig.mixed_cuda_graphs`: prefill chunks beside decodes, or any step the graphs above do
+not take) replay a graph per token bucket T (key (T, MIXED, None)) over all max_num_seqs + 1 sequence slots:
+the step's tokens are packed first, the padding tokens form one extra sequence (K/V to the null block's slot 0,
+context in the null block), and the unused slots have q_len 0, so the attention kernels' grids depend on T
+alone (kernels/paged_attention.py). The graph ends at the final norm; the LM head runs on the needed rows
+after the replay. Steps longer than `mixed_cuda_graph_max_tokens` run eagerly.
 """
 from __future__ import annotations
 
@@ -31,9 +38,18 @@ from .timing import NullTimer
 log = logging.getLogger(__name__)
 
 
+MIXED = 0                                   # the Q of a mixed-step key (T, MIXED, None)
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 1025, 16))
     return [s for s in sizes if s <= max_batch] or [1]
+
+
+def mixed_token_sizes(max_tokens: int) -> list[int]:
+    """Token buckets of mixed-step graphs: a padded step wastes at most 1/5 of its tokens above 64."""
+    sizes = list(range(16, 257, 16)) + list(range(320, 1025, 64)) + list(range(1152, 8193, 128))
+    return [s for s in sizes if s <= max_tokens]
 
 
 class CudaGraphRunner:
@@ -53,6 +69,10 @@ class CudaGraphRunner:
         self.spec_sizes = capture_sizes(min(config.spec_cuda_graph_max_batch, self.max_batch)) if spec else []
         self.draft_layers = min(config.draft_layers, runner.mcfg.num_layers) \
             if spec and config.speculative_method == "self" else None
+        self.mixed_sizes = mixed_token_sizes(min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens)) \
+            if config.mixed_cuda_graphs else []
+        self.max_seqs = config.max_num_seqs + 1     # + the sequence that owns a mixed step's padding tokens
+        self.mixed_splits = 1                       # decode splits inside mixed graphs (set at capture)
         self.use_graphs = capture
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
@@ -63,9 +83,24 @@ class CudaGraphRunner:
         keys += [(P, Q, None) for Q in range(2, self.max_q + 1) for P in self.spec_sizes]
         if self.draft_layers is not None:
             keys += [(P, 1, self.draft_layers) for P in self.spec_sizes]
+        keys += [(T, MIXED, None) for T in self.mixed_sizes]
         return keys
 
     def _key(self, md: AttentionMetadata, num_layers: int | None) -> tuple | None:
+        key = self._uniform_key(md, num_layers)
+        if key is None and num_layers is None:
+            key = self._mixed_key(md)
+        return key
+
+    def _mixed_key(self, md: AttentionMetadata) -> tuple | None:
+        T = md.positions.shape[0]
+        if not self.mixed_sizes or not 0 < T <= self.mixed_sizes[-1] or md.num_seqs >= self.max_seqs \
+                or md.max_seqlen_k > self.max_len:
+            return None
+        return self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, T)], MIXED, None
+
+    def _uniform_key(self, md: AttentionMetadata, num_layers: int | None) -> tuple | None:
+        """Decode, verify and draft steps: every sequence computes the same number of query rows once padded."""
         B, Q = md.num_seqs, md.max_seqlen_q
         if B == 0 or Q > self.max_q:
             return None
@@ -97,19 +132,36 @@ class CudaGraphRunner:
             q_lens=[Q] * P, seq_lens_cpu=lens, max_seqlen_q=Q, max_seqlen_k=max(lens),
             block_size=self.runner.block_size)
 
+    def _mixed_md(self, T: int, q_lens: list[int] | None = None, lens: list[int] | None = None) -> AttentionMetadata:
+        """A mixed graph's metadata: T tokens over all sequence slots. Host lists: zeros at capture (the Triton
+        path never reads them), the padded step's lengths when replaying eagerly."""
+        P = self.max_seqs
+        q_lens = q_lens or [0] * P
+        lens = lens or [0] * P
+        return AttentionMetadata(
+            positions=self.positions[:T], slot_mapping=self.slots[:T], cu_seqlens_q=self.cu_mixed,
+            seq_lens=self.seq_lens[:P], block_tables=self.block_tables[:P], logits_indices=self.logits_idx[:0],
+            q_lens=q_lens, seq_lens_cpu=lens, max_seqlen_q=max(q_lens), max_seqlen_k=self.max_len,
+            block_size=self.runner.block_size, mixed_splits=self.mixed_splits)
+
     @torch.inference_mode()
     def capture(self) -> None:
         dev = self.runner.device
-        keys = sorted(self.keys(), key=lambda k: (-k[0] * k[1], k[1], k[2] or 0))   # largest first: one pool
-        N = max(P * Q for P, Q, _ in keys)
+        keys = sorted(self.keys(), key=lambda k: (-self._tokens(k), k[1], k[2] or 0))   # largest first: one pool
+        N = max(self._tokens(k) for k in keys)
+        rows = max(N, self.max_seqs)
         self.input_ids = torch.zeros(N, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(N, dtype=torch.int64, device=dev)
         self.slots = torch.zeros(N, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((N,), self.max_q, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(N, self.max_blocks, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.full((rows,), self.max_q, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=dev)
         ar = torch.arange(N + 1, dtype=torch.int32, device=dev)
         self.cu_q = {Q: ar * Q for Q in range(1, self.max_q + 1)}       # [N+1] per Q
+        self.cu_mixed = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=dev)
         self.logits_idx = torch.arange(N, dtype=torch.int64, device=dev)
+        if self.mixed_sizes and self.model.ops.name == "triton":
+            from .kernels.paged_attention import decode_num_splits   # sized for a typical mixed step's decodes
+            self.mixed_splits = decode_num_splits(32, self.model.cfg.num_kv_heads, self.max_len, dev)
         if not self.use_graphs:
             self.captured = True
             return
@@ -118,7 +170,7 @@ class CudaGraphRunner:
         pool = None
         try:
             for key in keys:
-                md = self._static_md(key[0], key[1])
+                md = self._mixed_md(key[0]) if key[1] == MIXED else self._static_md(key[0], key[1])
                 for _ in range(2):                  # warm-up: Triton compiles / autotunes outside capture
                     self._forward(key, md)
                 torch.cuda.synchronize(dev)
@@ -132,10 +184,16 @@ class CudaGraphRunner:
             self.model.timer = saved_timer
         self.captured = True
 
+    @staticmethod
+    def _tokens(key: tuple) -> int:
+        P, Q, _ = key
+        return P if Q == MIXED else P * Q
+
     def _forward(self, key: tuple, md: AttentionMetadata) -> torch.Tensor:
+        """-> logits of every row, or a mixed graph's final hidden states [T, hidden]."""
         P, Q, layers = key
-        hidden = self.model(self.input_ids[:P * Q], md, num_layers=layers)
-        return self.model.compute_logits(hidden)
+        hidden = self.model(self.input_ids[:self._tokens(key)], md, num_layers=layers)
+        return hidden if Q == MIXED else self.model.compute_logits(hidden)
 
     def _replay(self, key: tuple, md: AttentionMetadata) -> torch.Tensor:
         if self.use_graphs:
@@ -155,6 +213,8 @@ class CudaGraphRunner:
         B = md.num_seqs
         nb = md.block_tables.shape[1]
         md.graphed = self.use_graphs
+        if Q == MIXED:
+            return self._run_mixed(key, input_ids, md)
         if Q == 1:
             self.input_ids[:B].copy_(input_ids)
             self.positions[:B].copy_(md.positions)
@@ -193,3 +253,34 @@ class CudaGraphRunner:
             self.block_tables[B:P, :-(-Q // self.runner.block_size)].zero_()
         out = self._replay(key, md)                 # [P*Q, V]
         return out.index_select(0, pad_rows.index_select(0, md.logits_indices))
+
+    def _run_mixed(self, key: tuple, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Tokens [0, T) as packed; padding tokens [T, Tp) are sequence B's (null block); slots past B empty."""
+        Tp = key[0]
+        T, B, bs = input_ids.shape[0], md.num_seqs, self.runner.block_size
+        nb = md.block_tables.shape[1]
+        pad = Tp - T
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(md.positions)
+        self.slots[:T].copy_(md.slot_mapping)
+        if pad:
+            self.input_ids[T:Tp].zero_()
+            self.positions[T:Tp].zero_()
+            self.slots[T:Tp].zero_()
+            self.block_tables[B, :-(-pad // bs)].zero_()
+        self.cu_mixed[:B + 1].copy_(md.cu_seqlens_q)
+        self.cu_mixed[B + 1:].fill_(Tp)
+        self.seq_lens[:B].copy_(md.seq_lens)
+        self.seq_lens[B:self.max_seqs].zero_()
+        self.seq_lens[B:B + 1].fill_(pad)
+        self.block_tables[:B, :nb].copy_(md.block_tables)
+        if self.use_graphs:
+            self.graphs[key].replay()
+            hidden = self.outputs[key]
+        else:                                   # eager: host lengths as padded (torch kernels read them)
+            rest = self.max_seqs - B - 1
+            hidden = self._forward(key, self._mixed_md(Tp, md.q_lens + [pad] + [0] * rest,
+                                                       md.seq_lens_cpu + [pad] + [0] * rest))
+        if md.logits_indices.numel() == 0:
+            return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, md.logits_indices))

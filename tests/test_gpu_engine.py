@@ -54,6 +54,39 @@ def test_multi_step_time_cap_matches_single_step():
     assert sum(g for g, _ in logs) > 10
 
 
+def run_staggered(**cfg):
+    """Newcomers arrive every third step while others decode: prefill chunks share steps with decodes."""
+    eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=16,
+                    max_num_batched_tokens=200, num_kv_blocks=512, graph_timing_interval=0, **cfg)
+    mixed = []
+    execute = eng.runner.execute
+
+    def spy(ids, md):
+        out = execute(ids, md)
+        if md.max_seqlen_q > 1 and md.num_seqs > 1 and min(md.q_lens) == 1:
+            mixed.append(md.graphed)
+        return out
+    eng.runner.execute = spy
+    g = torch.Generator().manual_seed(1)
+    lengths = [int(n) for n in torch.randint(1, 400, (12,), generator=g)]
+    outs, ids, step = {}, [], 0
+    while lengths or eng.has_unfinished_requests():
+        if lengths and step % 3 == 0:
+            ids += add_random_requests(eng, [lengths.pop()], max_tokens=20, vocab=150000, seed=step)
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        step += 1
+    return [outs[i] for i in ids], mixed
+
+
+def test_mixed_step_graphs_match_eager():
+    ref, ref_mixed = run_staggered(mixed_cuda_graphs=False, num_scheduler_steps=1)
+    got, mixed = run_staggered(mixed_cuda_graphs=True, num_scheduler_steps=1)
+    assert got == ref
+    assert ref_mixed and not any(ref_mixed)
+    assert len(mixed) == len(ref_mixed) and all(mixed)      # every mixed step replayed a graph
+
 # ---- speculative decoding under CUDA graphs (verify steps per (batch, Q) bucket, self-drafting steps) ----
 
 def run_spec(num_kv_blocks=512, n=8, **cfg):

@@ -10,6 +10,8 @@ Two kernels share one inner loop (online softmax in fp32, exp2 with the scale fo
   only on (B, Hk, num_splits): CUDA-graph capturable with a fixed split count. In a mixed batch the
   decodes run here too (VARLEN: rows found through cu_seqlens_q) and the prefill kernel skips them, so
   a long decode is not computed with a 128-row tile that holds one real query.
+A mixed step replayed from a CUDA graph (md.mixed_splits > 0) launches both kernels at sizes fixed by its
+tensors' shapes; sequences with q_len 0 (unused slots) own one program that returns at once.
 """
 from __future__ import annotations
 
@@ -312,6 +314,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     in mixed batches the decodes take it too (config: decodes_apart=False keeps them in the prefill
     kernel, decode_splits=N forces their split count; other keys tune the prefill kernel). pdl: decode-only
     batches launch as programmatic dependents (Hopper+, compiled Triton)."""
+    if md.mixed_splits:
+        return _paged_attention_graphed(q, k_cache, v_cache, md, scale, out)
     T, H, D = q.shape
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hk
@@ -345,6 +349,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         S = dec_splits or decode_num_splits(n_dec, Hk, md.max_seqlen_k, q.device)
         _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, S,
                        _decode_config(G, D, q.dtype, q.device), out)
+    return out
+
+
+def _paged_attention_graphed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                             scale: float, out: torch.Tensor | None) -> torch.Tensor:
+    """paged_attention for a mixed step inside a CUDA graph: T (padded) tokens over B = seq_lens.shape[0]
+    sequence slots; the prefill kernel skips decodes, the decode kernel (md.mixed_splits splits) everything else."""
+    T, H, D = q.shape
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    G = H // Hk
+    B = md.seq_lens.shape[0]
+    assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    GP = triton.next_power_of_2(G)
+    pcfg = _prefill_config(GP, D, T, q.dtype, q.device)
+    BQ = max(1, pcfg["BLOCK_M"] // GP)
+    _prefill_kernel[(T // BQ + B, Hk)](
+        q, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.cu_seqlens_q, B, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=G, GP=GP, BQ=BQ, BLOCK_M=max(16, BQ * GP), BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
+        BD=triton.next_power_of_2(D), SKIP_DECODES=True, DOT_PREC=_dot_prec(q.dtype),
+        num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+    _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, md.mixed_splits,
+                   _decode_config(G, D, q.dtype, q.device), out)
     return out
 
 

@@ -113,6 +113,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dec_seqs: list[int] = []
     cu = 0
     for i, (ql, sl) in enumerate(zip(md.q_lens, md.seq_lens_cpu)):
+        if ql == 0:                                            # an unused slot of a padded (graph) batch
+            continue
         if ql == 1:
             dec_seqs.append(i)
         else:
