@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -216,7 +217,5 @@ class CudaGraphRunner:
         self.slots[:n].copy_(i64[2 * n:3 * n], non_blocking=True)
         self.seq_lens[:P].copy_(i32[:P], non_blocking=True)
         self.block_tables[:P, :width].copy_(i32[P:P + P * width].view(P, width), non_blocking=True)
-        if self.use_graphs:
-            self.graphs[key].replay()
-            return self.outputs[key]
-        return self._forward(key, self._static_md(P, Q, lens_cpu))
+        # (the lengths are padded already: as P sequences of Q rows, _replay extends none of them)
+        return self._replay(key, SimpleNamespace(num_seqs=P, q_lens=[Q] * P, seq_lens_cpu=lens_cpu))

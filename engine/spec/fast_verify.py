@@ -12,7 +12,6 @@ same graph computes the same logits rows, and greedy verification only needs the
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .base import plain_greedy
@@ -21,10 +20,12 @@ from .base import plain_greedy
 class FastVerify:
     def __init__(self, engine):
         self.engine = engine
+        self._cap = (0, 0, 0)       # capacities of the host buffers below (int64, int32, targets)
         self._h64 = self._h32 = self._targets = None    # host staging / result buffers (pinned on CUDA)
+        self._n64 = self._n32 = None                    # their numpy views
         self._staged = None         # CUDA event after the staging copies: set before the buffers are rewritten
         self._copied = None         # CUDA event after the targets' copy to the host
-        self._n = 0                 # B * Q target ids of the launched step
+        self._out: torch.Tensor | None = None           # the launched step's argmax ids (CPU: the result)
 
     def plan(self, sched) -> tuple | None:
         """The verify graph key (P, Q, None) if this step can take the fast path, else None."""
@@ -48,63 +49,65 @@ class FastVerify:
             return None
         return key
 
-    def _buffers(self, n64: int, n32: int, n_targets: int):
-        dev = self.engine.runner.device
-        pin = dev.type == "cuda"
-        if self._h64 is None or self._h64.numel() < n64:
-            self._h64 = torch.empty(max(n64, 1024), dtype=torch.int64, pin_memory=pin)
-        if self._h32 is None or self._h32.numel() < n32:
-            self._h32 = torch.empty(max(n32, 1024), dtype=torch.int32, pin_memory=pin)
-        if self._targets is None or self._targets.numel() < n_targets:
-            self._targets = torch.empty(max(n_targets, 256), dtype=torch.int64, pin_memory=pin)
-        if pin and self._staged is None:
-            self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()
+    def _buffers(self, n64: int, n32: int, n_targets: int) -> None:
+        c64, c32, ct = self._cap
+        if n64 <= c64 and n32 <= c32 and n_targets <= ct:
+            return
+        pin = self.engine.runner.device.type == "cuda"
+        c64, c32, ct = max(n64, 2 * c64, 1024), max(n32, 2 * c32, 1024), max(n_targets, 2 * ct, 256)
+        self._h64 = torch.zeros(c64, dtype=torch.int64, pin_memory=pin)
+        self._h32 = torch.zeros(c32, dtype=torch.int32, pin_memory=pin)
+        self._n64, self._n32 = self._h64.numpy(), self._h32.numpy()
+        if pin:
+            self._targets = torch.empty(ct, dtype=torch.int64, pin_memory=True)
+            if self._staged is None:
+                self._staged, self._copied = torch.cuda.Event(), torch.cuda.Event()
+        self._cap = (c64, c32, ct)
 
     @torch.inference_mode()
     def launch(self, sched, key: tuple) -> bool:
-        """Pack, replay and start the argmax ids' copy to the host; -> whether a CUDA graph was replayed."""
+        """Pack, replay and start the argmax ids' copy to the host; -> whether a CUDA graph was replayed.
+        The batch is a few requests of at most k+1 rows: plain lists beat numpy's per-call cost here."""
         runner = self.engine.runner
         g, bs = runner.graphs, runner.block_size
         P, Q, _ = key
         seqs, ks = sched.seqs, sched.num_spec_tokens
         B, n = len(seqs), P * Q
-        W = max(max(len(s.block_table) for s in seqs), -(-Q // bs))
+        W = max(-(-Q // bs), max(len(s.block_table) for s in seqs))
         self._buffers(3 * n, P + P * W, B * Q)
+        ids, pos, slots = [0] * n, [0] * n, [0] * n      # padded rows: token 0 at position 0, K/V to slot 0
+        lens = [Q] * P                                      # padded sequences: Q rows in the null block
+        tables = [0] * (P * W)
+        for i, (seq, k, start) in enumerate(zip(seqs, ks, sched.computed_before)):
+            r = i * Q
+            ids[r] = seq.token_ids[-1]
+            if k:
+                ids[r + 1:r + k + 1] = seq.spec_token_ids[:k]
+            bt = seq.block_table
+            for j in range(k + 1):
+                p = start + j
+                pos[r + j] = p
+                slots[r + j] = bt[p // bs] * bs + p % bs
+            lens[i] = start + Q                 # start + q_i, extended by Q - q_i
+            tables[i * W:i * W + len(bt)] = bt
         if self._staged is not None:
             self._staged.synchronize()          # the previous step's copies out of the staging buffers are done
-        h64, h32 = self._h64.numpy()[:3 * n], self._h32.numpy()[:P + P * W]
-        h64.fill(0)
-        h32.fill(0)
-        ids = h64[:n].reshape(P, Q)                                   # [P, Q]
-        lens, tables = h32[:P], h32[P:].reshape(P, W)                 # [P], [P, W]
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            ids[i, 0] = seq.token_ids[-1]
-            if k:
-                ids[i, 1:k + 1] = seq.spec_token_ids[:k]
-            tables[i, :len(seq.block_table)] = seq.block_table
-        start = np.asarray(sched.computed_before, dtype=np.int64)     # [B]
-        q = np.asarray(ks, dtype=np.int64) + 1                        # [B]
-        j = np.arange(Q, dtype=np.int64)
-        real = j[None, :] < q[:, None]                                # [B, Q]
-        pos = np.where(real, start[:, None] + j[None, :], 0)          # [B, Q]; padded rows: position 0, slot 0
-        blk = np.take_along_axis(tables[:B], pos // bs, axis=1)
-        h64[n:n + B * Q] = pos.reshape(-1)
-        h64[2 * n:2 * n + B * Q] = np.where(real, blk * bs + pos % bs, 0).reshape(-1)
-        lens[:B] = start + Q                    # start + q_i, extended by Q - q_i
-        lens[B:] = Q                            # padded sequences: Q rows in the null block
-        lens_cpu = lens.tolist() if not g.use_graphs else None
-        out = g.run_padded(key, self._h64[:3 * n], self._h32[:P + P * W], W, lens_cpu)    # [P*Q, V]
+        self._n64[:3 * n] = ids + pos + slots
+        self._n32[:P] = lens
+        self._n32[P:P + P * W] = tables
+        out = g.run_padded(key, self._h64[:3 * n], self._h32[:P + P * W], W, lens)    # [P*Q, V]
+        targets = out[:B * Q].argmax(-1)                              # [B*Q]
         if self._staged is not None:
             self._staged.record()
-        targets = out[:B * Q].argmax(-1)                              # [B*Q]
-        self._n = B * Q
-        self._targets[:B * Q].copy_(targets, non_blocking=True)
-        if self._copied is not None:
+            self._out = self._targets[:B * Q]
+            self._out.copy_(targets, non_blocking=True)
             self._copied.record()
+        else:
+            self._out = targets
         return g.use_graphs
 
     def targets(self) -> list[int]:
         """Wait for the launched step (the step's one sync; the wait releases the GIL) -> its B*Q argmax ids."""
         if self._copied is not None:
             self._copied.synchronize()
-        return self._targets[:self._n].tolist()
+        return self._out.tolist()
