@@ -20,6 +20,7 @@ from .base import plain_greedy
 class FastVerify:
     def __init__(self, engine):
         self.engine = engine
+        self.enabled = engine.config.spec_fast_verify
         self._cap = (0, 0, 0)       # capacities of the host buffers below (int64, int32, targets)
         self._h64 = self._h32 = self._targets = None    # host staging / result buffers (pinned on CUDA)
         self._n64 = self._n32 = None                    # their numpy views
@@ -31,7 +32,7 @@ class FastVerify:
         """The verify graph key (P, Q, None) if this step can take the fast path, else None."""
         eng = self.engine
         g = eng.runner.graphs
-        if g is None or eng.num_constrained or eng.runner.executor is not None or not eng.config.spec_fast_verify:
+        if g is None or not self.enabled or eng.num_constrained or eng.runner.executor is not None:
             return None
         ks = sched.num_spec_tokens
         kmax = max(ks, default=0)
