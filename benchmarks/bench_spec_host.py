@@ -240,8 +240,9 @@ def main():
             b = index.get((r["workload"], r["batch"], r["method"], r["kind"]))
             if b is not None:
                 r["before_host_ms"] = b["host_ms"]
-                r["host_ratio"] = r["host_ms"] / b["host_ms"]
-        cols += ["before_host_ms", "host_ratio"]
+                r["before_host_ms_p50"] = b["host_ms_p50"]
+                r["host_ratio_p50"] = r["host_ms_p50"] / b["host_ms_p50"]
+        cols += ["before_host_ms", "before_host_ms_p50", "host_ratio_p50"]
     dev = device_name("cpu")
     payload = dict(device=dev, model=args.model or "SmolLM2-135M-Instruct (bundled)", dtype=args.dtype,
                    loadavg=os.getloadavg(), args=vars(args), rows=rows)
