@@ -91,6 +91,28 @@ class NgramIndex:
         return []
 
 
+class _History:
+    """A long request's tokens as a growing numpy array (amortised O(1) append), so each scan converts only the
+    tokens added since the last one."""
+    __slots__ = ("buf", "n")
+
+    def __init__(self):
+        self.buf, self.n = np.empty(256, dtype=np.int64), 0
+
+    def propose(self, tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+        L = len(tokens)
+        if L < self.n:                                 # never happens for a live request; stay correct anyway
+            self.n = 0
+        if L > self.buf.shape[0]:
+            grown = np.empty(max(L, 2 * self.buf.shape[0]), dtype=np.int64)
+            grown[:self.n] = self.buf[:self.n]
+            self.buf = grown
+        if L > self.n:
+            self.buf[self.n:L] = tokens[self.n:L]
+            self.n = L
+        return ngram_propose(self.buf[:L], n_min, n_max, k)
+
+
 class NgramDrafter(Drafter):
     method = "ngram"
 
@@ -98,7 +120,7 @@ class NgramDrafter(Drafter):
         super().__init__(engine)
         cfg = engine.config
         self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
-        self._index: dict[str, NgramIndex | None] = {}      # None: too long to index, scanned instead
+        self._index: dict[str, NgramIndex | _History] = {}      # _History: too long to index, scanned instead
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
         if len(self._index) > 2 * len(cands) + 256:
@@ -107,11 +129,12 @@ class NgramDrafter(Drafter):
         index = self._index
         for seq, k in cands:
             toks = seq.token_ids
-            ix = index.get(seq.request_id, False)
-            if ix is False:
-                ix = index[seq.request_id] = NgramIndex(self.n_min, self.n_max) \
-                    if len(toks) <= INDEX_MAX_TOKENS else None
-            elif ix is not None and len(toks) > INDEX_MAX_TOKENS:
-                ix = index[seq.request_id] = None
-            seq.spec_token_ids = ix.propose(toks, k) if ix is not None else \
-                ngram_propose(toks, self.n_min, self.n_max, k)
+            ix = index.get(seq.request_id)
+            if len(toks) > INDEX_MAX_TOKENS:
+                if not isinstance(ix, _History):
+                    ix = index[seq.request_id] = _History()
+                seq.spec_token_ids = ix.propose(toks, k, self.n_min, self.n_max)
+                continue
+            if not isinstance(ix, NgramIndex):
+                ix = index[seq.request_id] = NgramIndex(self.n_min, self.n_max)
+            seq.spec_token_ids = ix.propose(toks, k)
