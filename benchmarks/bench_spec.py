@@ -7,7 +7,8 @@ Modes: "b1" runs the first 4 requests one after another (batch 1, the latency ca
        "bN" (b4, b8, ...) submits N requests together (continuous batching; the workload's prompts, cycled).
 Speculative engines run with their defaults: auto-off on (EngineConfig.speculative_auto_off), verify and
 self-drafting steps in CUDA graphs on a GPU (spec_cuda_graphs); "+noauto" turns auto-off off for a method,
-"+eager" runs its verify / draft steps eagerly (spec_cuda_graphs=False, a separate engine).
+"+eager" runs its verify / draft steps eagerly (spec_cuda_graphs=False, a separate engine), "+general" verifies
+through the general path instead of the plain-greedy fast path (EngineConfig.spec_fast_verify, same engine).
 Methods: none; ngram (prompt lookup); self (SmolLM2's first L layers + final norm + LM head); draft (a
 separate model: SmolLM2 truncated to its first layers, saved as its own folder, own KV pool: no training).
 
@@ -182,7 +183,7 @@ def main():
     engines = {}
     extra = {} if args.max_num_seqs is None else dict(max_num_seqs=args.max_num_seqs)
     def parse(method: str) -> tuple[str, bool, bool, bool]:
-        """'ngram+a+noauto+eager' -> ('ngram', adaptive, noauto, eager)"""
+        """'ngram+a+noauto+eager' -> ('ngram', adaptive, noauto, eager); '+general': see the module doc"""
         parts = method.split("+")
         return parts[0], "a" in parts[1:], "noauto" in parts[1:], "eager" in parts[1:]
 
@@ -205,11 +206,12 @@ def main():
             if eng.drafter:
                 eng.drafter.adaptive = adaptive
                 eng.drafter.auto_off = eng.config.speculative_auto_off and not noauto
+                eng.fast_verify.enabled = eng.config.spec_fast_verify and "general" not in method.split("+")
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
             ntok = sum(len(o.token_ids) for o in outs)
             label = labels[base] + (" adaptive" if adaptive else "") + (" no-auto-off" if noauto else "") + \
-                (" eager-verify" if eager else "")
+                (" eager-verify" if eager else "") + (" general-verify" if "general" in method.split("+") else "")
             row = dict(workload=wl, mode=mode, method=label, out_tokens=ntok, wall_s=wall,
                        tok_s=ntok / wall,
                        tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs),

@@ -23,13 +23,14 @@ case "${1:-}" in
     TRITON_INTERPRET=0 timeout 500 python -m pytest -q -x tests/test_gpu_engine.py -p no:cacheprovider 2>&1 | tail -25 ;;
   bench)
     python benchmarks/device_bundle.py stash convert
-    # real weights: plain vs n-gram vs self-speculative, rewrite and chat, batch 1 and 8, auto-off on (default)
+    # real weights: plain vs n-gram (fast verify path, and the general one: ngram+general) vs self-speculative,
+    # rewrite and chat, batch 1 and 8, auto-off on (default)
     timeout 330 python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --reps 2 \
-      --methods none,ngram,self --modes b1,b8 --workloads rewrite,chat --k-ngram 4 --k-self 2 --self-layers 24 \
+      --methods none,ngram,ngram+general,self --modes b1,b8 --workloads rewrite,chat --k-ngram 4 --k-self 2 --self-layers 24 \
       --max-num-seqs 16 --tag _smollm2 2>&1 | grep -v '^{' || true
     # cost only: random Llama-3.2-1B-shaped weights (acceptance ~ 0), auto-off must hold >= 0.97x
     timeout 200 python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --model dummy:llama-3.2-1b \
-      --max-tokens 96 --reps 2 --methods none,ngram,self --modes b1,b8 --workloads rewrite,chat \
+      --max-tokens 96 --reps 2 --methods none,ngram,ngram+general,self --modes b1,b8 --workloads rewrite,chat \
       --k-ngram 4 --k-self 2 --self-layers 8 --max-num-seqs 16 --tag _llama1b_dummy 2>&1 | grep -v '^{' || true
     cp benchmarks/results/spec_*_smollm2.json benchmarks/results/spec_*_llama1b_dummy.json "$OUT"/ 2>/dev/null || true ;;
   *)

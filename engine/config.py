@@ -86,6 +86,9 @@ class EngineConfig:
     spec_cuda_graphs: bool = True       # verify steps (k+1 tokens per request) and self-drafting steps replay
     #                                     CUDA graphs per (batch, k) bucket; False: they run eagerly
     spec_cuda_graph_max_batch: int = 32  # largest batch whose verify / draft steps are captured
+    spec_fast_verify: bool = True       # a verify step whose requests all decode plain-greedy is packed straight
+    #                                     into the padded graph layout and verified from the device argmax (one
+    #                                     small copy back); False: the general path (packed, gathered logits)
     # structured output
     structured_overlap: bool | None = None  # decode batches with a constrained request run pipelined blocks of
     #                                         one iteration: the next forward starts from the sampled tokens

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -284,3 +285,28 @@ class CudaGraphRunner:
         if md.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, md.logits_indices))
+
+    # ---- verify steps packed by the caller in the padded layout (engine/spec/fast_verify.py) ----------------
+    def spec_key(self, B: int, Q: int, max_seq_len: int) -> tuple | None:
+        """The verify graph for B sequences of at most Q query rows whose longest context is max_seq_len."""
+        if not self.spec_sizes or not 2 <= Q <= self.max_q or B > self.spec_sizes[-1] \
+                or max_seq_len + Q - 1 > self.max_len:
+            return None
+        return self.spec_sizes[bisect.bisect_left(self.spec_sizes, B)], Q, None
+
+    def run_padded(self, key: tuple, i64: torch.Tensor, i32: torch.Tensor, width: int,
+                   lens_cpu: list[int]) -> torch.Tensor:
+        """Replay a verify graph from host inputs already in its padded layout (see the module doc):
+        i64 = [input ids | positions | slots], P*Q each; i32 = [seq_lens P | block tables P*width];
+        lens_cpu: the padded seq_lens (read only when replaying eagerly). -> logits [P*Q, V]."""
+        if not self.captured:
+            self.capture()
+        P, Q, _ = key
+        n = P * Q
+        self.input_ids[:n].copy_(i64[:n], non_blocking=True)
+        self.positions[:n].copy_(i64[n:2 * n], non_blocking=True)
+        self.slots[:n].copy_(i64[2 * n:3 * n], non_blocking=True)
+        self.seq_lens[:P].copy_(i32[:P], non_blocking=True)
+        self.block_tables[:P, :width].copy_(i32[P:P + P * width].view(P, width), non_blocking=True)
+        # (the lengths are padded already: as P sequences of Q rows, _replay extends none of them)
+        return self._replay(key, SimpleNamespace(num_seqs=P, q_lens=[Q] * P, seq_lens_cpu=lens_cpu))

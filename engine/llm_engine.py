@@ -151,10 +151,11 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.final_outputs_only = False        # LLM.generate: skip building per-step streaming outputs
         self.last_profile: list[dict] | None = None
         self.stats_total = dict(prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
-        self.drafter = None
+        self.drafter = self.fast_verify = None
         if config.speculative_method:
-            from .spec import make_drafter
+            from .spec import FastVerify, make_drafter
             self.drafter = make_drafter(self)
+            self.fast_verify = FastVerify(self)
         if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
             from .cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
@@ -247,10 +248,16 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         decode_only = self.drafter is not None and all(       # auto-off measures decode-only step times
             seq.num_output_tokens and start == seq.num_tokens - 1 and n == k + 1
             for seq, n, start, k in zip(sched.seqs, sched.num_new_tokens, sched.computed_before, sched.num_spec_tokens))
-        input_ids, md = self.runner.prepare(sched, sample_mask, extra)
-        t_prep = time.perf_counter()
-        logits = self.runner.execute(input_ids, md)
-        t_fwd = time.perf_counter()
+        fast = self.fast_verify.plan(sched) if self.fast_verify is not None else None
+        if fast is not None:        # plain-greedy verify step: padded graph layout packed directly, argmax ids back
+            graphed = self.fast_verify.launch(sched, fast)
+            t_prep = t_fwd = time.perf_counter()
+        else:
+            input_ids, md = self.runner.prepare(sched, sample_mask, extra)
+            t_prep = time.perf_counter()
+            logits = self.runner.execute(input_ids, md)
+            t_fwd = time.perf_counter()
+            graphed = md.graphed
         constrained = self.num_constrained > 0
         if constrained:             # on CUDA the host fills the masks while the forward runs
             rows = []                                   # the sequence whose next token each logits row samples
@@ -260,7 +267,9 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             self._apply_grammars(rows, logits)
         t_mask = time.perf_counter()
         num_spec = max(sched.num_spec_tokens, default=0)
-        if num_spec:
+        if fast is not None:
+            outputs_tokens, lp_rows = self.drafter.verify_greedy(sched, self.fast_verify.targets(), fast[1])
+        elif num_spec:
             outputs_tokens, lp_rows = self.drafter.verify(sched, sample_mask, logits)
         else:                                           # no drafts this step: a plain step
             outputs_tokens, lp_rows = self._sample(sched, sample_mask, logits)
@@ -280,7 +289,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             if constrained:
                 timings["grammar mask"] = t_mask - t_fwd
             timings.update({k: v for k, v in timer.collect().items()})
-            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=getattr(md, "graphed", False),
+            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=graphed,
                             rank_timings=self.collect_rank_timings())
         else:
             self.block_manager.pop_step_stats()
@@ -347,7 +356,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.stop_workers()
         self.runner.graphs = None
         self._inflight = None
-        self.drafter = None                     # a draft model and its KV pool go with it
+        self.drafter = self.fast_verify = None  # a draft model and its KV pool go with it
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         self.runner.kv_cache = None

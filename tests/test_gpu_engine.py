@@ -96,6 +96,8 @@ def run_spec(num_kv_blocks=512, n=8, **cfg):
     g = eng.runner.graphs
     replay = g._replay
     g._replay = lambda key, md: (keys.append(key), replay(key, md))[1]
+    run_padded = g.run_padded           # verify steps of the fast path (spec/fast_verify.py): marked by Q = -Q
+    g.run_padded = lambda key, *a: (keys.append((key[0], -key[1], key[2])), run_padded(key, *a))[1]
     gen = torch.Generator().manual_seed(1)
     for i in range(n):
         body = torch.randint(10, 49000, (int(torch.randint(5, 60, (1,), generator=gen)),), generator=gen).tolist()
@@ -120,6 +122,12 @@ def test_spec_greedy_identical_under_cuda_graphs(method, setup):
     assert got == ref
     assert st["spec_decode_num_drafts"] > 0
     assert any(q > 1 for _, q, _ in keys)                  # verify steps replayed (batch, Q) graphs
+    assert any(q < 0 for _, q, _ in keys)                  # ... packed by the fast verify path
+    if setup == "batched" and method == "ngram":           # the general verify path replays the same graphs
+        general, gkeys, gst = run_spec(**kw, **SPEC_METHODS[method], speculative_auto_off=False,
+                                       spec_fast_verify=False)
+        assert general == ref and not any(q < 0 for _, q, _ in gkeys)
+        assert gst["spec_decode_num_accepted_tokens"] == st["spec_decode_num_accepted_tokens"]
     if method == "self":
         assert any(layers == 10 for _, _, layers in keys)   # draft steps replayed the first-layers graphs
     if setup == "preemption":

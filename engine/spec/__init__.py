@@ -6,6 +6,7 @@ propose / verify / accept / pop_step_stats / total_stats hooks (see base.py).
 from __future__ import annotations
 
 from .base import Drafter, SpecStats, acceptance_rate, mean_acceptance_length
+from .fast_verify import FastVerify
 from .model_drafter import ModelDrafter
 from .ngram import NgramDrafter, ngram_propose
 from .rejection import greedy_accept, rejection_sample
@@ -22,5 +23,5 @@ def make_drafter(engine) -> Drafter:
     raise ValueError(f"EngineConfig.speculative_method: unknown method {method!r}")
 
 
-__all__ = ["make_drafter", "Drafter", "NgramDrafter", "ModelDrafter", "SpecStats", "ngram_propose",
+__all__ = ["make_drafter", "Drafter", "FastVerify", "NgramDrafter", "ModelDrafter", "SpecStats", "ngram_propose",
            "rejection_sample", "greedy_accept", "acceptance_rate", "mean_acceptance_length"]

@@ -105,7 +105,7 @@ def _batch_bucket(b: int) -> int:
     return max(1, b).bit_length()          # 1, 2-3, 4-7, 8-15, ...
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: Sequence) -> bool:
     p = seq.params
     return p.greedy and not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
 
@@ -274,7 +274,7 @@ class Drafter:
         rows, groups = [], []
         r = 0
         # plain greedy rows (no penalties, logprobs or min_tokens ban) need only the argmax: no SampleRow per row
-        plain = all(_plain_greedy(seq) for seq, m in zip(sched.seqs, sample_mask) if m)
+        plain = all(plain_greedy(seq) for seq, m in zip(sched.seqs, sample_mask) if m)
         for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
             if not m:
                 continue
@@ -287,8 +287,7 @@ class Drafter:
             r += k + 1
         new_tokens: list[list[int]] = [[] for _ in sched.seqs]
         lp_rows: list = [None] * len(sched.seqs)
-        step = self._step = SpecStats(self.k)
-        self._step_requests = {}
+        self._step, self._step_requests = SpecStats(self.k), {}
         if not groups:
             return new_tokens, lp_rows
         assert r == logits.shape[0], f"verify: {r} logit rows expected, got {logits.shape[0]}"
@@ -322,26 +321,43 @@ class Drafter:
             new_tokens[i] = toks
             if raw_lp is not None:
                 lp_rows[i] = [raw_lp[r0 + j] for j in range(len(toks))]
-            a = len(toks) - 1
-            step.add(k, a)
-            self.total.add(k, a)
-            if k and (self.adaptive or self.auto_off):
-                st = self._accept.get(seq.request_id)
-                if st is not None:
-                    st.update(k, a)
-                    if self.auto_off:
-                        self._after_verify(seq, st, len(groups))
-            if k:
-                self._step_requests[seq.request_id] = (k, a)
-                rs = self._requests.get(seq.request_id)
-                if rs is None:
-                    rs = self._requests[seq.request_id] = SpecStats(self.k)
-                    if len(self._requests) > _MAX_REQUEST_STATS:
-                        self._requests.popitem(last=False)     # least recently drafted for
-                else:
-                    self._requests.move_to_end(seq.request_id)
-                rs.add(k, a)
+            self._record(seq, k, len(toks) - 1, len(groups))
         return new_tokens, lp_rows
+
+    def verify_greedy(self, sched, targets: list[int], Q: int):
+        """Verification on the fast path (spec/fast_verify.py), where every scheduled request decodes plain
+        greedy: targets[i * Q + j] is the target's argmax at request i's j-th verified position."""
+        self._step, self._step_requests = SpecStats(self.k), {}
+        B = len(sched.seqs)
+        new_tokens = []
+        for i, (seq, k) in enumerate(zip(sched.seqs, sched.num_spec_tokens)):
+            toks = greedy_accept(targets[i * Q:i * Q + k + 1], seq.spec_token_ids[:k])
+            new_tokens.append(toks)
+            self._record(seq, k, len(toks) - 1, B)
+        return new_tokens, [None] * B
+
+    def _record(self, seq: Sequence, k: int, a: int, batch: int) -> None:
+        """Count a verified request's k drafts of which a were accepted: step, total and per-request counters,
+        the adaptive / auto-off estimate."""
+        self._step.add(k, a)
+        self.total.add(k, a)
+        if not k:
+            return
+        if self.adaptive or self.auto_off:
+            st = self._accept.get(seq.request_id)
+            if st is not None:
+                st.update(k, a)
+                if self.auto_off:
+                    self._after_verify(seq, st, batch)
+        self._step_requests[seq.request_id] = (k, a)
+        rs = self._requests.get(seq.request_id)
+        if rs is None:
+            rs = self._requests[seq.request_id] = SpecStats(self.k)
+            if len(self._requests) > _MAX_REQUEST_STATS:
+                self._requests.popitem(last=False)     # least recently drafted for
+        else:
+            self._requests.move_to_end(seq.request_id)
+        rs.add(k, a)
 
     def accept(self, seq: Sequence, num_spec: int, toks: list[int]) -> None:
         """After verification (before the tokens are appended): the KV of the accepted drafts is valid."""

@@ -3,6 +3,12 @@
 The last n tokens (n from ngram_max down to ngram_min) are looked up in the request's own history
 (prompt + generated); the tokens that followed their most recent earlier occurrence are the draft.
 Drafts are deterministic, so verification treats q as one-hot.
+
+Each request keeps an index of its history: per n, a dict from each n-gram to the end position of its most
+recent occurrence, extended by the tokens added since the last step (C-speed `dict.update` over zipped
+slices), so a proposal is at most (ngram_max - ngram_min + 1) dict lookups instead of a scan of the history.
+`ngram_propose` is the scan it must agree with (tests/test_spec_host.py), and serves histories longer than
+`INDEX_MAX_TOKENS`, where the index would cost ~0.5 KB per token.
 """
 from __future__ import annotations
 
@@ -38,15 +44,62 @@ def ngram_propose(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int
     return arr[start:start + k].tolist()
 
 
+INDEX_MAX_TOKENS = 16384     # longer histories are scanned (ngram_propose) instead of indexed
+
+
+class NgramIndex:
+    """One request's n-grams (n_min..n_max) -> end position of their most recent occurrence, over the ends
+    0 .. L-2 of its token history (the suffix itself is never a match of itself)."""
+    __slots__ = ("n_min", "n_max", "tables", "ends")
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.tables: list[dict[tuple, int]] = [{} for _ in range(n_max + 1)]    # [n]: n-gram -> last end
+        self.ends = 0                       # ends 0 .. ends-1 are indexed
+
+    def _extend(self, tokens: list[int], hi: int) -> None:
+        """Index the n-grams ending at positions self.ends .. hi - 1."""
+        lo, tables = self.ends, self.tables
+        if hi - lo <= 32:                           # a step's few new tokens: plain lookups are cheapest
+            for n in range(self.n_min, self.n_max + 1):
+                t = tables[n]
+                for e in range(max(lo, n - 1), hi):
+                    t[tuple(tokens[e - n + 1:e + 1])] = e
+        else:                                       # a prompt: zipped slices, at C speed per n-gram
+            for n in range(self.n_min, self.n_max + 1):
+                e0 = max(lo, n - 1)                 # first end with n tokens before it
+                if e0 >= hi:
+                    continue
+                m = hi - e0                         # n-grams ending at e0 .. hi-1
+                seg = tokens[e0 - n + 1:hi]
+                tables[n].update(zip(zip(*[seg[j:j + m] for j in range(n)]), range(e0, hi)))  # latest end wins
+        self.ends = hi
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """As ngram_propose(tokens, n_min, n_max, k) for a history that only grew since the last call."""
+        L = len(tokens)
+        if L < self.ends + 1:                       # the history shrank (never for a live request): re-index
+            self.tables, self.ends = [{} for _ in range(self.n_max + 1)], 0
+        if k <= 0 or L < 2:
+            return []
+        if self.ends < L - 1:
+            self._extend(tokens, L - 1)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            end = self.tables[n].get(tuple(tokens[L - n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k]
+        return []
+
+
 class _History:
-    """A request's tokens as a growing numpy array (amortised O(1) append), so a step converts only the tokens
-    added since the last one instead of the whole history."""
+    """A long request's tokens as a growing numpy array (amortised O(1) append), so each scan converts only the
+    tokens added since the last one."""
     __slots__ = ("buf", "n")
 
     def __init__(self):
         self.buf, self.n = np.empty(256, dtype=np.int64), 0
 
-    def sync(self, tokens: list[int]) -> np.ndarray:
+    def propose(self, tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         L = len(tokens)
         if L < self.n:                                 # never happens for a live request; stay correct anyway
             self.n = 0
@@ -57,7 +110,7 @@ class _History:
         if L > self.n:
             self.buf[self.n:L] = tokens[self.n:L]
             self.n = L
-        return self.buf[:L]
+        return ngram_propose(self.buf[:L], n_min, n_max, k)
 
 
 class NgramDrafter(Drafter):
@@ -67,14 +120,21 @@ class NgramDrafter(Drafter):
         super().__init__(engine)
         cfg = engine.config
         self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
-        self._hist: dict[str, _History] = {}
+        self._index: dict[str, NgramIndex | _History] = {}      # _History: too long to index, scanned instead
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
-        if len(self._hist) > 2 * len(cands) + 256:
+        if len(self._index) > 2 * len(cands) + 256:
             live = {s.request_id for s in self.engine.scheduler.running}
-            self._hist = {r: h for r, h in self._hist.items() if r in live}
+            self._index = {r: h for r, h in self._index.items() if r in live}
+        index = self._index
         for seq, k in cands:
-            h = self._hist.get(seq.request_id)
-            if h is None:
-                h = self._hist[seq.request_id] = _History()
-            seq.spec_token_ids = ngram_propose(h.sync(seq.token_ids), self.n_min, self.n_max, k)
+            toks = seq.token_ids
+            ix = index.get(seq.request_id)
+            if len(toks) > INDEX_MAX_TOKENS:
+                if not isinstance(ix, _History):
+                    ix = index[seq.request_id] = _History()
+                seq.spec_token_ids = ix.propose(toks, k, self.n_min, self.n_max)
+                continue
+            if not isinstance(ix, NgramIndex):
+                ix = index[seq.request_id] = NgramIndex(self.n_min, self.n_max)
+            seq.spec_token_ids = ix.propose(toks, k)
