@@ -5,9 +5,10 @@ conversions issue at 16 per clock per SM on Hopper, about the rate at which HBM 
 here a weight costs its decode alone (fp8: half a conversion, int8 / int4 into fp16 or int4 into bf16: integer
 operations), the multiplies go to the tensor cores.
 
-Decodes into the dot's dtype DT (DOT 0: the activation dtype; DOT 1: fp16), all exact:
+Decodes into the dot's dtype DT (DOT 0: the activation dtype; DOT 1: fp16, the activation rounded to fp16 and
+saturated at +-65504), all exact:
 - fp8 e4m3 -> DT by conversion (into fp16 one paired instruction per two weights; into bf16 via fp16);
-- int8 -> fp16 from bits: 0x6480 + q is the fp16 1152 + q; -> bf16 / fp32 by conversion;
+- int8 -> DT: Triton's integer decode (no conversion instructions into fp16 / bf16);
 - int4 -> bits: 0x6400 | q is the fp16 1024 + q, 0x4300 | q the bf16 128 + q; -> fp32 by conversion.
 A code offset OFF is undone on the rows' activation sums: sum(a (OFF + q)) - OFF sum(a).
 Scales ride on the fp32 partial dots: int8's per-channel scale once at the end; fp8's block scale per 128-wide
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..quant.formats import BLOCK, int4_group
-from .gemv import PROLOGUES, _activation, _epilogue
+from .gemv import PROLOGUES, _epilogue
 
 DM: tl.constexpr = tl.constexpr(16)     # rows of the dot: tensor-core tiles are at least 16 rows
 TC_FMT_IDS = {"int8": 0, "fp8": 1, "int4": 2}
@@ -44,17 +45,27 @@ def _mma(a, w, IEEE: tl.constexpr):
 @triton.jit
 def _act(x_ptr, nw_ptr, offs_k, M, K, stride_xm, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
          DT: tl.constexpr):
-    """prologue(x) at k offsets offs_k [BK] -> a [DM, BK] in DT (rows >= M zero), the rows' sums of squares
-    (rms_norm; else zeros) and the rows' sums of a as rounded to DT, both [BLOCK_M] fp32."""
+    """prologue(x) at k offsets offs_k [BK] -> a [DM, BK] in DT (rows >= M zero); the squares of x (rms_norm:
+    summed once after the loop, not every step) [BLOCK_M, BK] and the rows' sums of a as rounded to DT
+    [BLOCK_M], fp32."""
     offs_m = tl.arange(0, BLOCK_M)
-    mm = offs_m < M
+    km = offs_k < K
+    xmask = (offs_m < M)[:, None] & km[None, :]
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
-    if PROLOGUE == 0:
-        a = tl.load(x_rows + offs_k[None, :], mask=mm[:, None] & (offs_k < K)[None, :], other=0.0).to(DT)
-        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 2:
+        g = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(DT)    # rounded as the unfused kernel's
     else:
-        af, sq = _activation(x_rows, nw_ptr, offs_k, mm, K, PROLOGUE, BLOCK_M)
-        a = af.to(DT)
+        a = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0)
+    sq = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        af = a.to(tl.float32)
+        sq = af * af
+        a = af * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]
+    if DT == tl.float16 and x_ptr.dtype.element_ty != tl.float16:
+        a = tl.minimum(tl.maximum(a.to(tl.float32), -65504.0), 65504.0)       # saturate, not inf, past fp16
+    a = a.to(DT)
     sa = tl.sum(a.to(tl.float32), axis=1)
     if BLOCK_M == 1:            # [1, BK] -> [DM, BK]: the row, then zeros
         a = tl.where((tl.arange(0, DM) == 0)[:, None], a, tl.zeros([DM, 1], dtype=DT))
@@ -66,8 +77,6 @@ def _w8_values(w, FMT: tl.constexpr, DT: tl.constexpr):
     """int8 bytes [BN, BK] (int8 codes or fp8 e4m3 bit patterns) -> DT values OFF + q (see the module doc)."""
     if FMT == 1:
         v = w.to(tl.float8e4nv, bitcast=True).to(DT)
-    elif DT == tl.float16:
-        v = (w.to(tl.int32) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True)   # 1152 + q
     else:
         v = w.to(DT)
     return v
@@ -92,16 +101,17 @@ def _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stri
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """-> ([DM, BN] fp32 prologue(x) @ W[offs_n].T, scales applied; [BLOCK_M] sums of squares (rms_norm)).
     FMT 0 int8, 1 fp8 (s_row: the block-scale row of the program's 128-row block), 2 int4 (groups of 2 HALF).
-    OFF: the code offset of the decode into DT (code_offset). One loop step covers BLOCK_K weights along k: fp8 BLOCK_K / 128 scale blocks, int4 BLOCK_K / (2 HALF) groups."""
+    OFF: int4's code offset in DT (code_offset). One loop step covers BLOCK_K weights along k: fp8 BLOCK_K / 128
+    scale blocks, int4 BLOCK_K / (2 HALF) groups."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([DM, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1]
     if FMT == 2:
         GROUP: tl.constexpr = 2 * HALF
         offs_h = tl.arange(0, HALF)
+        ss = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             for j in tl.static_range(BLOCK_K // GROUP):
                 g = k0 // GROUP + j
@@ -118,12 +128,12 @@ def _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stri
                 ss += sq_lo + sq_hi
     else:
         SUB: tl.constexpr = BLOCK if FMT == 1 else BLOCK_K                     # fp8: one scale block per dot
-        sa = tl.zeros([BLOCK_M], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_M, SUB], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             for j in tl.static_range(BLOCK_K // SUB):
                 offs_k = k0 + j * SUB + tl.arange(0, SUB)
                 w = tl.load(w_rows + offs_k[None, :], mask=nm[:, None] & (offs_k < K)[None, :], other=0)
-                a, sq, sa_j = _act(x_ptr, nw_ptr, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_M, DT)
+                a, sq, _ = _act(x_ptr, nw_ptr, offs_k, M, K, stride_xm, PROLOGUE, BLOCK_M, DT)
                 part = _mma(a, _w8_values(w, FMT, DT), IEEE)                   # [DM, BN]
                 if FMT == 1:
                     kb = (k0 + j * SUB) // BLOCK
@@ -131,10 +141,9 @@ def _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stri
                 else:
                     acc += part
                 ss += sq
-                sa += sa_j
         if FMT == 0:
-            acc = (acc - OFF * sa[:, None]) * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]
-    return acc, ss
+            acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]
+    return acc, tl.sum(ss, axis=1)
 
 
 @triton.jit
@@ -161,10 +170,12 @@ QUANT_GEMV_TC_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]
 
 def quant_gemv_tc_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, DOT): the swept entry for this shape, else a rule: 32 rows a
-    program (128 programs for N = 4096), 256 weights of k a step, 4 stages of loads in flight."""
+    program (128 programs for N = 4096), 256 weights of k a step, 4 stages of loads in flight; fp8 and int4 in
+    fp16 (fp8 -> bf16 costs 1.5 conversions a weight on Hopper, -> fp16 0.5), int8 in bf16 (Triton's int8 -> bf16
+    decode is integer operations, its int8 -> fp16 a conversion a weight)."""
     cfg = QUANT_GEMV_TC_CONFIGS.get((fmt, N, K))
     if cfg is None:
-        cfg = (32, 256, 2, 4, 0)
+        cfg = (32, 256, 2, 4, 0 if fmt == "int8" else 1)
     return cfg
 
 
@@ -176,10 +187,10 @@ def tc_dtype(x_dtype: torch.dtype, dot: int) -> tl.dtype:
 
 
 def code_offset(fmt: str, dt: tl.dtype) -> float:
-    """OFF of the decode of fmt's codes into dt: the value of code q is OFF + q (int formats' bit decodes)."""
+    """OFF of int4's decode into dt: the value of code q is OFF + q (bit decodes into 16-bit floats)."""
     if fmt == "int4":
         return {tl.float16: 1024.0, tl.bfloat16: 128.0}.get(dt, 0.0)
-    return 1152.0 if fmt == "int8" and dt == tl.float16 else 0.0
+    return 0.0
 
 
 def quant_fused_linear_tc(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], out: torch.Tensor, bias, prologue,
