@@ -116,11 +116,16 @@ def _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stri
             for j in tl.static_range(BLOCK_K // GROUP):
                 g = k0 // GROUP + j
                 k_lo = g * GROUP + offs_h                                      # [H] the low nibbles' k's
-                b = tl.load(w_rows + (g * HALF + offs_h)[None, :], mask=nm[:, None] & (k_lo < K)[None, :],
-                            other=0).to(tl.int32)                              # [BN, H] packed bytes
+                bp = w_rows + (g * HALF + offs_h)[None, :]                       # [BN, H] packed bytes
+                bm = nm[:, None] & (k_lo < K)[None, :]
                 a_lo, sq_lo, sa_lo = _act(x_ptr, nw_ptr, k_lo, M, K, stride_xm, PROLOGUE, BLOCK_M, DT)
                 a_hi, sq_hi, sa_hi = _act(x_ptr, nw_ptr, k_lo + HALF, M, K, stride_xm, PROLOGUE, BLOCK_M, DT)
-                part = _mma(a_lo, _nibble_values(b & 15, DT), IEEE) + _mma(a_hi, _nibble_values(b >> 4, DT), IEEE)
+                # the bytes loaded twice (the second from L2), once per nibble: a load with one use is what
+                # Triton pipelines through shared memory and decodes after the dot-operand load
+                b_lo = tl.load(bp, mask=bm, other=0).to(tl.int32)
+                b_hi = tl.load(bp, mask=bm, other=0, eviction_policy="evict_first").to(tl.int32)
+                part = _mma(a_lo, _nibble_values(b_lo & 15, DT), IEEE)
+                part += _mma(a_hi, _nibble_values(b_hi >> 4, DT), IEEE)
                 gm = nm & (g * GROUP + 0 * offs_n < K)                           # [BN]
                 s = tl.load(s_ptr + offs_n * stride_sn + g, mask=gm, other=0.0).to(tl.float32)     # [BN]
                 z = tl.load(z_ptr + offs_n * stride_sn + g, mask=gm, other=0.0).to(tl.float32)
