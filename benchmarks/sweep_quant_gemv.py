@@ -66,12 +66,14 @@ def configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-TC_DOTS = {"fp8": (1, 0), "int8": (0,), "int4": (1, 0)}      # int8 -> fp16 is a conversion a weight: not swept
+# DOT: bit 0 fp16 operands, bit 1 int4's packed inline-PTX decode; int8 -> fp16 is a conversion a weight: not swept
+TC_DOTS = {"fp8": (1, 0), "int8": (0,), "int4": (1, 0, 3, 2)}
+QUICK_TC_DOTS = {"fp8": (1,), "int8": (0,), "int4": (1, 3)}    # the rest timed at the best config only
 
 
 def tc_configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, DOT) of the tensor-core kernel: BLOCK_N rows of mma tiles 8
-    wide, at most one warp per 8 rows. quick: 4 stages, BLOCK_N 16-64, BLOCK_K 256-512."""
+    wide, at most one warp per 8 rows. quick: 4 stages, BLOCK_N 16-64, BLOCK_K 256-512, fp16 dots."""
     out = []
     for bn in (16, 32, 64) if quick else (16, 32, 64, 128):
         for warps in (1, 2, 4) if quick else (1, 2, 4, 8):
@@ -79,7 +81,7 @@ def tc_configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
                 continue
             for bk in (256, 512) if quick else (128, 256, 512, 1024):
                 for stages in (4,) if quick else (2, 3, 4, 6):
-                    for dot in TC_DOTS[fmt]:
+                    for dot in (QUICK_TC_DOTS if quick else TC_DOTS)[fmt]:
                         out.append((bn, bk, warps, stages, dot))
     return out
 

@@ -112,7 +112,7 @@ def test_quant_gemv_tc_full_size(fmt):
             ref = quant_fused_linear_ref(x.float(), fmt, t, (N, K), **{**kw, "norm_weight": kw["norm_weight"].float(),
                                                                       "residual": kw["residual"].float()})
             cfg = quant_gemv_tc_config(fmt, M, N, K)
-            for dot in (0, 1):
+            for dot in (0, 1, 2, 3) if fmt == "int4" else (0, 1):
                 y = quant_fused_linear(x, fmt, t, (N, K), tensor_cores=True, config=(*cfg[:4], dot), **kw)
                 assert _rel(y, ref) < 1e-2, (name, M, prologue, dot)
 
@@ -127,7 +127,7 @@ def test_quant_gemv_tc_decodes_every_code_exactly(fmt):
     for c0 in range(0, K, 16):
         x = torch.eye(K, device="cuda", dtype=torch.bfloat16)[c0:c0 + 16]
         for M in (1, 16):
-            for dot in (0, 1):
+            for dot in (0, 1, 2, 3) if fmt == "int4" else (0, 1):        # int4 2, 3: the packed inline-PTX decode
                 y = quant_fused_linear(x[:M], fmt, t, (N, K), tensor_cores=True,
                                        config=(16, 256 if fmt != "int4" else 128, 1, 3, dot))
                 assert torch.equal(y, w[:, c0:c0 + M].T), (fmt, dot, c0, M)

@@ -68,13 +68,14 @@ def check_quant_gemv_tc(fmt, block_m, dot):
     import triton.language as tl
     from engine.kernels import quant_gemv_tc as q
     bn, bk, warps, stages, _ = q.quant_gemv_tc_config(fmt, block_m, 4096, 4096)
-    dt = tl.float16 if dot else tl.bfloat16
+    dt = tl.float16 if dot & 1 else tl.bfloat16
     ptrs = {"w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"} if fmt == "int4" else None
     for prologue in (1, 2):
         compile_sm90(q._gemv_tc_kernel,
                      dict(FMT=q.TC_FMT_IDS[fmt], PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 2,
                           USE_PDL=True, IEEE=False, DT=dt, OFF=q.code_offset(fmt, dt), BLOCK=128,
-                          HALF=64 if fmt == "int4" else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk),
+                          HALF=64 if fmt == "int4" else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+                          ASM=bool(dot & 2)),
                      ptrs, aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"),
                      num_warps=warps, num_stages=stages)
 
@@ -110,6 +111,7 @@ def check_paged_attention():
 
 CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 4])] + \
          [(check_quant_gemv_tc, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 16], [0, 1])] + \
+         [(check_quant_gemv_tc, ("int4", m, d)) for m in (1, 16) for d in (2, 3)] + \
          [(check_quant_qkv_rope, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 

@@ -86,9 +86,11 @@ def test_tc_config_table_and_rule():
     bn, bk, warps, stages, dot = quant_gemv_tc_config("fp8", 1, 999, 333)
     assert bn >= 16 and 128 % bn == 0 and bk % 128 == 0 and warps * 8 <= bn and dot == 1
     assert quant_gemv_tc_config("int8", 1, 999, 333)[4] == 0         # int8 -> fp16 would convert every weight
+    t = quantize(torch.randn(32, 64), "int8")
     with pytest.raises(AssertionError, match="at most 16 rows"):
-        t = quantize(torch.randn(32, 64), "int8")
         quant_fused_linear(torch.randn(17, 64), "int8", t, (32, 64), tensor_cores=True)
+    with pytest.raises(AssertionError, match="packed"):             # inline PTX: int4, compiled kernels only
+        quant_fused_linear(torch.randn(1, 64), "int8", t, (32, 64), tensor_cores=True, config=(16, 64, 1, 2, 2))
 
 
 def test_quant_linear_switch():

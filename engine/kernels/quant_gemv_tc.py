@@ -5,11 +5,12 @@ conversions issue at 16 per clock per SM on Hopper, about the rate at which HBM 
 here a weight costs its decode alone (fp8: half a conversion, int8 / int4 into fp16 or int4 into bf16: integer
 operations), the multiplies go to the tensor cores.
 
-Decodes into the dot's dtype DT (DOT 0: the activation dtype; DOT 1: fp16, the activation rounded to fp16 and
-saturated at +-65504), all exact:
+Decodes into the dot's dtype DT (DOT bit 0 clear: the activation dtype; set: fp16, the activation rounded to
+fp16 and saturated at +-65504), all exact:
 - fp8 e4m3 -> DT by conversion (into fp16 one paired instruction per two weights; into bf16 via fp16);
 - int8 -> DT: Triton's integer decode (no conversion instructions into fp16 / bf16);
-- int4 -> bits: 0x6400 | q is the fp16 1024 + q, 0x4300 | q the bf16 128 + q; -> fp32 by conversion.
+- int4 -> bits: 0x6400 | q is the fp16 1024 + q, 0x4300 | q the bf16 128 + q; -> fp32 by conversion. DOT bit 1:
+  the same bits four bytes at a time in inline PTX (about one integer instruction per weight instead of three).
 A code offset OFF is undone on the rows' activation sums: sum(a (OFF + q)) - OFF sum(a).
 Scales ride on the fp32 partial dots: int8's per-channel scale once at the end; fp8's block scale per 128-wide
 k-block (a program's rows lie in one 128-row block, so it is one number); int4's scale and min per group:
@@ -20,6 +21,8 @@ Launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT): QUANT_GEMV_TC_CON
 benchmarks/sweep_quant_gemv.py.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -95,13 +98,59 @@ def _nibble_values(q, DT: tl.constexpr):
 
 
 @triton.jit
+def _nibbles_packed(b, DT: tl.constexpr):
+    """int4 bytes [BN, H] -> (low, high nibbles) as DT values OFF + q, four bytes per two integer instructions per
+    output pair (prmt spreads two bytes over two 16-bit halves, and + or set the exponent bits): inline PTX,
+    compiled Triton only (not the interpreter)."""
+    if DT == tl.float16:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, u0, u1, z;
+            mov.b32 z, 0;
+            prmt.b32 t0, $4, z, 0x4140;
+            prmt.b32 t1, $4, z, 0x4342;
+            and.b32 u0, t0, 0x000F000F;
+            and.b32 u1, t1, 0x000F000F;
+            or.b32 $0, u0, 0x64006400;
+            or.b32 $1, u1, 0x64006400;
+            shr.b32 t0, t0, 4;
+            shr.b32 t1, t1, 4;
+            and.b32 u0, t0, 0x000F000F;
+            and.b32 u1, t1, 0x000F000F;
+            or.b32 $2, u0, 0x64006400;
+            or.b32 $3, u1, 0x64006400;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1, u0, u1, z;
+            mov.b32 z, 0;
+            prmt.b32 t0, $4, z, 0x4140;
+            prmt.b32 t1, $4, z, 0x4342;
+            and.b32 u0, t0, 0x000F000F;
+            and.b32 u1, t1, 0x000F000F;
+            or.b32 $0, u0, 0x43004300;
+            or.b32 $1, u1, 0x43004300;
+            shr.b32 t0, t0, 4;
+            shr.b32 t1, t1, 4;
+            and.b32 u0, t0, 0x000F000F;
+            and.b32 u1, t1, 0x000F000F;
+            or.b32 $2, u0, 0x43004300;
+            or.b32 $3, u1, 0x43004300;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
 def _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stride_xm, stride_wn, stride_sn,
             FMT: tl.constexpr, PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
             DT: tl.constexpr, OFF: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
     """-> ([DM, BN] fp32 prologue(x) @ W[offs_n].T, scales applied; [BLOCK_M] sums of squares (rms_norm)).
     FMT 0 int8, 1 fp8 (s_row: the block-scale row of the program's 128-row block), 2 int4 (groups of 2 HALF).
-    OFF: int4's code offset in DT (code_offset). One loop step covers BLOCK_K weights along k: fp8 BLOCK_K / 128
+    OFF: int4's code offset in DT (code_offset); ASM: int4's packed inline-PTX decode. One loop step covers BLOCK_K weights along k: fp8 BLOCK_K / 128
     scale blocks, int4 BLOCK_K / (2 HALF) groups."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -120,12 +169,15 @@ def _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stri
                 bm = nm[:, None] & (k_lo < K)[None, :]
                 a_lo, sq_lo, sa_lo = _act(x_ptr, nw_ptr, k_lo, M, K, stride_xm, PROLOGUE, BLOCK_M, DT)
                 a_hi, sq_hi, sa_hi = _act(x_ptr, nw_ptr, k_lo + HALF, M, K, stride_xm, PROLOGUE, BLOCK_M, DT)
-                # the bytes loaded twice (the second from L2), once per nibble: a load with one use is what
-                # Triton pipelines through shared memory and decodes after the dot-operand load
-                b_lo = tl.load(bp, mask=bm, other=0).to(tl.int32)
-                b_hi = tl.load(bp, mask=bm, other=0, eviction_policy="evict_first").to(tl.int32)
-                part = _mma(a_lo, _nibble_values(b_lo & 15, DT), IEEE)
-                part += _mma(a_hi, _nibble_values(b_hi >> 4, DT), IEEE)
+                if ASM:
+                    q_lo, q_hi = _nibbles_packed(tl.load(bp, mask=bm, other=0), DT)
+                else:
+                    # the bytes loaded twice (the second from L2), once per nibble: a load with one use is what
+                    # Triton pipelines through shared memory and decodes after the dot-operand load
+                    q_lo = _nibble_values(tl.load(bp, mask=bm, other=0).to(tl.int32) & 15, DT)
+                    q_hi = _nibble_values(tl.load(bp, mask=bm, other=0, eviction_policy="evict_first").to(tl.int32)
+                                          >> 4, DT)
+                part = _mma(a_lo, q_lo, IEEE) + _mma(a_hi, q_hi, IEEE)
                 gm = nm & (g * GROUP + 0 * offs_n < K)                           # [BN]
                 s = tl.load(s_ptr + offs_n * stride_sn + g, mask=gm, other=0.0).to(tl.float32)     # [BN]
                 z = tl.load(z_ptr + offs_n * stride_sn + g, mask=gm, other=0.0).to(tl.float32)
@@ -156,20 +208,21 @@ def _gemv_tc_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, M
                     stride_xm, stride_wn, stride_sn, stride_rm, stride_om, eps,
                     FMT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                     USE_PDL: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr,
-                    BLOCK: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, DM)
     mm, nm = offs_m < M, offs_n < N
     s_row = s_ptr + ((pid * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn        # fp8: the rows' block of scales
     acc, ss = _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stride_xm, stride_wn,
-                      stride_sn, FMT, PROLOGUE, USE_PDL, IEEE, DT, OFF, BLOCK, HALF, BLOCK_M, BLOCK_N, BLOCK_K)
+                      stride_sn, FMT, PROLOGUE, USE_PDL, IEEE, DT, OFF, BLOCK, HALF, BLOCK_M, BLOCK_N, BLOCK_K, ASM)
     _epilogue(acc, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
               PROLOGUE, HAS_BIAS, HAS_RES)
 
 
-# (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT) at M = 1 (DOT 1: fp16 operands, else the
-# activation dtype's). Guesses until benchmarks/sweep_quant_gemv.py --tc has run on an H200.
+# (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT) at M = 1 (DOT bit 0: fp16 operands, else the
+# activation dtype's; bit 1: int4's packed inline-PTX decode). Guesses until benchmarks/sweep_quant_gemv.py --tc has run on an H200.
 QUANT_GEMV_TC_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 
 
@@ -185,8 +238,8 @@ def quant_gemv_tc_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, in
 
 
 def tc_dtype(x_dtype: torch.dtype, dot: int) -> tl.dtype:
-    """The dot's operand dtype: fp16 (DOT 1), else the activation dtype's."""
-    if dot == 1:
+    """The dot's operand dtype: fp16 (DOT bit 0), else the activation dtype's."""
+    if dot & 1:
         return tl.float16
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[x_dtype]
 
@@ -219,11 +272,19 @@ def quant_fused_linear_tc(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor]
         assert fmt == "int8" or (BLOCK % bn == 0 and bk % BLOCK == 0), \
             f"fp8 BLOCK_N {bn} must divide, BLOCK_K {bk} be a multiple of, the {BLOCK}-wide scale block"
     dt = tc_dtype(x.dtype, dot)
+    asm = bool(dot & 2)
+    assert not asm or (fmt == "int4" and dt in (tl.float16, tl.bfloat16) and not _interpreted()), \
+        f"DOT {dot}: the packed (inline-PTX) decode is int4's into 16-bit floats, compiled only"
     _gemv_tc_kernel[(triton.cdiv(N, bn),)](
         x, w, s, z, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
         residual if residual is not None else out, out, M, N, K, G, x.stride(0), w.stride(0), s.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         FMT=TC_FMT_IDS[fmt], PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         USE_PDL=pdl, IEEE=dt == tl.float32, DT=dt, OFF=code_offset(fmt, dt), BLOCK=BLOCK, HALF=group // 2, BLOCK_M=1 if M == 1 else 16,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
+        BLOCK_N=bn, BLOCK_K=bk, ASM=asm, num_warps=warps, num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -88,7 +88,7 @@ def quant_fused_qkv_rope_store(x: torch.Tensor, fmt: str, qt: dict[str, torch.Te
         P = 8                                                   # 2P = 16 rows: one tensor-core tile wide
         _, bk, warps, stages, dot = config or quant_gemv_tc_config(fmt, M, N, K)
         warps = min(warps, 2)                                   # 16 rows: at most two 8-wide mma tiles
-        cvt, pre, dt = 0, 0, tc_dtype(x.dtype, dot)
+        cvt, pre, dt = 0, 0, tc_dtype(x.dtype, dot & 1)     # int4's packed decode: not here
     else:
         P = 2 if half % 2 == 0 else 1                           # rotation pairs per program
         _, bk, warps, cvt, pre = config or quant_gemv_config(fmt, M, N, K)
