@@ -217,10 +217,15 @@ def main():
                     c = top["cfg"]
                     row["cuda_us_by_cvt"] = {v: (top if v == c[3] else measure((*c[:3], v, c[4])))["us"]
                                              for v in CVTS[fmt]}
-                else:
-                    c = top["cfg"]
-                    row["tc_us_by_dot"] = {d: (top if d == c[4] else measure((*c[:4], d), True))["us"]
-                                           for d in TC_DOTS[fmt]}
+                else:                                           # each dot dtype / decode at the best tiles
+                    c, by_dot = top["cfg"], {}
+                    for d in TC_DOTS[fmt]:
+                        try:
+                            m = top if d == c[4] else measure((*c[:4], d), True)
+                            by_dot[d] = (m["us"], m["rel_err"])
+                        except Exception as e:
+                            by_dot[d] = (float("nan"), f"{type(e).__name__}: {str(e)[:80]}")
+                    row["tc_us_err_by_dot"] = by_dot
             xk = x[:, :K].contiguous()                          # the GEMM's plain [1, K] input
             gref = quant_matmul_ref(xk.float(), fmt, ts[0], (N, K))
             gemm = []
