@@ -249,7 +249,12 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], path.name), "w") as f:
             json.dump(out, f, indent=1, default=str)
-    print(f"\n{dev}: copy {bw:.0f} GB/s; {args.shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
+    print_report(dev, bw, args.shape, path, rows, layers, kernels, best)
+    print(f"{time.time() - t0:.0f} s")
+
+
+def print_report(dev, bw, shape, path, rows, layers, kernels, best) -> None:
+    print(f"\n{dev}: copy {bw:.0f} GB/s; {shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
           f"incl. scales); weights streamed from HBM; json: {path}")
     cols = [k for k in ("cuda", "tc") if k in kernels]
     print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} "
@@ -280,7 +285,6 @@ def main():
                 if kd == kind:
                     print(f"    ({f!r}, {n}, {k}): {tuple(c)},")
             print("})")
-    print(f"{time.time() - t0:.0f} s")
 
 
 def per_layer(rows: list[dict], fmts: list[str], kernels: list[str]) -> list[dict]:
