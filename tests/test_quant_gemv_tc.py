@@ -79,6 +79,19 @@ def test_tc_qkv_rope_store_matches_reference(fmt, group):
         torch.testing.assert_close(vc.float(), vc_ref.float(), atol=tol, rtol=tol)
 
 
+def test_tc_fp16_dot_saturates_large_activations():
+    """fp16 operands (DOT 1) hold activations up to 65504: larger ones saturate (no inf / nan in the output)."""
+    torch.manual_seed(3)
+    N, K = 40, 160
+    t = quantize(torch.randn(N, K) * 0.05, "int8")
+    x = torch.randn(1, K)
+    x[0, 7], x[0, 100] = 1e6, -3e5
+    y = quant_fused_linear(x, "int8", t, (N, K), tensor_cores=True, config=(16, 128, 1, 2, 1))
+    ref = quant_fused_linear_ref(x.clamp(-65504, 65504), "int8", t, (N, K))
+    assert bool(torch.isfinite(y).all())
+    torch.testing.assert_close(y, ref, atol=1e-2, rtol=2e-3)
+
+
 def test_tc_config_table_and_rule():
     for (fmt, N, K), cfg in QUANT_GEMV_TC_CONFIGS.items():
         assert quant_gemv_tc_config(fmt, 1, N, K) == cfg

@@ -58,7 +58,7 @@ def _act(x_ptr, nw_ptr, offs_k, M, K, stride_xm, PROLOGUE: tl.constexpr, BLOCK_M
     if PROLOGUE == 2:
         g = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
         u = tl.load(x_rows + K + offs_k[None, :], mask=xmask, other=0.0).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(DT)    # rounded as the unfused kernel's
+        a = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)            # rounded as the unfused kernel's
     else:
         a = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0)
     sq = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
