@@ -7,7 +7,9 @@
            the freed memory buys, and nano-vllm's workload throughput (256 requests, 100-1024 in/out)
 
     python benchmarks/bench_quant.py [--sections kernels,model] [--formats none,fp8,int8,int4] [--requests 256]
-Prints tables last; writes benchmarks/results/quant_<device>.json (and $OUT/ when set). The GEMVs' launch configs
+                                     [--gemv auto|tc|cuda|both]
+--gemv: the quantized decode GEMVs on tensor cores (kernels/quant_gemv_tc.py), CUDA cores (quant_gemv.py), the
+engine's default (auto), or each quantized format both ways. Prints tables last; writes benchmarks/results/quant_<device>.json (and $OUT/ when set). The GEMVs' launch configs
 per shape come from benchmarks/sweep_quant_gemv.py (engine/kernels/quant_gemv.py: QUANT_GEMV_CONFIGS).
 """
 from __future__ import annotations
@@ -60,7 +62,8 @@ def bench_kernels() -> list[dict]:
                 nbytes = sum(v.numel() * v.element_size() for v in t.values())
                 gemv = _time_us(lambda: quant_fused_linear(x1, fmt, t, (N, K)))
                 gemm = _time_us(lambda: quant_matmul(xb, fmt, t, (N, K)))
-                extra = {}
+                tc = _time_us(lambda: quant_fused_linear(x1, fmt, t, (N, K), tensor_cores=True))
+                extra = {"gemv1_tc_us": tc, "gemv1_tc_GBs": nbytes / tc / 1e3}
                 if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
                     extra["gemm256_fp8act_us"] = _time_us(lambda: quant_matmul(xb, fmt, t, (N, K), act_fp8=True))
             rows.append(dict(bench="kernel", proj=name, format=fmt or "bf16", MB=nbytes / 1e6, gemv1_us=gemv,
@@ -69,8 +72,9 @@ def bench_kernels() -> list[dict]:
     return rows
 
 
-def bench_model(fmt, bw: float, prompts, outs) -> dict:
-    llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384)
+def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None) -> dict:
+    llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
+              quant_gemv_tensor_cores=tensor_cores)
     eng = llm.engine
     wb = weight_bytes(eng.model)
     embed = eng.model.model.embed_tokens.weight
@@ -85,7 +89,8 @@ def bench_model(fmt, bw: float, prompts, outs) -> dict:
     m = out.metrics
     step = (m.last_token_time - m.first_token_time) / 255
     floor = (step_bytes + kv_tok * 256) / bw
-    row = dict(bench="model", format=fmt or "bf16", weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
+    row = dict(bench="model", format=fmt or "bf16", gemv=("tc" if eng.quant_tensor_cores else "cuda") if fmt else "-",
+               weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
                kv_blocks=eng.num_blocks, kv_GB=eng.num_blocks * kv_bytes_per_block(eng.model_config, eng.block_size,
                                                                                   eng.dtype) / 1e9,
                ms_per_token=whole * 1e3, decode_step_ms=step * 1e3, floor_ms=floor * 1e3,
@@ -105,7 +110,10 @@ def main():
     ap.add_argument("--sections", default="kernels,model")
     ap.add_argument("--formats", default="none,fp8,int8,int4")
     ap.add_argument("--requests", type=int, default=256, help="nano workload size (0: skip throughput)")
+    ap.add_argument("--gemv", default="auto", choices=("auto", "tc", "cuda", "both"),
+                    help="quantized decode GEMVs: tensor cores, CUDA cores, the engine's choice, or both")
     args = ap.parse_args()
+    gemvs = {"auto": [None], "tc": [True], "cuda": [False], "both": [True, False]}[args.gemv]
     dev = device_name()
     bw = copy_bandwidth()
     kernel_rows, model_rows = [], []
@@ -115,11 +123,12 @@ def main():
     if "model" in args.sections:
         for f in args.formats.split(","):
             fmt = None if f == "none" else f
-            try:
-                model_rows.append(bench_model(fmt, bw, prompts, outs))
-            except Exception as e:  # keep the rest of the table
-                model_rows.append(dict(bench="model", format=f"{f} failed: {type(e).__name__}: {e}"[:160]))
-            print(model_rows[-1], flush=True)
+            for tc in gemvs if fmt else [None]:
+                try:
+                    model_rows.append(bench_model(fmt, bw, prompts, outs, tc))
+                except Exception as e:  # keep the rest of the table
+                    model_rows.append(dict(bench="model", format=f"{f} failed: {type(e).__name__}: {e}"[:160]))
+                print(model_rows[-1], flush=True)
         base = next((r for r in model_rows if r.get("format") == "bf16" and "kv_blocks" in r), None)
         for r in model_rows:
             if base and "kv_blocks" in r:
@@ -131,10 +140,11 @@ def main():
         Path(os.environ["OUT"], path.name).write_text(json.dumps(out, indent=2))
     print(f"\ndevice: {dev}; copy bandwidth {bw / 1e9:,.0f} GB/s; {MODEL}; json: {path}")
     if kernel_rows:
-        print_table(kernel_rows, ["proj", "format", "MB", "gemv1_us", "gemv1_GBs", "gemm256_us", "gemm256_fp8act_us"])
+        print_table(kernel_rows, ["proj", "format", "MB", "gemv1_us", "gemv1_GBs", "gemv1_tc_us", "gemv1_tc_GBs",
+                                  "gemm256_us", "gemm256_fp8act_us"])
         print()
     if model_rows:
-        print_table(model_rows, ["format", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
+        print_table(model_rows, ["format", "gemv", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
                                  "pct_floor", "kv_blocks", "kv_GB_freed", "nano_tok_s"])
 
 

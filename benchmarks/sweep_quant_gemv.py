@@ -1,16 +1,20 @@
-"""GPU: the quantized small-batch fused linear (engine/kernels/quant_gemv.py) on a preset's four projections
-(Llama-3.1-8B by default) at batch 1, per format (fp8, int8, int4), swept over launch configs
-(BLOCK_N, BLOCK_K, num_warps, CVT, PRE), against the bf16 fused linear (engine/kernels/gemv.py) on the same
-shape, as GB/s of weight bytes (codes + scales) and % of the measured copy bandwidth.
+"""GPU: the quantized small-batch fused linear on a preset's four projections (Llama-3.1-8B by default) at batch 1,
+per format (fp8, int8, int4): the CUDA-core kernel (engine/kernels/quant_gemv.py, configs (BLOCK_N, BLOCK_K,
+num_warps, CVT, PRE)) and the tensor-core one (quant_gemv_tc.py, configs (BLOCK_N, BLOCK_K, num_warps,
+num_stages, DOT)), each swept over launch configs, against the bf16 fused linear (engine/kernels/gemv.py) on the
+same shape, as GB/s of weight bytes (codes + scales) and % of the measured copy bandwidth; then per layer (the
+four projections summed) per format and kernel.
 
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step; configs compile in parallel worker processes first (a kernel
 variant is compiled once per format and prologue: projections with the same fusions share it). The best
 config is timed again with each of the format's other decodes (CVT: conversion instructions vs bit operations),
 and quant_gemm.py's tensor-core kernel (M padded to 16, no fusions) is timed beside it.
-Prints the table last, and a QUANT_GEMV_CONFIGS literal of the winners to paste into engine/kernels/quant_gemv.py.
+Prints the tables last, and QUANT_GEMV_CONFIGS / QUANT_GEMV_TC_CONFIGS literals of the winners to paste into
+engine/kernels/quant_gemv.py / quant_gemv_tc.py.
 Usage:
     python benchmarks/sweep_quant_gemv.py [--shape llama-3.1-8b] [--formats fp8,int8,int4] [--quick]
+                                          [--kernels cuda,tc]
 JSON to benchmarks/results/quant_gemv_<device>_<shape>.json (and $OUT/ when set).
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ from benchmarks.sweep_gemv import graph_us, shapes_for  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref  # noqa: E402
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref, quant_gemv_config  # noqa: E402
+from engine.kernels.quant_gemv_tc import quant_gemv_tc_config  # noqa: E402
 from engine.quant.formats import quantize  # noqa: E402
 
 FORMATS = ("fp8", "int8", "int4")
@@ -61,6 +66,26 @@ def configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
+# DOT: bit 0 fp16 operands, bit 1 int4's packed inline-PTX decode; int8 -> fp16 is a conversion a weight: not swept
+TC_DOTS = {"fp8": (1, 0), "int8": (0,), "int4": (1, 0, 3, 2)}
+QUICK_TC_DOTS = {"fp8": (1,), "int8": (0,), "int4": (1, 3)}    # the rest timed at the best config only
+
+
+def tc_configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, DOT) of the tensor-core kernel: BLOCK_N rows of mma tiles 8
+    wide, at most one warp per 8 rows. quick: 4 stages, BLOCK_N 16-64, BLOCK_K 256-512, fp16 dots."""
+    out = []
+    for bn in (16, 32, 64) if quick else (16, 32, 64, 128):
+        for warps in (1, 2, 4) if quick else (1, 2, 4, 8):
+            if warps * 8 > bn or (quick and warps == 1 and bn > 16) or (quick and warps == 4 and bn == 16):
+                continue
+            for bk in (256, 512) if quick else (128, 256, 512, 1024):
+                for stages in (4,) if quick else (2, 3, 4, 6):
+                    for dot in (QUICK_TC_DOTS if quick else TC_DOTS)[fmt]:
+                        out.append((bn, bk, warps, stages, dot))
+    return out
+
+
 def make(fmt, spec, copies=1):
     """Activation, `copies` quantized weights (the same values), norm weight, residual for a shape."""
     N, K, pro, res = spec
@@ -83,22 +108,23 @@ def nbytes(t) -> int:
     return sum(v.numel() * v.element_size() for v in t.values())
 
 
-def call(fmt, spec, x, t, nw, r, cfg=None):
+def call(fmt, spec, x, t, nw, r, cfg=None, tc=False):
     N, K, pro, _ = spec
     if fmt == "bf16":
         return tk.fused_linear(x, t, prologue=pro, norm_weight=nw, eps=1e-5, residual=r)
-    return quant_fused_linear(x, fmt, t, (N, K), prologue=pro, norm_weight=nw, eps=1e-5, residual=r, config=cfg)
+    return quant_fused_linear(x, fmt, t, (N, K), prologue=pro, norm_weight=nw, eps=1e-5, residual=r,
+                              tensor_cores=tc, config=cfg)
 
 
 def _compile(job):
-    fmt, spec, cfg = job
+    fmt, spec, cfg, kind = job
     N, K, pro, res = spec
     x, ts, nw, r = make(fmt, (min(N, 1024), K, pro, res))       # same specialisation as the full shape
     try:
-        if len(cfg) == 4:                                        # a GEMM config
+        if kind == "gemm":
             quant_matmul(x[:, :K].contiguous(), fmt, ts[0], (min(N, 1024), K), config=cfg)
         else:
-            call(fmt, (min(N, 1024), K, pro, res), x, ts[0], nw, r, cfg)
+            call(fmt, (min(N, 1024), K, pro, res), x, ts[0], nw, r, cfg, tc=kind == "tc")
         torch.cuda.synchronize()
         return None
     except Exception as e:
@@ -109,26 +135,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", help="a preset whose linears to sweep")
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--quick", action="store_true", help="a smaller grid (see configs)")
+    ap.add_argument("--quick", action="store_true", help="smaller grids (see configs, tc_configs)")
+    ap.add_argument("--kernels", default="cuda,tc", help="cuda: quant_gemv.py's; tc: quant_gemv_tc.py's")
     args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    assert kernels and set(kernels) <= {"cuda", "tc"}, args.kernels
     t0 = time.time()
     shapes = shapes_for(args.shape)
     fmts = args.formats.split(",")
     dev = device_name()
     ceil = ceilings()
     bw = ceil["copy_GBps"]
-    # one compile per kernel variant: (format, prologue, residual, config)
+    grids = {"cuda": configs, "tc": tc_configs}
+    # one compile per kernel variant: (kernel, format, prologue, residual, config)
     variants, jobs = {}, []
     for fmt in fmts:
         for spec in shapes.values():
-            for c in configs(fmt, args.quick):
-                key = (fmt, spec[2], spec[3], c)
-                if key not in variants:
-                    variants[key] = len(jobs)
-                    jobs.append((fmt, spec, c))
+            for kind in kernels:
+                for c in grids[kind](fmt, args.quick):
+                    key = (kind, fmt, spec[2], spec[3], c)
+                    if key not in variants:
+                        variants[key] = len(jobs)
+                        jobs.append((fmt, spec, c, kind))
         for c in GEMM_CONFIGS:                                   # one compile per format: no fusions
-            variants[(fmt, "gemm", c)] = len(jobs)
-            jobs.append((fmt, next(iter(shapes.values())), c))
+            variants[("gemm", fmt, c)] = len(jobs)
+            jobs.append((fmt, next(iter(shapes.values())), c, "gemm"))
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(14, os.cpu_count() or 2), mp_context=ctx) as pool:
         results = list(pool.map(_compile, jobs))
@@ -154,68 +185,123 @@ def main():
                                          residual=None if r is None else r.float())
             wb = nbytes(ts[0])
 
-            def measure(c):
-                err = float((call(fmt, spec, x, ts[0], nw, r, c).float() - ref).norm() / ref.norm())
-                us = graph_us(lambda t: call(fmt, spec, x, t, nw, r, c), ts)
+            def measure(c, tc=False):
+                err = float((call(fmt, spec, x, ts[0], nw, r, c, tc).float() - ref).norm() / ref.norm())
+                us = graph_us(lambda t: call(fmt, spec, x, t, nw, r, c, tc), ts)
                 return dict(cfg=c, us=us, GBps=wb / us / 1e3, pct_copy=100 * wb / us / 1e3 / bw, rel_err=err)
 
-            sweep = [measure(c) for c in configs(fmt, args.quick) if not errors.get((fmt, pro, res, c))]
-            ok = [s for s in sweep if s["rel_err"] < 1e-2]
-            ok.sort(key=lambda d: d["us"])
-            if not ok:
-                print(f"{fmt} {name}: no config passed ({sweep[:2]})", flush=True)
-                continue
-            top = ok[0]
-            c = top["cfg"]
-            by_cvt = {v: (top if v == c[3] else measure((*c[:3], v, c[4])))["us"] for v in CVTS[fmt]}
-            table_cfg = quant_gemv_config(fmt, 1, N, K)
-            table = measure(table_cfg)
+            row = dict(format=fmt, shape=name, N=N, K=K, prologue=pro, residual=res, MB=wb / 1e6,
+                       bf16_us=bf16_us, bf16_pct=100 * bf16_bytes / bf16_us / 1e3 / bw, floor_us=wb / bw / 1e3)
+            for kind in kernels:
+                tc = kind == "tc"
+                sweep = [measure(c, tc) for c in grids[kind](fmt, args.quick)
+                         if not errors.get((kind, fmt, pro, res, c))]
+                ok = sorted((s for s in sweep if s["rel_err"] < 1e-2), key=lambda d: d["us"])
+                if not ok:
+                    print(f"{kind} {fmt} {name}: no config passed ({sweep[:2]})", flush=True)
+                    continue
+                top = ok[0]
+                table_cfg = (quant_gemv_tc_config if tc else quant_gemv_config)(fmt, 1, N, K)
+                try:
+                    table = measure(table_cfg, tc)
+                except Exception as e:                          # e.g. a table entry past this GPU's shared memory
+                    print(f"{kind} {fmt} {name}: table config {table_cfg} failed: {e}", flush=True)
+                    table = dict(us=float("nan"), pct_copy=float("nan"))
+                best[(kind, fmt, N, K)] = top["cfg"]
+                sweeps[f"{kind}/{fmt}/{name}"] = ok[:10]
+                row.update({f"{kind}_cfg": top["cfg"], f"{kind}_us": top["us"], f"{kind}_GBps": top["GBps"],
+                            f"{kind}_pct": top["pct_copy"], f"{kind}_rel_err": top["rel_err"],
+                            f"{kind}_table_cfg": table_cfg, f"{kind}_table_us": table["us"],
+                            f"{kind}_table_pct": table["pct_copy"]})
+                if not tc:
+                    c = top["cfg"]
+                    row["cuda_us_by_cvt"] = {v: (top if v == c[3] else measure((*c[:3], v, c[4])))["us"]
+                                             for v in CVTS[fmt]}
+                else:                                           # each dot dtype / decode at the best tiles
+                    c, by_dot = top["cfg"], {}
+                    for d in TC_DOTS[fmt]:
+                        try:
+                            m = top if d == c[4] else measure((*c[:4], d), True)
+                            by_dot[d] = (m["us"], m["rel_err"])
+                        except Exception as e:
+                            by_dot[d] = (float("nan"), f"{type(e).__name__}: {str(e)[:80]}")
+                    row["tc_us_err_by_dot"] = by_dot
             xk = x[:, :K].contiguous()                          # the GEMM's plain [1, K] input
             gref = quant_matmul_ref(xk.float(), fmt, ts[0], (N, K))
             gemm = []
             for gc in GEMM_CONFIGS:
-                if errors.get((fmt, "gemm", gc)):
+                if errors.get(("gemm", fmt, gc)):
                     continue
                 gerr = float((quant_matmul(xk, fmt, ts[0], (N, K), config=gc).float() - gref).norm() / gref.norm())
                 if gerr < 1e-2:
                     gemm.append((graph_us(lambda t, gc=gc: quant_matmul(xk, fmt, t, (N, K), config=gc), ts), gc))
             gemm_us, gemm_cfg = min(gemm) if gemm else (float("nan"), None)
-            best[(fmt, N, K)] = top["cfg"]
-            sweeps[f"{fmt}/{name}"] = ok[:10]
-            row = dict(format=fmt, shape=name, N=N, K=K, prologue=pro, residual=res, MB=wb / 1e6,
-                       best_cfg=top["cfg"], best_us=top["us"], best_GBps=top["GBps"], best_pct=top["pct_copy"],
-                       best_rel_err=top["rel_err"], us_by_cvt=by_cvt,
-                       table_cfg=table_cfg, table_us=table["us"], table_pct=table["pct_copy"],
-                       gemm_us=gemm_us, gemm_pct=100 * wb / gemm_us / 1e3 / bw, gemm_cfg=gemm_cfg,
-                       bf16_us=bf16_us, bf16_pct=100 * bf16_bytes / bf16_us / 1e3 / bw,
-                       speedup_vs_bf16=bf16_us / top["us"], floor_us=wb / bw / 1e3)
+            row.update(gemm_us=gemm_us, gemm_pct=100 * wb / gemm_us / 1e3 / bw, gemm_cfg=gemm_cfg)
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             ts = None
             torch.cuda.empty_cache()
-    out = dict(device=dev, shape=args.shape, ceilings=ceil, rows=rows, sweeps=sweeps,
-               best={f"{f},{n},{k}": c for (f, n, k), c in best.items()}, seconds=time.time() - t0)
+    layers = per_layer(rows, fmts, kernels)
+    out = dict(device=dev, shape=args.shape, ceilings=ceil, kernels=kernels, rows=rows, per_layer=layers,
+               sweeps=sweeps, best={f"{kd},{f},{n},{k}": c for (kd, f, n, k), c in best.items()},
+               seconds=time.time() - t0)
     path = write_json(f"quant_gemv_{slug(dev)}_{args.shape}", out)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], path.name), "w") as f:
             json.dump(out, f, indent=1, default=str)
-    print(f"\n{dev}: copy {bw:.0f} GB/s; {args.shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
-          f"incl. scales); weights streamed from HBM; json: {path}")
-    print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} {'best':>15s} {'GB/s':>6s} {'CVT 0/1/2':>17s} "
-          f"{'table cfg':>15s} {'GEMM (tl.dot)':>15s} {'bf16 fused':>15s} {'x bf16':>6s}  best cfg "
-          f"(BN, BK, warps, CVT, PRE)")
-    for r in rows:
-        cvts = "/".join(f"{r['us_by_cvt'][v]:.1f}" for v in sorted(r["us_by_cvt"]))
-        print(f"{r['format']:5s} {r['shape']:8s} {r['MB']:6.1f} {r['floor_us']:6.1f} "
-              f"{r['best_us']:7.1f} ({r['best_pct']:3.0f}%) {r['best_GBps']:6.0f} {cvts:>17s} "
-              + " ".join(f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%)" for k in ("table", "gemm", "bf16"))
-              + f" {r['speedup_vs_bf16']:6.2f}  {r['best_cfg']}")
-    print("\n# paste into engine/kernels/quant_gemv.py (merging entries of other shapes):")
-    print("QUANT_GEMV_CONFIGS.update({")
-    for (f, n, k), c in best.items():
-        print(f"    ({f!r}, {n}, {k}): {tuple(c)},")
-    print("})")
+    print_report(dev, bw, args.shape, path, rows, layers, kernels, best)
     print(f"{time.time() - t0:.0f} s")
+
+
+def print_report(dev, bw, shape, path, rows, layers, kernels, best) -> None:
+    print(f"\n{dev}: copy {bw:.0f} GB/s; {shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
+          f"incl. scales); weights streamed from HBM; json: {path}")
+    cols = [k for k in ("cuda", "tc") if k in kernels]
+    print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} "
+          + " ".join(f"{k + ' best':>15s} {'GB/s':>6s} {k + ' table':>15s}" for k in cols)
+          + f" {'GEMM (tl.dot)':>15s} {'bf16 fused':>15s}  best cfgs")
+    for r in rows:
+        line = f"{r['format']:5s} {r['shape']:8s} {r['MB']:6.1f} {r['floor_us']:6.1f} "
+        for k in cols:
+            if f"{k}_us" in r:
+                line += (f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%) {r[k + '_GBps']:6.0f} "
+                         f"{r[k + '_table_us']:7.1f} ({r[k + '_table_pct']:3.0f}%) ")
+            else:
+                line += f"{'-':>15s} {'-':>6s} {'-':>15s} "
+        line += " ".join(f"{r[k + '_us']:7.1f} ({r[k + '_pct']:3.0f}%)" for k in ("gemm", "bf16"))
+        print(line + "  " + " ".join(f"{k}={r.get(k + '_cfg')}" for k in cols))
+    print("\nper layer (qkv + o + gate_up + down), us and GB/s of weight bytes; x bf16: the bf16 fused layer's time "
+          "over this one's")
+    print(f"{'fmt':5s} {'kernel':10s} {'MB':>7s} {'floor':>7s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s} {'x bf16':>7s}")
+    for d in layers:
+        print(f"{d['format']:5s} {d['kernel']:10s} {d['MB']:7.1f} {d['floor_us']:7.1f} {d['us']:8.1f} "
+              f"{d['GBps']:7.0f} {d['pct_copy']:7.0f} {d['speedup_vs_bf16']:7.2f}")
+    for kind, name, table in (("cuda", "quant_gemv.py", "QUANT_GEMV_CONFIGS"),
+                              ("tc", "quant_gemv_tc.py", "QUANT_GEMV_TC_CONFIGS")):
+        if kind in kernels:
+            print(f"\n# paste into engine/kernels/{name} (merging entries of other shapes):")
+            print(f"{table}.update({{")
+            for (kd, f, n, k), c in best.items():
+                if kd == kind:
+                    print(f"    ({f!r}, {n}, {k}): {tuple(c)},")
+            print("})")
+
+
+def per_layer(rows: list[dict], fmts: list[str], kernels: list[str]) -> list[dict]:
+    """Per format and kernel (best config, table config), the four projections summed: us, GB/s, % of copy."""
+    out = []
+    for fmt in fmts:
+        rs = [r for r in rows if r["format"] == fmt]
+        if not rs:
+            continue
+        mb, floor, bf16 = (sum(r[k] for r in rs) for k in ("MB", "floor_us", "bf16_us"))
+        for kind in kernels:
+            for label, key in ((f"{kind} best", f"{kind}_us"), (f"{kind} table", f"{kind}_table_us")):
+                if all(key in r for r in rs):
+                    us = sum(r[key] for r in rs)
+                    out.append(dict(format=fmt, kernel=label, MB=mb, floor_us=floor, us=us, GBps=mb / us * 1e3,
+                                    pct_copy=100 * floor / us, speedup_vs_bf16=bf16 / us))
+    return out
 
 
 if __name__ == "__main__":

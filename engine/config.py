@@ -22,6 +22,9 @@ class EngineConfig:
     #                                     "int8" (per-channel), "int4" (group-wise, 128); quantized on load, or
     #                                     detected from a pre-quantized checkpoint's quantization_config
     int4_group_size: int = 128          # int4: weights per (scale, min) group along K: 32, 64 or 128
+    quant_gemv_tensor_cores: bool | None = None  # quantized decode linears (fused GEMVs) on tensor cores:
+    #                                     weights decoded to 16-bit in registers, tl.dot on the rows padded to 16
+    #                                     (kernels/quant_gemv_tc.py); None: on for triton on cuda >= sm80
     fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
     #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
     # KV cache
@@ -159,6 +162,8 @@ class EngineConfig:
              "mixed_cuda_graph_max_tokens", "must be an int in [16, 8192]")
         need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
              "spec_cuda_graph_max_batch", "must be an int in [1, 256]")
+        need(self.quant_gemv_tensor_cores in (None, True, False), "quant_gemv_tensor_cores",
+             "must be None, True or False")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(self.speculative_method != "draft" or self.draft_model is not None,

@@ -22,7 +22,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
 from .output_processor import OutputProcessor
-from .quant.linear import weight_bytes
+from .quant.linear import set_tensor_cores, weight_bytes
 from .outputs import RequestOutput
 from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
@@ -103,6 +103,10 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
                                  quantization=config.quantization, fp8_activations=fp8_act,
                                  int4_group_size=config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
+        self.quant_tensor_cores = config.quant_gemv_tensor_cores if config.quant_gemv_tensor_cores is not None \
+            else self.kernels == "triton" and self.device.type == "cuda" \
+            and torch.cuda.get_device_capability(self.device) >= (8, 0)
+        set_tensor_cores(self.model, self.quant_tensor_cores)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
         if ex is not None:

@@ -97,6 +97,67 @@ def test_quant_qkv_rope_store_full_size(fmt):
     assert _rel(q, q_ref) < 1e-2 and _rel(kc, kc_ref) < 1e-2 and _rel(vc, vc_ref) < 1e-2
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_gemv_tc_full_size(fmt):
+    """The tensor-core GEMV (kernels/quant_gemv_tc.py) on each 8B projection, M = 1, 3, 16, under its table or rule
+    config with each dot dtype, every prologue and the residual epilogue, against the reference."""
+    from engine.kernels.quant_gemv_tc import quant_gemv_tc_config
+    torch.manual_seed(0)
+    for name, (N, K) in SHAPES.items():
+        t = quantize(torch.randn(N, K, device="cuda") * 0.02, fmt)
+        for M, prologue in ((1, "rms_norm"), (3, "silu_mul"), (16, None), (1, "silu_mul")):
+            x = torch.randn(M, 2 * K if prologue == "silu_mul" else K, device="cuda", dtype=torch.bfloat16)
+            kw = dict(prologue=prologue, norm_weight=torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5,
+                      residual=torch.randn(M, N, device="cuda", dtype=torch.bfloat16))
+            ref = quant_fused_linear_ref(x.float(), fmt, t, (N, K), **{**kw, "norm_weight": kw["norm_weight"].float(),
+                                                                      "residual": kw["residual"].float()})
+            cfg = quant_gemv_tc_config(fmt, M, N, K)
+            for dot in (0, 1, 2, 3) if fmt == "int4" else (0, 1):
+                y = quant_fused_linear(x, fmt, t, (N, K), tensor_cores=True, config=(*cfg[:4], dot), **kw)
+                assert _rel(y, ref) < 1e-2, (name, M, prologue, dot)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_gemv_tc_decodes_every_code_exactly(fmt):
+    """Compiled tensor-core decodes into bf16 and fp16 (fp8 by conversion, int4 by bits with the code offset undone
+    on the sums) give every code's exact value: one-hot bf16 rows, exact bf16 outputs."""
+    N, K = 16, 256
+    t = every_code_weight(fmt, N, K, "cuda")
+    w = dequantize(fmt, t, (N, K)).bfloat16()
+    for c0 in range(0, K, 16):
+        x = torch.eye(K, device="cuda", dtype=torch.bfloat16)[c0:c0 + 16]
+        for M in (1, 16):
+            for dot in (0, 1, 2, 3) if fmt == "int4" else (0, 1):        # int4 2, 3: the packed inline-PTX decode
+                y = quant_fused_linear(x[:M], fmt, t, (N, K), tensor_cores=True,
+                                       config=(16, 256 if fmt != "int4" else 128, 1, 3, dot))
+                assert torch.equal(y, w[:, c0:c0 + M].T), (fmt, dot, c0, M)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_quant_qkv_rope_store_tc_full_size(fmt):
+    """The 8B q/k/v + RoPE + KV-store kernel on the tensor-core dot, M = 1 and 5."""
+    from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
+    torch.manual_seed(0)
+    H, Hk, D, K, bs = 32, 8, 128, 4096, 16
+    N = (H + 2 * Hk) * D
+    t = quantize(torch.randn(N, K, device="cuda") * 0.02, fmt)
+    cos_sin = torch.randn(1024, D, device="cuda")
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    for M in (1, 5):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        nw = torch.rand(K, device="cuda", dtype=torch.bfloat16) + 0.5
+        positions = torch.randint(0, 1024, (M,), device="cuda")
+        slots = torch.arange(30, 30 + M, device="cuda")
+        kc = torch.zeros(8, bs, Hk, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        kc_ref, vc_ref = kc.float(), vc.float()
+        q = quant_fused_qkv_rope_store(x, fmt, t, (N, K), None, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots,
+                                       pdl=pdl, tensor_cores=True)
+        q_ref = quant_fused_qkv_rope_store_ref(x.float(), fmt, t, (N, K), None, nw.float(), 1e-5, H, Hk, positions,
+                                               cos_sin, kc_ref, vc_ref, slots)
+        assert _rel(q, q_ref) < 1e-2 and _rel(kc, kc_ref) < 1e-2 and _rel(vc, vc_ref) < 1e-2, M
+
+
 def _run(**cfg):
     eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", max_model_len=512, max_num_seqs=8,
                     max_num_batched_tokens=256, num_kv_blocks=256, **cfg)
@@ -106,11 +167,14 @@ def _run(**cfg):
     return [outs[i].token_ids for i in ids]
 
 
+@pytest.mark.parametrize("tc", [True, False])
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
-def test_quantized_triton_graphs_match_torch_fp32(fmt):
-    """fp32 weights-only: the fused GEMV (decode, CUDA graphs) and GEMM (prefill) match dequantize + matmul."""
+def test_quantized_triton_graphs_match_torch_fp32(fmt, tc):
+    """fp32 weights-only: the fused GEMV (decode, CUDA graphs; tensor-core or CUDA-core kernel) and GEMM (prefill)
+    match dequantize + matmul."""
     ref = _run(dtype="float32", quantization=fmt, kernels="torch", enable_cuda_graphs=False)
-    got = _run(dtype="float32", quantization=fmt, kernels="triton", fp8_activations=False)
+    got = _run(dtype="float32", quantization=fmt, kernels="triton", fp8_activations=False,
+               quant_gemv_tensor_cores=tc)
     # the first token comes from the prefill (GEMM), the second from a graphed decode (fused GEMV); later tokens
     # may part after a near-tie of random weights
     assert [r[:2] for r in ref] == [g[:2] for g in got]

@@ -23,8 +23,11 @@ POINTERS = {"w_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*fp32", "cs_ptr": "*fp32
 FLOATS = {"eps", "qk_scale"}
 
 
-def compile_sm90(kernel, constexprs: dict, pointers: dict | None = None) -> None:
-    """Compile `kernel` with these constexprs; pointers default to bf16, other run-time arguments to i32."""
+def compile_sm90(kernel, constexprs: dict, pointers: dict | None = None, aligned: tuple[str, ...] = (),
+                 **options) -> None:
+    """Compile `kernel` with these constexprs; pointers default to bf16, other run-time arguments to i32.
+    aligned: integer arguments known to be multiples of 16 (with every pointer 16-byte aligned), as Triton
+    specialises them at launch: what lets the pipeliner use async copies. options: num_warps, num_stages."""
     ptrs = dict(POINTERS, **(pointers or {}))
     sig = {}
     for name in kernel.arg_names:
@@ -36,9 +39,13 @@ def compile_sm90(kernel, constexprs: dict, pointers: dict | None = None) -> None
             sig[name] = "fp32" if name in FLOATS else "i32"
     missing = [n for n, p in zip(kernel.arg_names, kernel.params) if p.is_constexpr and n not in constexprs]
     assert not missing, f"constexprs not given: {missing}"
-    src = ASTSource(fn=kernel, signature=sig,
+    attrs = None
+    if aligned:
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+                 if n in aligned or (n.endswith("_ptr") and n not in constexprs)}
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
-    triton.compile(src, target=TARGET)
+    triton.compile(src, target=TARGET, options=options or None)
 
 
 def check_quant_gemv(fmt, block_m):
@@ -56,11 +63,32 @@ def check_quant_gemv(fmt, block_m):
         break                                   # one shape per format: the configs differ only in sizes
 
 
+def check_quant_gemv_tc(fmt, block_m, dot):
+    """The tensor-core GEMV at the rule's config, aligned as the 8B shapes launch it (pipelined loads)."""
+    import triton.language as tl
+    from engine.kernels import quant_gemv_tc as q
+    bn, bk, warps, stages, _ = q.quant_gemv_tc_config(fmt, block_m, 4096, 4096)
+    dt = tl.float16 if dot & 1 else tl.bfloat16
+    ptrs = {"w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"} if fmt == "int4" else None
+    for prologue in (1, 2):
+        compile_sm90(q._gemv_tc_kernel,
+                     dict(FMT=q.TC_FMT_IDS[fmt], PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 2,
+                          USE_PDL=True, IEEE=False, DT=dt, OFF=q.code_offset(fmt, dt), BLOCK=128,
+                          HALF=64 if fmt == "int4" else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+                          ASM=bool(dot & 2)),
+                     ptrs, aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"),
+                     num_warps=warps, num_stages=stages)
+
+
 def check_quant_qkv_rope(fmt, block_m):
     from engine.kernels import quant_qkv_rope
-    compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel,
-                 dict(FMT=fmt, D=64, P=2, BLOCK_SIZE=16, HAS_BIAS=True, USE_PDL=True, CVT=0, PRE=True, BLOCK=128,
-                      HALF_G=32 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=256))
+    import triton.language as tl
+    base = dict(FMT=fmt, D=64, BLOCK_SIZE=16, HAS_BIAS=True, USE_PDL=True, CVT=0, PRE=True, BLOCK=128,
+                HALF_G=32 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=256)
+    compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel, dict(base, P=2, TC=False, DT=tl.float32, OFF=0.0))
+    tc = dict(base, P=8, TC=True, DT=tl.float16, OFF=1024.0 if fmt == 2 else 0.0, BLOCK_M=1 if block_m == 1 else 16)
+    compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel, tc, aligned=("K", "stride_xm", "stride_wn"), num_warps=2,
+                 num_stages=4)
 
 
 def check_bf16_decode(block_m):
@@ -82,6 +110,8 @@ def check_paged_attention():
 
 
 CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 4])] + \
+         [(check_quant_gemv_tc, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 16], [0, 1])] + \
+         [(check_quant_gemv_tc, ("int4", m, d)) for m in (1, 16) for d in (2, 3)] + \
          [(check_quant_qkv_rope, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 

@@ -180,6 +180,8 @@ FIELD_HELP = {
     "enable_pdl": "Hopper+: small-batch kernels launch as programmatic dependents",
     "quantization": "decoder weights: fp8 (128x128 blocks), int8 (per channel), int4 (groups); a pre-quantized "
                     "checkpoint's format is detected",
+    "quant_gemv_tensor_cores": "quantized decode linears on tensor cores (weights decoded to 16-bit, rows padded "
+                               "to 16); auto: on with Triton on CUDA sm80+",
     "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "
                             "GPUs, gloo on CPU); num_heads must split by KV-head groups",
 }

@@ -24,6 +24,7 @@ import triton.language as tl
 from ..quant.formats import BLOCK, dequantize, int4_group
 from . import torch_ops
 from .gemv import PROLOGUES, _epilogue, check_gemv_args
+from .quant_gemv_tc import quant_fused_linear_tc
 
 FMT_IDS = {"int8": 0, "fp8": 1}
 
@@ -298,17 +299,20 @@ def quant_gemv_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, 
 def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: tuple[int, int],
                        bias: torch.Tensor | None = None, *, prologue: str | None = None,
                        norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                       residual: torch.Tensor | None = None, pdl: bool = False,
+                       residual: torch.Tensor | None = None, pdl: bool = False, tensor_cores: bool = False,
                        config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (or [M, 2K] for silu_mul) -> [M, N] = prologue(x) @ W.T (+ bias) (+ residual), W the [N, K]
     weight the format's tensors qt stand for (engine/quant/formats.py). M is small (a decode step).
-    config: (BLOCK_N, BLOCK_K, num_warps, CVT, PRE), else quant_gemv_config's."""
+    tensor_cores: quant_gemv_tc.py's kernel (M <= 16; config (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT)),
+    else this file's (config (BLOCK_N, BLOCK_K, num_warps, CVT, PRE)); None: each one's table or rule."""
     M = x.shape[0]
     N, K = shape
     check_gemv_args(x, N, K, prologue, norm_weight, residual)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return out
+    if tensor_cores:
+        return quant_fused_linear_tc(x, fmt, qt, out, bias, prologue, norm_weight, eps, residual, pdl, config)
     bn, bk, warps, cvt, pre = config or quant_gemv_config(fmt, M, N, K)
     dummy = qt.get("weight", qt.get("qweight"))
     common = dict(PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
@@ -337,7 +341,7 @@ def quant_fused_linear(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], s
 
 
 def quant_fused_linear_ref(x, fmt, qt, shape, bias=None, *, prologue=None, norm_weight=None, eps=1e-6,
-                           residual=None, pdl=False):
+                           residual=None, pdl=False, tensor_cores=False):
     """Dequantize, then the unfused torch composition."""
     w = dequantize(fmt, qt, shape, x.dtype)
     return torch_ops.fused_linear(x, w, bias, prologue=prologue, norm_weight=norm_weight, eps=eps,

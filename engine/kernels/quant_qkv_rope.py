@@ -11,6 +11,7 @@ from ..quant.formats import BLOCK, dequantize, int4_group
 from . import torch_ops
 from .qkv_rope import _rope_store
 from .quant_gemv import FMT_IDS, _w4_dot, _w8_dot, quant_gemv_config
+from .quant_gemv_tc import DM, _tc_dot, code_offset, quant_gemv_tc_config, tc_dtype
 
 
 @triton.jit
@@ -19,9 +20,11 @@ def _qkv_rope_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, q_ptr, kc_
                            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, eps,
                            FMT: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                            HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, CVT: tl.constexpr, PRE: tl.constexpr,
-                           BLOCK: tl.constexpr, HALF_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK: tl.constexpr, HALF_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           TC: tl.constexpr, DT: tl.constexpr, OFF: tl.constexpr):
     """qkv_rope.py's kernel over quantized weights (FMT 0 int8, 1 fp8, 2 int4): a program's 2P rows are P rotation
-    pairs (j, j + D/2) of one head, interleaved, so the dot's [BM, 2P] splits into the pair's halves."""
+    pairs (j, j + D/2) of one head, interleaved, so the dot's [BM, 2P] splits into the pair's halves.
+    TC: quant_gemv_tc.py's tensor-core dot (2P >= 16 rows; DT, OFF its dtype and code offset; CVT, PRE unused)."""
     HALF: tl.constexpr = D // 2
     pid = tl.program_id(0)
     head = pid // (HALF // P)                                   # 0..H-1 q, H..H+Hk-1 k, then v
@@ -29,9 +32,16 @@ def _qkv_rope_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, q_ptr, kc_
     j = j0 + tl.arange(0, P)                                    # [P] first-half dims of this program's pairs
     i = tl.arange(0, 2 * P)
     offs_n = head * D + j0 + i // 2 + (i % 2) * HALF            # [2P] rows j, j + D/2, j + 1, ...
-    offs_m = tl.arange(0, BLOCK_M)
+    if TC:
+        offs_m = tl.arange(0, DM)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
-    if FMT == 2:
+    if TC:
+        s_row = s_ptr + ((head * D + j0) // BLOCK).to(tl.int64) * stride_sn    # fp8: D divides 128
+        acc, ss = _tc_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, s_row, M, K, G, stride_xm, stride_wn,
+                          stride_sn, FMT, 1, USE_PDL, False, DT, OFF, BLOCK, HALF_G, BLOCK_M, 2 * P, BLOCK_K)
+    elif FMT == 2:
         acc, ss = _w4_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, M, K, G, stride_xm, stride_wn, stride_sn,
                           1, USE_PDL, CVT, PRE, HALF_G, BLOCK_M, 2 * P, BLOCK_K // (2 * HALF_G))
     else:
@@ -41,7 +51,7 @@ def _qkv_rope_quant_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, q_ptr, kc_
     acc = acc * tl.rsqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    x1, x2 = tl.split(tl.reshape(acc, (BLOCK_M, P, 2)))         # [BM, P] each
+    x1, x2 = tl.split(tl.reshape(acc, (offs_m.shape[0], P, 2)))     # [BM, P] each
     _rope_store(x1, x2, head, j, offs_m, mm, H, Hk, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr,
                 stride_qm, stride_cs, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                 D, BLOCK_SIZE)
@@ -56,10 +66,13 @@ def quant_fused_qkv_rope_store(x: torch.Tensor, fmt: str, qt: dict[str, torch.Te
                                bias: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, num_heads: int,
                                num_kv_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
                                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                               pdl: bool = False, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                               pdl: bool = False, tensor_cores: bool = False,
+                               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """qkv_rope.fused_qkv_rope_store over the quantized q/k/v weight qt ([N, K] = shape): x [M, K] residual
     stream -> q [M, H, D] = RoPE(RMSNorm(x) @ Wq.T); RoPE(k) and v into the caches at flat slots (negative:
-    skipped). config: quant_gemv_config's tuple (its BLOCK_N is replaced by the program's 2 P rows)."""
+    skipped). tensor_cores: quant_gemv_tc.py's dot (M <= 16, head_dim a multiple of 32; see
+    qkv_rope_supported). config: quant_gemv_config's or (tensor cores) quant_gemv_tc_config's tuple; its BLOCK_N
+    is replaced by the program's 2 P rows."""
     M, K = x.shape
     N = shape[0]
     D = N // (num_heads + 2 * num_kv_heads)
@@ -70,8 +83,16 @@ def quant_fused_qkv_rope_store(x: torch.Tensor, fmt: str, qt: dict[str, torch.Te
     if M == 0:
         return q
     half = D // 2
-    P = 2 if half % 2 == 0 else 1                               # rotation pairs per program
-    _, bk, warps, cvt, pre = config or quant_gemv_config(fmt, M, N, K)
+    if tensor_cores:
+        assert M <= DM and half % 16 == 0, (M, D)
+        P = 8                                                   # 2P = 16 rows: one tensor-core tile wide
+        _, bk, warps, stages, dot = config or quant_gemv_tc_config(fmt, M, N, K)
+        warps = min(warps, 2)                                   # 16 rows: at most two 8-wide mma tiles
+        cvt, pre, dt = 0, 0, tc_dtype(x.dtype, dot & 1)     # int4's packed decode: not here
+    else:
+        P = 2 if half % 2 == 0 else 1                           # rotation pairs per program
+        _, bk, warps, cvt, pre = config or quant_gemv_config(fmt, M, N, K)
+        stages, dt = 1, tl.float32
     if fmt == "int4":
         w, s, z = qt["qweight"], qt["scales"], qt["mins"]
         group = int4_group(qt)
@@ -87,13 +108,15 @@ def quant_fused_qkv_rope_store(x: torch.Tensor, fmt: str, qt: dict[str, torch.Te
         slot_mapping, M, N, K, G, num_heads, num_kv_heads, x.stride(0), w.stride(0), s.stride(0), q.stride(0),
         cos_sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], eps,
         FMT=fmt_id, D=D, P=P, BLOCK_SIZE=k_cache.shape[1], HAS_BIAS=bias is not None, USE_PDL=pdl, CVT=cvt,
-        PRE=pre, BLOCK=BLOCK, HALF_G=group // 2, BLOCK_M=max(1, triton.next_power_of_2(M)), BLOCK_K=bk,
-        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        PRE=pre, BLOCK=BLOCK, HALF_G=group // 2,
+        BLOCK_M=(1 if M == 1 else DM) if tensor_cores else max(1, triton.next_power_of_2(M)), BLOCK_K=bk,
+        TC=tensor_cores, DT=dt, OFF=code_offset(fmt, dt) if tensor_cores else 0.0, num_warps=warps,
+        num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     return q
 
 
 def quant_fused_qkv_rope_store_ref(x, fmt, qt, shape, bias, norm_weight, eps, num_heads, num_kv_heads, positions,
-                                   cos_sin, k_cache, v_cache, slot_mapping, pdl=False):
+                                   cos_sin, k_cache, v_cache, slot_mapping, pdl=False, tensor_cores=False):
     """Dequantize, then torch_ops.fused_qkv_rope_store."""
     return torch_ops.fused_qkv_rope_store(x, dequantize(fmt, qt, shape, x.dtype), bias, norm_weight, eps, num_heads,
                                           num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping)

@@ -24,6 +24,7 @@ class QuantLinear(nn.Module):
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.kernels = "torch"           # "triton": the Triton kernels (set by quantize_model / prepare_model)
         self.act_fp8 = False             # fp8 GEMM: activations quantized per token-group, FP8 tensor cores
+        self.tensor_cores = False        # fused GEMVs: kernels/quant_gemv_tc.py (EngineConfig.quant_gemv_tensor_cores)
         tensors = tensors if tensors is not None else formats.empty(fmt, out_features, in_features, device)
         for name, t in tensors.items():
             self.register_parameter(name, nn.Parameter(t, requires_grad=False))
@@ -56,7 +57,8 @@ class QuantLinear(nn.Module):
                                           norm_weight=norm_weight, eps=eps, residual=residual)
         from ..kernels.quant_gemv import quant_fused_linear
         return quant_fused_linear(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
-                                  norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl)
+                                  norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl,
+                                  tensor_cores=self.tensor_cores and x.shape[0] <= 16)
 
     def fused_qkv_rope_store(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, num_heads: int,
                              num_kv_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
@@ -67,7 +69,10 @@ class QuantLinear(nn.Module):
             from ..kernels import torch_ops
             return torch_ops.fused_qkv_rope_store(x, self.dequantize(x.dtype), self.bias, *args)
         from ..kernels.quant_qkv_rope import quant_fused_qkv_rope_store
-        return quant_fused_qkv_rope_store(x, self.fmt, self.tensors(), self.shape, self.bias, *args, pdl=pdl)
+        head_dim = self.out_features // (num_heads + 2 * num_kv_heads)
+        tc = self.tensor_cores and x.shape[0] <= 16 and head_dim % 32 == 0
+        return quant_fused_qkv_rope_store(x, self.fmt, self.tensors(), self.shape, self.bias, *args, pdl=pdl,
+                                          tensor_cores=tc)
 
     def extra_repr(self) -> str:
         return f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
@@ -108,6 +113,13 @@ def _set_kernels(model, kernels: str, act_fp8: bool) -> None:
     for _, _, lin in _layer_linears(model):
         lin.kernels = kernels
         lin.act_fp8 = act_fp8 and lin.fmt == "fp8"
+
+
+def set_tensor_cores(model, on: bool) -> None:
+    """The quantized layers' fused GEMVs on tensor cores (kernels/quant_gemv_tc.py) or CUDA cores."""
+    for _, _, lin in _layer_linears(model):
+        if isinstance(lin, QuantLinear):
+            lin.tensor_cores = on
 
 
 @torch.no_grad()
