@@ -178,6 +178,9 @@ FIELD_HELP = {
     "cpu_kv_cache_gib": "KV pool size on CPU", "enable_step_timings": "per-region timings in step events",
     "gemv_max_tokens": "empty: 1 with Triton kernels; 0 = off (cuBLAS linears, separate norm/activation kernels)",
     "enable_pdl": "Hopper+: small-batch kernels launch as programmatic dependents",
+    "mixed_cuda_graphs": "prefill chunks beside decodes replay CUDA graphs per token bucket (padding to the null "
+                         "block); off = those steps run eagerly",
+    "mixed_cuda_graph_max_tokens": "steps with more tokens than this run eagerly",
     "quantization": "decoder weights: fp8 (128x128 blocks), int8 (per channel), int4 (groups); a pre-quantized "
                     "checkpoint's format is detected",
     "quant_gemv_tensor_cores": "quantized decode linears on tensor cores (weights decoded to 16-bit, rows padded "

@@ -72,7 +72,7 @@ def compare_tab(host: EngineHost) -> None:
         cmp_fields = [("enable_chunked_prefill", "bool"), ("enable_prefix_caching", "bool"), ("enable_kv_cache", "bool"),
                       ("scheduling", "choice"), ("max_num_batched_tokens", "opt_int"), ("max_num_seqs", "opt_int"),
                       ("num_kv_blocks", "opt_int"), ("block_size", "int"), ("kernels", "choice"),
-                      ("enable_cuda_graphs", "bool"), ("speculative_method", "choice"), ("num_speculative_tokens", "int"),
+                      ("enable_cuda_graphs", "bool"), ("mixed_cuda_graphs", "bool"), ("speculative_method", "choice"), ("num_speculative_tokens", "int"),
                       ("quantization", "choice")]
         cmp_names = [n for n, _ in cmp_fields]
         sides = {}
