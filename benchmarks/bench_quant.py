@@ -9,7 +9,7 @@
     python benchmarks/bench_quant.py [--sections kernels,model] [--formats none,fp8,int8,int4] [--requests 256]
                                      [--gemv auto|tc|cuda|both]
 --gemv: the quantized decode GEMVs on tensor cores (kernels/quant_gemv_tc.py), CUDA cores (quant_gemv.py), the
-engine's default (auto), or each quantized format both ways. Prints tables last; writes benchmarks/results/quant_<device>.json (and $OUT/ when set). The GEMVs' launch configs
+engine's default (auto: per shape, tensor cores where the sweep found them faster), or all three. Prints tables last; writes benchmarks/results/quant_<device>.json (and $OUT/ when set). The GEMVs' launch configs
 per shape come from benchmarks/sweep_quant_gemv.py (engine/kernels/quant_gemv.py: QUANT_GEMV_CONFIGS).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None)
     m = out.metrics
     step = (m.last_token_time - m.first_token_time) / 255
     floor = (step_bytes + kv_tok * 256) / bw
-    row = dict(bench="model", format=fmt or "bf16", gemv=("tc" if eng.quant_tensor_cores else "cuda") if fmt else "-",
+    row = dict(bench="model", format=fmt or "bf16", gemv={True: "tc", False: "cuda", None: "per shape"}[eng.quant_tensor_cores] if fmt else "-",
                weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
                kv_blocks=eng.num_blocks, kv_GB=eng.num_blocks * kv_bytes_per_block(eng.model_config, eng.block_size,
                                                                                   eng.dtype) / 1e9,
@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--gemv", default="auto", choices=("auto", "tc", "cuda", "both"),
                     help="quantized decode GEMVs: tensor cores, CUDA cores, the engine's choice, or both")
     args = ap.parse_args()
-    gemvs = {"auto": [None], "tc": [True], "cuda": [False], "both": [True, False]}[args.gemv]
+    gemvs = {"auto": [None], "tc": [True], "cuda": [False], "both": [None, True, False]}[args.gemv]
     dev = device_name()
     bw = copy_bandwidth()
     kernel_rows, model_rows = [], []

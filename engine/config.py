@@ -24,7 +24,8 @@ class EngineConfig:
     int4_group_size: int = 128          # int4: weights per (scale, min) group along K: 32, 64 or 128
     quant_gemv_tensor_cores: bool | None = None  # quantized decode linears (fused GEMVs) on tensor cores:
     #                                     weights decoded to 16-bit in registers, tl.dot on the rows padded to 16
-    #                                     (kernels/quant_gemv_tc.py); None: on for triton on cuda >= sm80
+    #                                     (kernels/quant_gemv_tc.py); None: with triton on cuda >= sm80, for
+    #                                     the shapes where the sweep found them faster (QUANT_GEMV_TC_CONFIGS)
     fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
     #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
     # KV cache

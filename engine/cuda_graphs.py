@@ -50,7 +50,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 def mixed_token_sizes(max_tokens: int) -> list[int]:
     """Token buckets of mixed-step graphs: a padded step wastes at most 1/5 of its tokens above 64."""
     sizes = list(range(16, 257, 16)) + list(range(320, 1025, 64)) + list(range(1152, 8193, 128))
-    return [s for s in sizes if s <= max_tokens]
+    return [s for s in sizes if s < max_tokens] + [max_tokens]      # a full token budget is a bucket
 
 
 class CudaGraphRunner:

@@ -103,10 +103,12 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
                                  quantization=config.quantization, fp8_activations=fp8_act,
                                  int4_group_size=config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
-        self.quant_tensor_cores = config.quant_gemv_tensor_cores if config.quant_gemv_tensor_cores is not None \
-            else self.kernels == "triton" and self.device.type == "cuda" \
-            and torch.cuda.get_device_capability(self.device) >= (8, 0)
-        set_tensor_cores(self.model, self.quant_tensor_cores)
+        tc = config.quant_gemv_tensor_cores
+        if tc is None and not (self.kernels == "triton" and self.device.type == "cuda"
+                               and torch.cuda.get_device_capability(self.device) >= (8, 0)):
+            tc = False
+        self.quant_tensor_cores = tc            # None: per shape, where the sweep found tensor cores faster
+        set_tensor_cores(self.model, tc)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
         if ex is not None:

@@ -135,3 +135,12 @@ def test_quant_linear_switch():
     set_tensor_cores(model, False)
     assert not lin.tensor_cores
     torch.testing.assert_close(lin.fused(x), ref, atol=1e-4, rtol=1e-4)
+    set_tensor_cores(model, None)                   # auto: only the shapes the sweep found faster on tensor cores
+    assert lin.tensor_cores == (("fp8", N, K) in QUANT_GEMV_TC_CONFIGS) and not lin.tensor_cores
+    QUANT_GEMV_TC_CONFIGS[("fp8", N, K)] = (16, 128, 1, 2, 1)
+    try:
+        set_tensor_cores(model, None)
+        assert lin.tensor_cores
+        torch.testing.assert_close(lin.fused(x), ref, atol=2e-2, rtol=2e-2)
+    finally:
+        del QUANT_GEMV_TC_CONFIGS[("fp8", N, K)]

@@ -115,11 +115,13 @@ def _set_kernels(model, kernels: str, act_fp8: bool) -> None:
         lin.act_fp8 = act_fp8 and lin.fmt == "fp8"
 
 
-def set_tensor_cores(model, on: bool) -> None:
-    """The quantized layers' fused GEMVs on tensor cores (kernels/quant_gemv_tc.py) or CUDA cores."""
+def set_tensor_cores(model, on: bool | None) -> None:
+    """The quantized layers' fused GEMVs on tensor cores (kernels/quant_gemv_tc.py) or CUDA cores. None: per
+    shape, tensor cores where benchmarks/sweep_quant_gemv.py found them faster (QUANT_GEMV_TC_CONFIGS)."""
+    from ..kernels.quant_gemv_tc import QUANT_GEMV_TC_CONFIGS
     for _, _, lin in _layer_linears(model):
         if isinstance(lin, QuantLinear):
-            lin.tensor_cores = on
+            lin.tensor_cores = on if on is not None else (lin.fmt, *lin.shape) in QUANT_GEMV_TC_CONFIGS
 
 
 @torch.no_grad()
