@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -136,8 +134,6 @@ def main():
     out = dict(device=dev, copy_bandwidth_GBs=bw / 1e9, model=MODEL, requests=args.requests,
                kernels=kernel_rows, models=model_rows)
     path = write_json(f"quant_{slug(dev)}", out)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], path.name).write_text(json.dumps(out, indent=2))
     print(f"\ndevice: {dev}; copy bandwidth {bw / 1e9:,.0f} GB/s; {MODEL}; json: {path}")
     if kernel_rows:
         print_table(kernel_rows, ["proj", "format", "MB", "gemv1_us", "gemv1_GBs", "gemv1_tc_us", "gemv1_tc_GBs",

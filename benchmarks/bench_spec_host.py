@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from benchmarks.bench_spec import WORKLOADS, token_prompts  # noqa: E402
-from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
+from benchmarks.common import device_name, print_table, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=4)
