@@ -188,6 +188,7 @@ def main():
     ap.add_argument("--prefill-requests", type=int, default=128)
     ap.add_argument("--latency-configs", default=",".join(LATENCY_CONFIGS),
                     help=f"comma-separated, of {list(LATENCY_CONFIGS)}")
+    ap.add_argument("--ablations", default="", help="comma-separated ablation names to run (default: all)")
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
@@ -238,12 +239,15 @@ def main():
                              seconds=peer["prefill_seconds"], ratio=total / peer["prefill_total_tok_s"]))
     if "ablation" in sections:
         for name, sw in [("kernels=torch", dict(kernels="torch")), ("no cuda graphs", dict(enable_cuda_graphs=False)),
+                         ("no mixed-step cuda graphs", dict(mixed_cuda_graphs=False)),
                          ("no chunked prefill", dict(enable_chunked_prefill=False)),
                          ("static batching", dict(scheduling="static")),
                          ("num_scheduler_steps=1", dict(num_scheduler_steps=1)),
                          ("multi_step_max_ms=4 (the server's default)", dict(multi_step_max_ms=4.0)),
                          ("multi_step_admit_min=1", dict(multi_step_admit_min=1)),
                          ("no prefix caching", dict(enable_prefix_caching=False))]:
+            if args.ablations and name not in args.ablations.split(","):
+                continue
             try:
                 dt, n = run_engine(prompts, outs, **sw)
                 rows.append(dict(bench="ablation", config=name, seconds=dt, out_tokens=n, tok_s=n / dt,
