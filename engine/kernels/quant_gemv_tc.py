@@ -97,49 +97,38 @@ def _nibble_values(q, DT: tl.constexpr):
     return v
 
 
+# int4 bytes -> (low, high nibbles) as 16-bit floats OFF + q: prmt spreads two bytes over two 16-bit halves,
+# and + or set the exponent bits ({exp}: 0x6400 is fp16 1024, 0x4300 bf16 128)
+_NIBBLE_ASM = """{{
+            .reg .b32 t0, t1, u0, u1, z;
+            mov.b32 z, 0;
+            prmt.b32 t0, $4, z, 0x4140;
+            prmt.b32 t1, $4, z, 0x4342;
+            and.b32 u0, t0, 0x000F000F;
+            and.b32 u1, t1, 0x000F000F;
+            or.b32 $0, u0, {exp};
+            or.b32 $1, u1, {exp};
+            shr.b32 t0, t0, 4;
+            shr.b32 t1, t1, 4;
+            and.b32 u0, t0, 0x000F000F;
+            and.b32 u1, t1, 0x000F000F;
+            or.b32 $2, u0, {exp};
+            or.b32 $3, u1, {exp};
+            }}"""
+_NIBBLES_FP16 = tl.constexpr(_NIBBLE_ASM.format(exp="0x64006400"))
+_NIBBLES_BF16 = tl.constexpr(_NIBBLE_ASM.format(exp="0x43004300"))
+
+
 @triton.jit
 def _nibbles_packed(b, DT: tl.constexpr):
     """int4 bytes [BN, H] -> (low, high nibbles) as DT values OFF + q, four bytes per two integer instructions per
-    output pair (prmt spreads two bytes over two 16-bit halves, and + or set the exponent bits): inline PTX,
-    compiled Triton only (not the interpreter)."""
+    output pair: inline PTX, compiled Triton only (not the interpreter)."""
     if DT == tl.float16:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1, u0, u1, z;
-            mov.b32 z, 0;
-            prmt.b32 t0, $4, z, 0x4140;
-            prmt.b32 t1, $4, z, 0x4342;
-            and.b32 u0, t0, 0x000F000F;
-            and.b32 u1, t1, 0x000F000F;
-            or.b32 $0, u0, 0x64006400;
-            or.b32 $1, u1, 0x64006400;
-            shr.b32 t0, t0, 4;
-            shr.b32 t1, t1, 4;
-            and.b32 u0, t0, 0x000F000F;
-            and.b32 u1, t1, 0x000F000F;
-            or.b32 $2, u0, 0x64006400;
-            or.b32 $3, u1, 0x64006400;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_FP16, constraints="=r,=r,=r,=r,r", args=[b],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1, u0, u1, z;
-            mov.b32 z, 0;
-            prmt.b32 t0, $4, z, 0x4140;
-            prmt.b32 t1, $4, z, 0x4342;
-            and.b32 u0, t0, 0x000F000F;
-            and.b32 u1, t1, 0x000F000F;
-            or.b32 $0, u0, 0x43004300;
-            or.b32 $1, u1, 0x43004300;
-            shr.b32 t0, t0, 4;
-            shr.b32 t1, t1, 4;
-            and.b32 u0, t0, 0x000F000F;
-            and.b32 u1, t1, 0x000F000F;
-            or.b32 $2, u0, 0x43004300;
-            or.b32 $3, u1, 0x43004300;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(asm=_NIBBLES_BF16, constraints="=r,=r,=r,=r,r", args=[b],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return lo, hi
 
 
