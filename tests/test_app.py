@@ -178,8 +178,8 @@ def test_export_csv_and_trace(client):
 
 
 def test_compare_two_configs(client):
-    msg = client.predict(True, True, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3, "none",
-                         False, False, True, "continuous", 2048, 16, 96, 16, "auto", True, "off", 3, "int8",
+    msg = client.predict(True, True, True, "continuous", 2048, 16, 96, 16, "auto", True, True, "off", 3, "none",
+                         False, False, True, "continuous", 2048, 16, 96, 16, "auto", True, False, "off", 3, "int8",
                          "One burst", 6, 0, 8, api_name="/compare")
     assert msg.startswith("Running"), msg
     deadline = time.time() + 120
