@@ -11,7 +11,7 @@ import torch
 from engine.kernels import ops, torch_ops
 from engine.kernels import triton_ops as tk
 from engine.kernels.metadata import AttentionMetadata
-from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_ref
+from engine.kernels.paged_attention_ref import paged_attention_decode_ref, paged_attention_ref
 
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEV = torch.device("cuda" if GPU else "cpu")

@@ -10,7 +10,8 @@ import torch
 from engine import LLMEngine, SamplingParams
 from engine.cuda_graphs import MIXED, CudaGraphRunner, mixed_token_sizes
 from engine.kernels.metadata import AttentionMetadata
-from engine.kernels.paged_attention import paged_attention, paged_attention_ref
+from engine.kernels.paged_attention import paged_attention
+from engine.kernels.paged_attention_ref import paged_attention_ref
 from helpers import SPEC_VOCAB, check_no_leak
 
 pytestmark = pytest.mark.usefixtures("one_thread")

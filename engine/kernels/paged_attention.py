@@ -256,6 +256,23 @@ def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) ->
 
 # ---------------------------------------------------------------- launchers
 
+def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes):
+    """The prefill kernel over md's B sequences: grid (T // BQ + B, Hk), T = q.shape[0]."""
+    T, H, D = q.shape
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    G = H // Hk
+    GP = triton.next_power_of_2(G)
+    BQ = max(1, pcfg["BLOCK_M"] // GP)
+    _prefill_kernel[(T // BQ + B, Hk)](
+        q, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.cu_seqlens_q, B, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=G, GP=GP, BQ=BQ, BLOCK_M=max(16, BQ * GP), BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
+        BD=triton.next_power_of_2(D), SKIP_DECODES=skip_decodes, DOT_PREC=_dot_prec(q.dtype),
+        num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+
+
 def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out, pdl=False):
     """Grid (B, Hk, S). cu_q None: sequence b's query is row b; else rows come from cu_q and
     sequences with q_len != 1 are skipped. pdl: both kernels launch as programmatic dependents."""
@@ -317,7 +334,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if md.mixed_splits:
         return _paged_attention_graphed(q, k_cache, v_cache, md, scale, out)
     T, H, D = q.shape
-    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    Hk = k_cache.shape[2]
     G = H // Hk
     B = md.num_seqs
     cfg = dict(config or {})
@@ -332,19 +349,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     n_dec = sum(1 for n in md.q_lens if n == 1) if apart else 0
     max_q = max((n for n in md.q_lens if n != 1 or not n_dec), default=1)
-    GP = triton.next_power_of_2(G)
-    pcfg = dict(_prefill_config(GP, D, max_q, q.dtype, q.device), **cfg)
-    BQ = max(1, pcfg["BLOCK_M"] // GP)
-    BM = max(16, BQ * GP)
     if n_dec < B:
-        _prefill_kernel[(T // BQ + B, Hk)](
-            q, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.cu_seqlens_q, B, scale * LOG2E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            G=G, GP=GP, BQ=BQ, BLOCK_M=BM, BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
-            BD=triton.next_power_of_2(D), SKIP_DECODES=n_dec > 0, DOT_PREC=_dot_prec(q.dtype),
-            num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+        pcfg = dict(_prefill_config(triton.next_power_of_2(G), D, max_q, q.dtype, q.device), **cfg)
+        _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes=n_dec > 0)
     if n_dec:
         S = dec_splits or decode_num_splits(n_dec, Hk, md.max_seqlen_k, q.device)
         _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, S,
@@ -357,57 +364,14 @@ def _paged_attention_graphed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """paged_attention for a mixed step inside a CUDA graph: T (padded) tokens over B = seq_lens.shape[0]
     sequence slots; the prefill kernel skips decodes, the decode kernel (md.mixed_splits splits) everything else."""
     T, H, D = q.shape
-    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    Hk = k_cache.shape[2]
     G = H // Hk
     B = md.seq_lens.shape[0]
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    GP = triton.next_power_of_2(G)
-    pcfg = _prefill_config(GP, D, T, q.dtype, q.device)
-    BQ = max(1, pcfg["BLOCK_M"] // GP)
-    _prefill_kernel[(T // BQ + B, Hk)](
-        q, k_cache, v_cache, out, md.block_tables, md.seq_lens, md.cu_seqlens_q, B, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), md.block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=G, GP=GP, BQ=BQ, BLOCK_M=max(16, BQ * GP), BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
-        BD=triton.next_power_of_2(D), SKIP_DECODES=True, DOT_PREC=_dot_prec(q.dtype),
-        num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+    pcfg = _prefill_config(triton.next_power_of_2(G), D, T, q.dtype, q.device)
+    _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes=True)
     _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, md.mixed_splits,
                    _decode_config(G, D, q.dtype, q.device), out)
     return out
-
-
-# ---------------------------------------------------------------- reference
-
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Plain torch, one sequence at a time, reading exactly each sequence's seq_len keys (so garbage
-    elsewhere in the cache cannot leak in). Computes in q's dtype: pass float64 inputs for a tight reference."""
-    T, H, D = q.shape
-    Hk, bs = k_cache.shape[2], k_cache.shape[1]
-    out = torch.zeros_like(q)
-    cu = md.cu_seqlens_q.tolist()
-    for i, (ql, sl) in enumerate(zip(md.q_lens, md.seq_lens_cpu)):
-        pos = torch.arange(sl, device=q.device)
-        blk = md.block_tables[i].long()[pos // bs]
-        k = k_cache[blk, pos % bs].repeat_interleave(H // Hk, dim=1)      # [sl, H, D]
-        v = v_cache[blk, pos % bs].repeat_interleave(H // Hk, dim=1)
-        qi = q[cu[i]:cu[i] + ql]                                           # [ql, H, D]
-        s = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        causal = pos[None, :] <= (sl - ql + torch.arange(ql, device=q.device))[:, None]
-        p = s.masked_fill(~causal, float("-inf")).softmax(-1)
-        out[cu[i]:cu[i] + ql] = torch.einsum("hqk,khd->qhd", p, v)
-    return out
-
-
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    B = q.shape[0]
-    lens = seq_lens.tolist()
-    md = AttentionMetadata(
-        positions=seq_lens.long() - 1, slot_mapping=seq_lens.long(),
-        cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=q.device), seq_lens=seq_lens,
-        block_tables=block_tables, logits_indices=torch.arange(B, device=q.device), q_lens=[1] * B,
-        seq_lens_cpu=lens, max_seqlen_q=1, max_seqlen_k=max(lens, default=0), block_size=k_cache.shape[1])
-    return paged_attention_ref(q, k_cache, v_cache, md, scale)
