@@ -98,6 +98,9 @@ class EngineConfig:
     #                                         one iteration: the next forward starts from the sampled tokens
     #                                         still on the device while the host advances the grammars and
     #                                         fills the next masks; None: on cuda; False: one synced step each
+    structured_multi_step: bool = True  # grammar blocks run up to num_scheduler_steps iterations, the host
+    #                                     filling each iteration's masks while the GPU runs its forward (no
+    #                                     scheduler or post-processing round trip per token); False: one each
     fused_token_bitmask: bool = True    # with triton kernels, one Triton launch applies the packed bitmask to
     #                                     the constrained rows; False (or kernels="torch"): torch ops
 
@@ -167,6 +170,7 @@ class EngineConfig:
              "must be None, True or False")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
+        need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")
         need(self.speculative_method != "draft" or self.draft_model is not None,
              "draft_model", "is required when speculative_method='draft'")
         if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):

@@ -326,7 +326,8 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         """-inf on the logits of tokens a constrained request's grammar forbids next. row_seqs[r]: the
         sequence whose next token logits row r samples (None: a draft position). Constrained requests get no
         drafts, so each has one logits row."""
-        rows = [r for r, seq in enumerate(row_seqs) if seq is not None and seq.matcher is not None]
+        rows = [r for r, seq in enumerate(row_seqs) if seq is not None and seq.matcher is not None
+                and not (seq.matcher.is_stopped() or seq.matcher.is_error())]   # (ended inside a grammar block)
         if not rows:
             return
         if self.token_bitmask is None:

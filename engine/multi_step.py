@@ -13,13 +13,16 @@ nothing waiting that could be admitted, and every request sampling on the device
 unseeded temperature / top-k / top-p / min-p; no penalties, logprobs or min_tokens ban). Otherwise the
 engine takes a normal step.
 
-A batch with a constrained request (structured output) runs grammar blocks of one iteration instead
+A batch with a constrained request (structured output) runs grammar blocks instead
 (EngineConfig.structured_overlap): each token's mask needs the previous token on the host, but the next
-forward does not. Its forward is launched from the in-flight block's tokens still on the device; then the
-host waits for those tokens, advances the grammars (post-processing) and only then fills the masks, masks
-and samples the launched logits, while the GPU runs that forward. Sampling happens with every earlier
-token known on the host, so any sampling parameter but logprobs is allowed, and rows of requests that
-ended meanwhile are left out of it: the tokens are those of one synced step per token.
+forward does not. A block's first forward is launched from the in-flight block's tokens still on the
+device; then the host waits for those tokens, advances the grammars (post-processing) and only then fills
+the masks, masks and samples the launched logits, while the GPU runs that forward. Each later iteration
+(EngineConfig.structured_multi_step: up to num_scheduler_steps of them) is launched from the tokens just
+sampled, and the host feeds those tokens to the grammars and fills the next masks while it runs, without a
+scheduler or post-processing round trip per token. Sampling happens with every earlier token known on the
+host, so the tokens are those of one synced step per token; a block of one iteration allows any sampling
+parameter but logprobs, a longer one none that needs the history on the host (penalties, min_tokens).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 from . import overlap_prefill
 from .host_copy import HostCopy
 from .kernels.metadata import AttentionMetadata
+from .output_processor import consume_grammar
 from .sampler import SampleRow, sample_on_device, sample_unseeded
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -50,6 +54,7 @@ class InFlight:
     t_launched: float
     logits: torch.Tensor | None = None     # a grammar block's [B, V] logits, launched and not yet sampled
     mask_s: float = 0.0                    # host seconds its masks took (filled and applied)
+    mds: list[AttentionMetadata] | None = None     # a grammar block's iterations, launched one at a time
 
 
 def _plain(seq: Sequence) -> bool:
@@ -58,13 +63,21 @@ def _plain(seq: Sequence) -> bool:
             and (p.greedy or p.seed is None))
 
 
+def _in_grammar_block(seq: Sequence) -> bool:
+    """Whether seq's rows can be sampled in a grammar block of several iterations, whose later iterations
+    sample before the host has appended the tokens before them."""
+    p = seq.params
+    return p.logprobs is None and not p.needs_penalties and (seq.matcher is not None or
+                                                             seq.num_output_tokens >= p.min_tokens)
+
+
 def plan(engine, ahead: InFlight | None = None) -> int:
     """How many decode iterations the next block may run (0: take a normal step). With `ahead`, the block
     would follow that in-flight one, whose K tokens per request are not known on the host yet. A batch
-    with a constrained request gets a grammar block of 1 (with EngineConfig.structured_overlap) or 0."""
+    with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0."""
     sch = engine.scheduler
     grammar = engine.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
-    K = 1 if grammar else engine.num_scheduler_steps
+    K = engine.num_scheduler_steps if not grammar or engine.config.structured_multi_step else 1
     if (not engine.structured_overlap if grammar else K <= 1) or not engine.config.enable_kv_cache \
             or not sch.running:
         return 0
@@ -85,8 +98,10 @@ def plan(engine, ahead: InFlight | None = None) -> int:
             return 0
         if not (seq.params.logprobs is None if grammar else _plain(seq)):
             return 0                                # (a grammar block samples with the host up to date)
+        if grammar and not _in_grammar_block(seq):
+            K = 1
         room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
-    K = min(K, room) if grammar else min(K, room, _time_cap(engine))
+    K = min(K, room, _time_cap(engine)) if K > 1 else min(K, room)
     bm = engine.block_manager
     need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in sch.running)
     return K if K >= (1 if grammar else 2) and need <= bm.pool.num_free else 0
@@ -172,7 +187,7 @@ def prepare(runner, sched: SchedulerOutput, K: int) -> list[AttentionMetadata]:
 def launch(engine, K: int, ahead: InFlight | None = None, sample: bool = True) -> InFlight:
     """Schedule and launch K iterations without a host sync. After an in-flight block, the first input
     ids are that block's last sampled tokens, gathered on the device. A grammar block (a constrained
-    request in the batch, K = 1) launches its forward only, sampled here or, with sample=False, by the
+    request in the batch) launches its first forward only, sampled here or, with sample=False, by the
     caller's `sample_grammar_block` once the tokens before it are on the host."""
     t0 = time.perf_counter()
     sched = schedule(engine, K, ahead.K if ahead else 0)
@@ -188,7 +203,7 @@ def launch(engine, K: int, ahead: InFlight | None = None, sample: bool = True) -
     mds = prepare(engine.runner, sched, K)
     if any(s.matcher is not None for s in sched.seqs):
         logits = engine.runner.execute(ids, mds[0])                         # [B, V]
-        blk = InFlight(sched, K, None, None, mds[0].graphed, t0, t_sched, time.perf_counter(), logits)
+        blk = InFlight(sched, K, None, None, mds[0].graphed, t0, t_sched, time.perf_counter(), logits, mds=mds)
         return sample_grammar_block(engine, blk) if sample else blk
     rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
     greedy = [r.params.greedy for r in rows]
@@ -203,26 +218,47 @@ def launch(engine, K: int, ahead: InFlight | None = None, sample: bool = True) -
 
 def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
     """Mask and sample a grammar block's launched logits, with every token before them on the host: the
-    rows of the requests still running, as a synced step of just those would (None: none is running)."""
+    rows of the requests still running, as a synced step of just those would (None: none is running).
+    Then its later iterations: each forward is launched from the tokens just sampled, and while it runs the
+    host waits for those tokens, feeds them to the grammars and fills the next masks."""
     seqs = blk.sched.seqs
     alive = [i for i, s in enumerate(seqs) if not s.is_finished]
     if not alive:
         return None
-    logits, dev = blk.logits, blk.logits.device
-    idx = None
-    if len(alive) < len(seqs):
-        idx = torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
-        logits = logits.index_select(0, idx)                                 # [B', V]
-    t = time.perf_counter()
-    engine._apply_grammars([seqs[i] for i in alive], logits)
-    blk.mask_s += time.perf_counter() - t
-    tokens, _ = sample_on_device(logits, [engine._sample_row(seqs[i]) for i in alive], engine.generator,
-                                 engine.fused_sampling)                      # [B']
-    if idx is not None:                             # rows of ended requests: never read
-        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
-    blk.tokens, blk.logits = tokens[:, None], None                            # [B, 1]
+    dev = blk.logits.device
+    idx = None if len(alive) == len(seqs) else torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
+    toks, copy = [], None
+    for j in range(blk.K):
+        if copy is not None:
+            host = copy.tolist()                                                          # [B]
+            _feed_grammars([seqs[i] for i in alive], [host[i] for i in alive])
+        logits = blk.logits if idx is None else blk.logits.index_select(0, idx)          # [B', V]
+        t = time.perf_counter()
+        engine._apply_grammars([seqs[i] for i in alive], logits)
+        blk.mask_s += time.perf_counter() - t
+        rows = [engine._sample_row(seqs[i]) for i in alive]
+        for r in rows:
+            r.position += j                         # (seeds: the host has not appended this block's tokens)
+        tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
+        if idx is not None:                         # rows of ended requests: never read
+            tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
+        toks.append(tokens)
+        if j + 1 < blk.K:
+            copy = HostCopy(tokens)                 # queued before the next forward, so it lands first
+            blk.logits = engine.runner.execute(tokens, blk.mds[j + 1])
+    blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
     blk.host = HostCopy(blk.tokens)
     return blk
+
+
+def _feed_grammars(seqs: list[Sequence], tokens: list[int]) -> None:
+    """Inside a grammar block: feed each constrained request's last sampled token to its matcher, keeping the
+    outcome for post-processing. A request whose grammar ended earlier in the block ignores the rest
+    (post-processing stops it at that token)."""
+    for seq, tok in zip(seqs, tokens):
+        m = seq.matcher
+        if m is not None and not seq.is_finished and not (m.is_stopped() or m.is_error()):
+            seq.grammar_ahead.append(consume_grammar(seq, tok))
 
 
 def step(engine, K: int, observe: bool, timer) -> list:

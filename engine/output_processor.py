@@ -91,12 +91,12 @@ class OutputProcessor:
 
     def _advance_grammar(self, seq: Sequence, tok: int) -> str | None:
         """Feed an accepted token to the request's matcher; "stop" once the grammar is complete (nothing but
-        EOS could follow) or, defensively, if the token was not allowed."""
-        m = seq.matcher
-        if not m.consume_token(tok):
-            seq.stop_reason = f"grammar error: {m.get_error()}"
-            return "stop"
-        return "stop" if m.is_stopped() else None
+        EOS could follow) or, defensively, if the token was not allowed. A token a grammar block already fed
+        it gives the outcome recorded then."""
+        reason, stop_reason = seq.grammar_ahead.popleft() if seq.grammar_ahead else consume_grammar(seq, tok)
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
+        return reason
 
     def _logprob_entry(self, row: torch.Tensor, tok: int, n: int) -> list[Logprob]:
         entry = [Logprob(tok, float(row[tok]), self.detok.decode_one(tok))]
@@ -115,3 +115,11 @@ class OutputProcessor:
             text=seq.text[:upto], token_ids=out_ids, delta_text=delta, delta_token_ids=list(added),
             finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,
             logprobs=seq.logprobs, stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens)
+
+
+def consume_grammar(seq: Sequence, tok: int) -> tuple[str | None, str | None]:
+    """Feed `tok` to seq's matcher -> (finish reason or None, stop_reason of a grammar error or None)."""
+    m = seq.matcher
+    if not m.consume_token(tok):
+        return "stop", f"grammar error: {m.get_error()}"
+    return ("stop" if m.is_stopped() else None), None

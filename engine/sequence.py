@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from collections import deque
 
 from .outputs import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
@@ -31,6 +32,8 @@ class Sequence:
         self.spec_token_ids: list[int] = []          # draft tokens to verify next step
         self.matcher = None                          # llguidance matcher of a constrained request: has
         #                                              consumed exactly the output tokens (recompute keeps them)
+        self.grammar_ahead: deque = deque()          # (reason, stop_reason) of tokens a grammar block fed to the
+        #                                              matcher before post-processing reached them
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)

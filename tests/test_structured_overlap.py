@@ -19,12 +19,13 @@ PROMPT = "Reply with a JSON object."
 
 @pytest.fixture
 def grammar_blocks(monkeypatch):
-    """How many grammar blocks were masked and sampled (a spy around multi_step.sample_grammar_block)."""
+    """The grammar blocks masked and sampled: (batch, iterations) each (a spy around
+    multi_step.sample_grammar_block)."""
     calls = []
     inner = multi_step.sample_grammar_block
 
     def spy(engine, blk):
-        calls.append(len(blk.sched.seqs))
+        calls.append((len(blk.sched.seqs), blk.K))
         return inner(engine, blk)
     monkeypatch.setattr(multi_step, "sample_grammar_block", spy)
     return calls
@@ -71,7 +72,7 @@ def test_overlap_gives_the_tokens_of_synced_steps(smollm2_engine_factory, gramma
     on = smollm2_engine_factory(structured_overlap=True)
     outs = run(on, mixed(on))
     same(outs, reference)
-    assert len(grammar_blocks) >= 8 and max(grammar_blocks) == 8       # the whole batch, one token a block
+    assert len(grammar_blocks) >= 8 and max(grammar_blocks) == (8, 1)  # the whole batch, one token a block
     for o in outs[:3]:
         assert o.finish_reason == "stop"                # grammar complete: stopped at the same token
         jsonschema.validate(json.loads(o.text), SCHEMA)
@@ -97,6 +98,34 @@ def test_overlap_with_multistep_preemption_and_arrivals(smollm2_engine_factory, 
     same(outs, reference)
     for o in outs[2:5] + outs[6:]:
         jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+def test_grammar_blocks_of_several_iterations(smollm2_engine_factory, grammar_blocks):
+    """With num_scheduler_steps=4 a grammar block runs 4 iterations, the host feeding each token to the
+    grammars inside it: the same tokens as synced steps, for grammars that end mid-block (the choice, the
+    regex) and free requests; a request with a penalty in the batch makes the blocks one iteration long."""
+    seeded = lambda s, n, **kw: SamplingParams(temperature=1.0, seed=s, max_tokens=n, **kw)   # noqa: E731
+    reqs = [(PROMPT, SamplingParams(temperature=0, max_tokens=40, structured_outputs=JSON)),
+            (PROMPT, seeded(1, 40, structured_outputs=JSON)),
+            ("Pick one:", seeded(2, 8, structured_outputs={"choice": ["alpha", "beta gamma"]})),
+            ("Code:", SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=12,
+                                     structured_outputs={"regex": r"[a-z]{2,5}-[0-9]{1,6}"})),
+            ("Count to ten:", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+            ("Say hi.", seeded(4, 9, ignore_eos=True, min_tokens=5)),
+            ("Colours:", seeded(6, 6, ignore_eos=True, repetition_penalty=1.3))]
+    off = smollm2_engine_factory(structured_overlap=False, num_scheduler_steps=4)
+    reference = run(off, reqs)
+    on = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4)
+    outs = run(on, reqs)
+    same(outs, reference)
+    assert {K for _, K in grammar_blocks} == {1, 4}
+    for o in outs[:2]:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert outs[2].text in ("alpha", "beta gamma") and outs[2].finish_reason == "stop"
+    grammar_blocks.clear()
+    one = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4, structured_multi_step=False)
+    same(run(one, reqs), reference)
+    assert {K for _, K in grammar_blocks} == {1}
 
 
 def test_abort_while_a_grammar_block_is_in_flight(smollm2_engine_factory, grammar_blocks):
@@ -130,7 +159,8 @@ def test_no_constraint_no_mask_work(smollm2_engine_factory, grammar_blocks):
     assert eng.token_bitmask is None and not grammar_blocks
 
 
-@pytest.mark.parametrize("field,value", [("structured_overlap", "yes"), ("fused_token_bitmask", None)])
+@pytest.mark.parametrize("field,value", [("structured_overlap", "yes"), ("fused_token_bitmask", None),
+                                         ("structured_multi_step", 1)])
 def test_switches_are_validated(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}:"):
         EngineConfig(**{field: value})
