@@ -7,7 +7,8 @@ ms/token = their wall time / the tokens they produced. "mask ms/step" is the hos
 applying the bitmasks (on CUDA it overlaps the forward in flight). Overhead = on / off - 1.
 
     python benchmarks/bench_structured.py [--model dummy:llama-3.2-1b] [--batch-sizes 1 32]
-        [--num-scheduler-steps 8] [--structured-overlap on|off] [--fused-token-bitmask on|off]
+        [--num-scheduler-steps 8] [--structured-overlap on|off] [--structured-multi-step on|off]
+        [--fused-token-bitmask on|off]
 
 --num-scheduler-steps 8 (the CUDA default) compares constrained decoding against unconstrained multi-step
 decoding; 1 against single steps. The JSON's name carries the settings that differ from the defaults.
@@ -105,6 +106,8 @@ def main():
                          "compares unconstrained multi-step blocks with it")
     ap.add_argument("--structured-overlap", choices=["auto", "on", "off"], default="auto",
                     help="EngineConfig.structured_overlap (auto: on with CUDA)")
+    ap.add_argument("--structured-multi-step", choices=["on", "off"], default="on",
+                    help="EngineConfig.structured_multi_step (grammar blocks of up to num_scheduler_steps iterations)")
     ap.add_argument("--fused-token-bitmask", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_token_bitmask (the Triton kernel; used with triton kernels)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
@@ -122,6 +125,7 @@ def main():
     eng = LLMEngine(model=model, device=device, num_scheduler_steps=args.num_scheduler_steps,
                     max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
                     structured_overlap=overlap, fused_token_bitmask=args.fused_token_bitmask == "on",
+                    structured_multi_step=args.structured_multi_step == "on",
                     **({} if gpu else {"cpu_kv_cache_gib": 0.5}))
     if eng.tokenizer is None:
         sys.exit("this model has no tokenizer: pass --tokenizer-dir (a copy of SmolLM2's tokenizer files)")
@@ -147,8 +151,10 @@ def main():
     name = model or "SmolLM2-135M-Instruct"
     tag = "".join([f"_k{args.num_scheduler_steps}" if args.num_scheduler_steps != 1 else "",
                    f"_overlap-{args.structured_overlap}" if args.structured_overlap != "auto" else "",
+                   "_single-grammar-steps" if args.structured_multi_step == "off" else "",
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
+                    structured_multi_step=args.structured_multi_step == "on",
                     fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
                     kernels=eng.kernels)
     path = write_json(f"structured_{slug(dev)}{tag}", dict(device=dev, model=name, max_tokens=max_tokens,

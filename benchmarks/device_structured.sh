@@ -21,8 +21,8 @@ case "${1:-all}" in
     timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_structured.py tests/test_structured_mask.py 2>&1 | tail -15 ;;&
   bench|all)
     B=(--model dummy:llama-3.2-1b --batch-sizes 1 32 "${TOK[@]}")
-    for args in "--num-scheduler-steps 1" "--num-scheduler-steps 8" "--num-scheduler-steps 8 --structured-overlap off" \
-                "--num-scheduler-steps 8 --fused-token-bitmask off"; do
+    for args in "--num-scheduler-steps 8" "--num-scheduler-steps 1" "--num-scheduler-steps 8 --structured-multi-step off" \
+                "--num-scheduler-steps 8 --structured-overlap off"; do
       echo "== bench_structured $args"
       timeout 240 python benchmarks/bench_structured.py "${B[@]}" $args 2>&1 | grep -v "^{" | tail -8
     done
