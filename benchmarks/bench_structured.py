@@ -108,6 +108,8 @@ def main():
                     help="EngineConfig.structured_overlap (auto: on with CUDA)")
     ap.add_argument("--structured-multi-step", choices=["on", "off"], default="on",
                     help="EngineConfig.structured_multi_step (grammar blocks of up to num_scheduler_steps iterations)")
+    ap.add_argument("--mask-threads", type=int, default=0,
+                    help="EngineConfig.structured_mask_threads (0: llguidance's default)")
     ap.add_argument("--fused-token-bitmask", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_token_bitmask (the Triton kernel; used with triton kernels)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
@@ -126,6 +128,7 @@ def main():
                     max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
                     structured_overlap=overlap, fused_token_bitmask=args.fused_token_bitmask == "on",
                     structured_multi_step=args.structured_multi_step == "on",
+                    structured_mask_threads=args.mask_threads or None,
                     **({} if gpu else {"cpu_kv_cache_gib": 0.5}))
     if eng.tokenizer is None:
         sys.exit("this model has no tokenizer: pass --tokenizer-dir (a copy of SmolLM2's tokenizer files)")
@@ -152,10 +155,11 @@ def main():
     tag = "".join([f"_k{args.num_scheduler_steps}" if args.num_scheduler_steps != 1 else "",
                    f"_overlap-{args.structured_overlap}" if args.structured_overlap != "auto" else "",
                    "_single-grammar-steps" if args.structured_multi_step == "off" else "",
+                   f"_threads{args.mask_threads}" if args.mask_threads else "",
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
                     structured_multi_step=args.structured_multi_step == "on",
-                    fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
+                    structured_mask_threads=args.mask_threads or None, fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
                     kernels=eng.kernels)
     path = write_json(f"structured_{slug(dev)}{tag}", dict(device=dev, model=name, max_tokens=max_tokens,
                                                             repeats=repeats, **settings, schema=SCHEMA, rows=rows))

@@ -5,6 +5,10 @@ idles whenever the host chain (wait for the last tokens, feed the grammars, fill
 the sampler and the next forward) outlasts the forward in flight.
 
     python benchmarks/profile_structured.py [--batch 32] [--model dummy:llama-3.2-1b] [--tokenizer-dir DIR]
+        [--mask-threads 0 2 4] [--feed seq par]
+
+--mask-threads: EngineConfig.structured_mask_threads per constrained run (0: llguidance's default); --feed par
+feeds the sampled tokens to the grammars through llguidance's parallel consume_token_par instead.
 """
 from __future__ import annotations
 
@@ -34,6 +38,11 @@ def timed(spent: dict, key: str, fn):
     return wrapper
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run(eng: LLMEngine, B: int, max_tokens: int, constrained: bool) -> tuple[float, int]:
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
     sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=not constrained, structured_outputs=so)
@@ -41,11 +50,11 @@ def run(eng: LLMEngine, B: int, max_tokens: int, constrained: bool) -> tuple[flo
         eng.add_request(PROMPT, sp)
     for _ in range(3):                              # prefill and the first blocks
         eng.step()
-    torch.cuda.synchronize()
+    sync()
     t, n = time.perf_counter(), 0
     while eng.has_unfinished_requests() and all(s.num_output_tokens < max_tokens - 16 for s in eng.scheduler.running):
         n += sum(len(o.delta_token_ids) for o in eng.step())
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t
     while eng.has_unfinished_requests():
         eng.step()
@@ -55,15 +64,31 @@ def run(eng: LLMEngine, B: int, max_tokens: int, constrained: bool) -> tuple[flo
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dummy:llama-3.2-1b")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script, host timers only")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
+    ap.add_argument("--mask-threads", type=int, nargs="+", default=[0])
+    ap.add_argument("--feed", nargs="+", default=["seq"], choices=["seq", "par"])
     args = ap.parse_args()
     if args.tokenizer_dir is not None:
         install_tokenizer(args.tokenizer_dir)
-    eng = LLMEngine(model=args.model, device="cuda", max_num_seqs=args.batch, enable_prefix_caching=False)
+    cpu = args.device == "cpu"
+    eng = LLMEngine(model=args.model, device=args.device, max_num_seqs=args.batch, enable_prefix_caching=False,
+                    **(dict(structured_overlap=True, num_scheduler_steps=4, cpu_kv_cache_gib=0.25) if cpu else {}))
     spent: dict[str, float] = defaultdict(float)
-    multi_step._feed_grammars = timed(spent, "feed grammars", multi_step._feed_grammars)
+    feed_seq, mode = multi_step._feed_grammars, {"feed": "seq"}
+
+    def feed_par(seqs, tokens):
+        live = [(s, t) for s, t in zip(seqs, tokens) if s.matcher is not None and not s.is_finished
+                and not (s.matcher.is_stopped() or s.matcher.is_error())]
+        oks = eng.token_bitmask.executor.consume_token_par([(s.matcher, t) for s, t in live])
+        for (s, _), ok in zip(live, oks):
+            m = s.matcher
+            s.grammar_ahead.append((("stop" if m.is_stopped() else None), None) if ok
+                                   else ("stop", f"grammar error: {m.get_error()}"))
+    feed = {"seq": feed_seq, "par": feed_par}
+    multi_step._feed_grammars = timed(spent, "feed grammars", lambda *a: feed[mode["feed"]](*a))
     multi_step.sample_on_device = timed(spent, "sample (launch)", multi_step.sample_on_device)
     eng._apply_grammars = timed(spent, "fill + apply masks", eng._apply_grammars)
     eng.runner.execute = timed(spent, "forward (launch)", eng.runner.execute)
@@ -71,15 +96,20 @@ def main():
     multi_step.sample_grammar_block = timed(spent, "grammar block (all)", multi_step.sample_grammar_block)
     run(eng, 2, 8, True)                            # compile the grammar, warm up
     rows = []
-    for constrained in (False, True):
+    runs = [(False, None, "seq")] + [(True, n or None, f) for n in args.mask_threads for f in args.feed]
+    for constrained, threads, mode["feed"] in runs:
+        eng.config.structured_mask_threads, eng.token_bitmask = threads, None
+        label = f"on, {threads or 'default'} threads, feed {mode['feed']}" if constrained else "off"
         for k in list(spent):
             spent[k] = 0.0
         dt, iters = run(eng, args.batch, args.max_tokens, constrained)
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-        rows.append(dict(constraints="on" if constrained else "off", phase="wall per iteration",
+        rows.append(dict(constraints=label, phase="wall per iteration",
                          us=1e6 * dt / max(iters, 1)))
         for k, v in spent.items():
-            rows.append(dict(constraints="on" if constrained else "off", phase=k, us=1e6 * v / max(iters, 1)))
+            rows.append(dict(constraints=label, phase=k, us=1e6 * v / max(iters, 1)))
+        if cpu:
+            continue
         # GPU busy time per iteration over a few steps in the middle of a run
         so = StructuredOutputsParams(json=SCHEMA) if constrained else None
         sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=not constrained,
@@ -100,12 +130,12 @@ def main():
         kernels = [e for e in prof.key_averages() if e.device_time_total
                    and not e.key.startswith(("aten::", "cuda", "Activity", "ProfilerStep"))]
         busy = sum(e.device_time_total for e in kernels) / 1e3                                  # ms
-        rows.append(dict(constraints="on" if constrained else "off", phase="profiled: GPU kernel time",
+        rows.append(dict(constraints=label, phase="profiled: GPU kernel time",
                          us=1e3 * busy / it))
-        rows.append(dict(constraints="on" if constrained else "off", phase="profiled: wall", us=1e6 * wall / it))
+        rows.append(dict(constraints=label, phase="profiled: wall", us=1e6 * wall / it))
         top = sorted(kernels, key=lambda e: -e.device_time_total)
-        for e in top[:12]:
-            rows.append(dict(constraints="on" if constrained else "off", phase=f"  kernel {e.key[:70]}",
+        for e in top[:6]:
+            rows.append(dict(constraints=label, phase=f"  kernel {e.key[:70]}",
                              us=e.device_time_total / it))
         while eng.has_unfinished_requests():
             eng.step()

@@ -101,6 +101,8 @@ class EngineConfig:
     structured_multi_step: bool = True  # grammar blocks run up to num_scheduler_steps iterations, the host
     #                                     filling each iteration's masks while the GPU runs its forward (no
     #                                     scheduler or post-processing round trip per token); False: one each
+    structured_mask_threads: int | None = None  # llguidance threads that fill a step's masks (None: its
+    #                                     default, 80% of the CPUs up to 32)
     fused_token_bitmask: bool = True    # with triton kernels, one Triton launch applies the packed bitmask to
     #                                     the constrained rows; False (or kernels="torch"): torch ops
 
@@ -171,6 +173,10 @@ class EngineConfig:
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")
+        need(self.structured_mask_threads is None or (isinstance(self.structured_mask_threads, int)
+                                                      and not isinstance(self.structured_mask_threads, bool)
+                                                      and 1 <= self.structured_mask_threads <= 256),
+             "structured_mask_threads", "must be None or an int in 1..256")
         need(self.speculative_method != "draft" or self.draft_model is not None,
              "draft_model", "is required when speculative_method='draft'")
         if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):

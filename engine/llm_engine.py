@@ -333,7 +333,8 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         if self.token_bitmask is None:
             from .structured.bitmask import TokenBitmask
             self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
-                                              fused=self.config.fused_token_bitmask and self.kernels == "triton")
+                                              fused=self.config.fused_token_bitmask and self.kernels == "triton",
+                                              threads=self.config.structured_mask_threads)
         self.token_bitmask.apply(logits, [row_seqs[r].matcher for r in rows], rows)
 
     def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:

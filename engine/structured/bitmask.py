@@ -21,11 +21,12 @@ class TokenBitmask:
     """A reusable host buffer (pinned on CUDA): n bitmask rows [n, words] then their n row indices, int32.
     Reuse is safe: the host fills it again only after waiting for tokens sampled behind the last copy."""
 
-    def __init__(self, mask_vocab_size: int, device: torch.device, fused: bool = False, max_rows: int = 64):
+    def __init__(self, mask_vocab_size: int, device: torch.device, fused: bool = False, max_rows: int = 64,
+                 threads: int | None = None):
         import llguidance
         self.device, self.fused = device, fused
         self.words = bitmask_words(mask_vocab_size)
-        self.executor = llguidance.LLExecutor()
+        self.executor = llguidance.LLExecutor(threads)
         self.buf = self._alloc(max_rows)
 
     def _alloc(self, rows: int) -> torch.Tensor:
