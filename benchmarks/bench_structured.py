@@ -159,7 +159,8 @@ def main():
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
                     structured_multi_step=args.structured_multi_step == "on",
-                    structured_mask_threads=args.mask_threads or None, fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
+                    structured_mask_threads=args.mask_threads or None,
+                    fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
                     kernels=eng.kernels)
     path = write_json(f"structured_{slug(dev)}{tag}", dict(device=dev, model=name, max_tokens=max_tokens,
                                                             repeats=repeats, **settings, schema=SCHEMA, rows=rows))
