@@ -5,10 +5,11 @@ idles whenever the host chain (wait for the last tokens, feed the grammars, fill
 the sampler and the next forward) outlasts the forward in flight.
 
     python benchmarks/profile_structured.py [--batch 32] [--model dummy:llama-3.2-1b] [--tokenizer-dir DIR]
-        [--mask-threads 0 2 4] [--feed seq par]
+        [--mask-threads 0 2 4] [--feed seq par] [--pin 0 1]
 
 --mask-threads: EngineConfig.structured_mask_threads per constrained run (0: llguidance's default); --feed par
-feeds the sampled tokens to the grammars through llguidance's parallel consume_token_par instead.
+feeds the sampled tokens to the grammars through llguidance's parallel consume_token_par instead; --pin 1
+copies the sampler's small host lists from pinned memory (a pageable copy may wait for the stream).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def main():
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
     ap.add_argument("--mask-threads", type=int, nargs="+", default=[0])
     ap.add_argument("--feed", nargs="+", default=["seq"], choices=["seq", "par"])
+    ap.add_argument("--pin", type=int, nargs="+", default=[0], choices=[0, 1])
     args = ap.parse_args()
     if args.tokenizer_dir is not None:
         install_tokenizer(args.tokenizer_dir)
@@ -96,10 +98,17 @@ def main():
     multi_step.sample_grammar_block = timed(spent, "grammar block (all)", multi_step.sample_grammar_block)
     run(eng, 2, 8, True)                            # compile the grammar, warm up
     rows = []
-    runs = [(False, None, "seq")] + [(True, n or None, f) for n in args.mask_threads for f in args.feed]
-    for constrained, threads, mode["feed"] in runs:
+    from engine import sampler
+    to_dev = {0: sampler._to_dev,
+              1: lambda v, device, dtype=None: torch.tensor(v, dtype=dtype, pin_memory=device.type == "cuda").to(
+                  device, non_blocking=True)}
+    runs = [(False, None, "seq", 0)] + [(True, n or None, f, p) for n in args.mask_threads for f in args.feed
+                                        for p in args.pin]
+    for constrained, threads, mode["feed"], pin in runs:
         eng.config.structured_mask_threads, eng.token_bitmask = threads, None
-        label = f"on, {threads or 'default'} threads, feed {mode['feed']}" if constrained else "off"
+        sampler._to_dev = to_dev[pin]
+        label = (f"on, {threads or 'default'} threads, feed {mode['feed']}{', pinned' if pin else ''}"
+                 if constrained else "off")
         for k in list(spent):
             spent[k] = 0.0
         dt, iters = run(eng, args.batch, args.max_tokens, constrained)
