@@ -236,9 +236,12 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
         t = time.perf_counter()
         engine._apply_grammars([seqs[i] for i in alive], logits)
         blk.mask_s += time.perf_counter() - t
-        rows = [engine._sample_row(seqs[i]) for i in alive]
-        for r in rows:
-            r.position += j                         # (seeds: the host has not appended this block's tokens)
+        if j == 0:
+            rows = [engine._sample_row(seqs[i]) for i in alive]
+            first = [r.position for r in rows]
+        else:                                       # (seeds: the host has not appended this block's tokens)
+            for r, p in zip(rows, first):
+                r.position = p + j
         tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
         if idx is not None:                         # rows of ended requests: never read
             tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)

@@ -3,7 +3,7 @@
 It covers the tokenizer's vocabulary (GrammarCompiler.mask_vocab_size); the ids of a model vocabulary padded
 beyond it are never allowed (llguidance itself is ~10x slower per token with a padded vocabulary).
 
-llguidance fills the rows on the host (its own thread pool, GIL released) into a pinned buffer that also
+llguidance fills the rows on the host (its own thread pool, GIL released; one row on the calling thread) into a pinned buffer that also
 carries the logits-row index of each mask, so one host-to-device copy moves both; then the disallowed
 logits of the constrained rows become -inf, in one Triton launch (`kernels.token_bitmask`) or, with
 kernels="torch" / `EngineConfig.fused_token_bitmask=False`, through torch ops.
@@ -38,8 +38,10 @@ class TokenBitmask:
         if n * (w + 1) > self.buf.numel():
             self.buf = self._alloc(max(n, 2 * self.buf.numel() // (w + 1)))
         out = self.buf[:n * (w + 1)]
-        # what llguidance.torch.fill_next_token_bitmask_par does (that module torch.compiles at import: seconds)
-        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(), w * 4, n)
+        if n == 1:                                  # on this thread: no pool wake-up for one row
+            matchers[0].unsafe_compute_mask_ptr(out.data_ptr(), w * 4)
+        else:   # what llguidance.torch.fill_next_token_bitmask_par does (that module torch.compiles at import)
+            self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(), w * 4, n)
         out[n * w:] = torch.tensor(rows, dtype=torch.int32)
         return out
 
