@@ -8,7 +8,7 @@ applying the bitmasks (on CUDA it overlaps the forward in flight). Overhead = on
 
     python benchmarks/bench_structured.py [--model dummy:llama-3.2-1b] [--batch-sizes 1 32]
         [--num-scheduler-steps 8] [--structured-overlap on|off] [--structured-multi-step on|off]
-        [--fused-token-bitmask on|off]
+        [--mask-threads N] [--gpu-wait on|off] [--fused-token-bitmask on|off]
 
 --num-scheduler-steps 8 (the CUDA default) compares constrained decoding against unconstrained multi-step
 decoding; 1 against single steps. The JSON's name carries the settings that differ from the defaults.
@@ -56,15 +56,19 @@ def install_tokenizer(src: Path) -> None:
 
 
 def timed_grammar(eng: LLMEngine) -> list[float]:
-    """Time LLMEngine._apply_grammars per call (host side)."""
+    """Time LLMEngine._apply_grammars per call (host side), and the grammar thread's mask fills of gated
+    blocks (EngineConfig.structured_gpu_wait)."""
+    from engine.structured.bitmask import TokenBitmask
     spent: list[float] = []
-    inner = eng._apply_grammars
 
-    def wrapped(*a):
-        t = time.perf_counter()
-        inner(*a)
-        spent.append(time.perf_counter() - t)
-    eng._apply_grammars = wrapped
+    def timed(inner):
+        def wrapped(*a):
+            t = time.perf_counter()
+            inner(*a)
+            spent.append(time.perf_counter() - t)
+        return wrapped
+    eng._apply_grammars = timed(eng._apply_grammars)
+    TokenBitmask.fill_slot = timed(TokenBitmask.fill_slot)
     return spent
 
 
@@ -108,8 +112,10 @@ def main():
                     help="EngineConfig.structured_overlap (auto: on with CUDA)")
     ap.add_argument("--structured-multi-step", choices=["on", "off"], default="on",
                     help="EngineConfig.structured_multi_step (grammar blocks of up to num_scheduler_steps iterations)")
-    ap.add_argument("--mask-threads", type=int, default=0,
-                    help="EngineConfig.structured_mask_threads (0: llguidance's default)")
+    ap.add_argument("--mask-threads", type=int, default=None,
+                    help="EngineConfig.structured_mask_threads (default: the engine's; 0: llguidance's default)")
+    ap.add_argument("--gpu-wait", choices=["auto", "on", "off"], default="auto",
+                    help="EngineConfig.structured_gpu_wait (auto: on with CUDA where the driver allows)")
     ap.add_argument("--fused-token-bitmask", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_token_bitmask (the Triton kernel; used with triton kernels)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
@@ -128,7 +134,8 @@ def main():
                     max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
                     structured_overlap=overlap, fused_token_bitmask=args.fused_token_bitmask == "on",
                     structured_multi_step=args.structured_multi_step == "on",
-                    structured_mask_threads=args.mask_threads or None,
+                    **({} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads or None}),
+                    structured_gpu_wait={"auto": None, "on": True, "off": False}[args.gpu_wait],
                     **({} if gpu else {"cpu_kv_cache_gib": 0.5}))
     if eng.tokenizer is None:
         sys.exit("this model has no tokenizer: pass --tokenizer-dir (a copy of SmolLM2's tokenizer files)")
@@ -155,11 +162,13 @@ def main():
     tag = "".join([f"_k{args.num_scheduler_steps}" if args.num_scheduler_steps != 1 else "",
                    f"_overlap-{args.structured_overlap}" if args.structured_overlap != "auto" else "",
                    "_single-grammar-steps" if args.structured_multi_step == "off" else "",
-                   f"_threads{args.mask_threads}" if args.mask_threads else "",
+                   f"_threads{args.mask_threads}" if args.mask_threads is not None else "",
+                   f"_gpu-wait-{args.gpu_wait}" if args.gpu_wait != "auto" else "",
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
                     structured_multi_step=args.structured_multi_step == "on",
-                    structured_mask_threads=args.mask_threads or None,
+                    structured_mask_threads=eng.config.structured_mask_threads,
+                    structured_gpu_wait=eng.grammar_gate is not None,
                     fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
                     kernels=eng.kernels)
     path = write_json(f"structured_{slug(dev)}{tag}", dict(device=dev, model=name, max_tokens=max_tokens,

@@ -146,6 +146,14 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.detok = Detokenizer(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
+        self.grammar_gate = self.grammar_worker = None      # structured_gpu_wait: StreamGate + grammar thread
+        if self.structured_overlap and config.structured_gpu_wait is not False and ex is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from .stream_gate import make_gate
+            self.grammar_gate = make_gate(self.device, config.structured_gpu_wait)
+            if self.grammar_gate is not None:
+                self.grammar_worker = ThreadPoolExecutor(1, thread_name_prefix="kvscope-grammar")
         self.num_constrained = 0                # unfinished requests with a grammar (0: no mask work at all)
         self.events = EventBus()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -330,12 +338,15 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
                 and not (seq.matcher.is_stopped() or seq.matcher.is_error())]   # (ended inside a grammar block)
         if not rows:
             return
+        self.token_bitmask_for_grammars().apply(logits, [row_seqs[r].matcher for r in rows], rows)
+
+    def token_bitmask_for_grammars(self):
         if self.token_bitmask is None:
             from .structured.bitmask import TokenBitmask
             self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
                                               fused=self.config.fused_token_bitmask and self.kernels == "triton",
                                               threads=self.config.structured_mask_threads)
-        self.token_bitmask.apply(logits, [row_seqs[r].matcher for r in rows], rows)
+        return self.token_bitmask
 
     def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:
         p = seq.params
@@ -362,6 +373,8 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         for seq in list(self.seqs.values()):
             self.abort_request(seq.request_id)
         self.stop_workers()
+        if self.grammar_worker is not None:
+            self.grammar_worker.shutdown()
         self.runner.graphs = None
         self._inflight = None
         self.drafter = self.fast_verify = None  # a draft model and its KV pool go with it

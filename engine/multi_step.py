@@ -26,6 +26,7 @@ parameter but logprobs, a longer one none that needs the history on the host (pe
 """
 from __future__ import annotations
 
+import queue
 import time
 from dataclasses import dataclass
 
@@ -227,6 +228,8 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
         return None
     dev = blk.logits.device
     idx = None if len(alive) == len(seqs) else torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
+    if engine.grammar_gate is not None:
+        return _gated_grammar_block(engine, blk, alive, idx)
     toks, copy = [], None
     for j in range(blk.K):
         if copy is not None:
@@ -252,6 +255,74 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
     blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
     blk.host = HostCopy(blk.tokens)
     return blk
+
+
+def _gated_grammar_block(engine, blk: InFlight, alive: list[int], idx: torch.Tensor | None) -> InFlight:
+    """sample_grammar_block with every launch ahead of the masks (EngineConfig.structured_gpu_wait): iteration
+    j's mask copy waits on the stream gate until the grammar thread has filled slot j; the thread waits for
+    tokens j - 1, feeds them to the grammars, fills slot j and opens the gate, while this thread launches the
+    iterations after j. The tokens are those of sample_grammar_block (same masks, same sampler calls)."""
+    seqs, gate, tb, dev = blk.sched.seqs, engine.grammar_gate, engine.token_bitmask_for_grammars(), blk.logits.device
+    live = [seqs[i] for i in alive]
+    cons = [k for k, s in enumerate(live) if s.matcher is not None]          # constrained rows of the [B'] logits
+    n = len(cons)
+    slots = tb.staging(blk.K, cons)                                             # pinned [K, n * (words + 1)]
+    base = gate.value
+    gate.value += blk.K
+    copies: queue.SimpleQueue = queue.SimpleQueue()
+    work = engine.grammar_worker.submit(_fill_grammar_slots, gate, tb, alive, live,
+                                        [live[k].matcher for k in cons], slots, base, copies)
+    toks = []
+    try:
+        for j in range(blk.K):
+            logits = blk.logits if idx is None else blk.logits.index_select(0, idx)      # [B', V]
+            gate.wait(base + j + 1)
+            tb.apply_packed(logits, slots[j].to(dev, non_blocking=True), n)
+            if j == 0:
+                rows = [engine._sample_row(s) for s in live]
+                first = [r.position for r in rows]
+            else:                                   # (seeds: the host has not appended this block's tokens)
+                for r, p in zip(rows, first):
+                    r.position = p + j
+            tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
+            if idx is not None:                     # rows of ended requests: never read
+                tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
+            toks.append(tokens)
+            if j + 1 < blk.K:
+                copies.put(HostCopy(tokens))        # queued before the next forward, so it lands first
+                blk.logits = engine.runner.execute(tokens, blk.mds[j + 1])
+        if dev.type == "cuda":
+            tb.stage_copied = torch.cuda.Event()
+            tb.stage_copied.record()
+    except BaseException:
+        copies.put(None)                            # the thread stops and opens every wait of the block
+        raise
+    finally:
+        blk.mask_s += work.result()                 # (re-raises the thread's error)
+    blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
+    blk.host = HostCopy(blk.tokens)
+    return blk
+
+
+def _fill_grammar_slots(gate, tb, alive: list[int], live: list[Sequence], matchers: list, slots: torch.Tensor,
+                        base: int, copies: queue.SimpleQueue) -> float:
+    """The grammar thread of a gated block: slot j's masks once tokens j - 1 are fed -> seconds filling."""
+    spent = 0.0
+    try:
+        for j in range(slots.shape[0]):
+            if j:
+                copy = copies.get()
+                if copy is None:
+                    break
+                host = copy.tolist()                                                      # [B]
+                _feed_grammars(live, [host[i] for i in alive])
+            t = time.perf_counter()
+            tb.fill_slot(matchers, slots[j])
+            spent += time.perf_counter() - t
+            gate.open(base + j + 1)
+    finally:
+        gate.open(base + slots.shape[0])            # never leave the stream waiting
+    return spent
 
 
 def _feed_grammars(seqs: list[Sequence], tokens: list[int]) -> None:

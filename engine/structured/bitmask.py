@@ -28,6 +28,8 @@ class TokenBitmask:
         self.words = bitmask_words(mask_vocab_size)
         self.executor = llguidance.LLExecutor(threads)
         self.buf = self._alloc(max_rows)
+        self.stage: torch.Tensor | None = None      # grammar blocks' pinned [K, n * (words + 1)] slots
+        self.stage_copied = None                    # a CUDA event behind the last block's copies out of it
 
     def _alloc(self, rows: int) -> torch.Tensor:
         return torch.empty(rows * (self.words + 1), dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -45,17 +47,44 @@ class TokenBitmask:
         out[n * w:] = torch.tensor(rows, dtype=torch.int32)
         return out
 
+    def staging(self, K: int, rows: list[int]) -> torch.Tensor:
+        """A pinned [K, n * (words + 1)] buffer for a grammar block's K iterations, each slot's row indices
+        written: the masks of all K can be launched before any is filled (fill_slot), no slot reused."""
+        n, w = len(rows), self.words
+        if self.stage_copied is not None:           # the last block's copies out of it have run
+            self.stage_copied.synchronize()
+        if self.stage is None or self.stage.shape[0] < K or self.stage.shape[1] < n * (w + 1):
+            self.stage = torch.empty((K, n * (w + 1)), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        out = self.stage[:K, :n * (w + 1)]
+        out[:, n * w:] = torch.tensor(rows, dtype=torch.int32)
+        return out
+
+    def fill_slot(self, matchers: list, slot: torch.Tensor) -> None:
+        """Fill a staging slot's bitmask rows; a matcher whose grammar has ended (inside the block) allows
+        every token (its row's token is past the request's end and never read)."""
+        w = self.words
+        live = [(m, i) for i, m in enumerate(matchers) if not (m.is_stopped() or m.is_error())]
+        for i, m in enumerate(matchers):
+            if m.is_stopped() or m.is_error():
+                slot[i * w:(i + 1) * w] = -1
+        if live:
+            self.executor.unsafe_compute_mask_ptr(live, slot.data_ptr(), w * 4, len(matchers))
+
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, matchers: list, rows: list[int]) -> None:
         """In place: logits[rows[i], t] = -inf where matchers[i] forbids token t next. logits [B, V]."""
-        n, w = len(matchers), self.words
-        packed = self.fill(matchers, rows).to(logits.device, non_blocking=True)    # [n * w + n]
+        self.apply_packed(logits, self.fill(matchers, rows).to(logits.device, non_blocking=True), len(matchers))
+
+    @torch.inference_mode()
+    def apply_packed(self, logits: torch.Tensor, packed: torch.Tensor, n: int) -> None:
+        """In place, from n packed bitmask rows + their row indices on logits' device ([n * words + n])."""
+        w = self.words
         bitmask, idx = packed[:n * w].view(n, w), packed[n * w:]
         if self.fused:
             from ..kernels.token_bitmask import apply_token_bitmask
             apply_token_bitmask(logits, bitmask, idx)
         else:
-            apply_token_bitmask_torch(logits, bitmask, None if rows == list(range(logits.shape[0])) else idx)
+            apply_token_bitmask_torch(logits, bitmask, None if n == logits.shape[0] else idx)
 
 
 _BLOCKED: dict[torch.device, torch.Tensor] = {}     # per device: [256, 8] uint8, bit k of byte b is 0
