@@ -8,7 +8,9 @@ Modes: "b1" runs the first 4 requests one after another (batch 1, the latency ca
 Speculative engines run with their defaults: auto-off on (EngineConfig.speculative_auto_off), verify and
 self-drafting steps in CUDA graphs on a GPU (spec_cuda_graphs); "+noauto" turns auto-off off for a method,
 "+eager" runs its verify / draft steps eagerly (spec_cuda_graphs=False, a separate engine), "+general" verifies
-through the general path instead of the plain-greedy fast path (EngineConfig.spec_fast_verify, same engine).
+through the general path instead of the plain-greedy fast path (EngineConfig.spec_fast_verify, same engine),
+"+noshadow" probes auto-off by verify steps (EngineConfig.spec_shadow_probes off, same engine), "+long" lets
+n-gram drafts grow to --k-long after a draft accepted whole (num_speculative_tokens_max, same engine).
 Methods: none; ngram (prompt lookup); self (SmolLM2's first L layers + final norm + LM head); draft (a
 separate model: SmolLM2 truncated to its first layers, saved as its own folder, own KV pool: no training).
 
@@ -148,6 +150,7 @@ def main():
     ap.add_argument("--modes", default="b1,b4")
     ap.add_argument("--workloads", default="rewrite,chat")
     ap.add_argument("--k-ngram", type=int, default=4)
+    ap.add_argument("--k-long", type=int, default=8, help="'+long': num_speculative_tokens_max")
     ap.add_argument("--k-self", type=int, default=2)
     ap.add_argument("--self-layers", type=int, default=24)
     ap.add_argument("--k-draft", type=int, default=2)
@@ -186,10 +189,13 @@ def main():
         parts = method.split("+")
         return parts[0], "a" in parts[1:], "noauto" in parts[1:], "eager" in parts[1:]
 
+    long_k = {parse(m)[0] for m in chosen if "long" in m.split("+")[1:]}
     for method in chosen:
         base, _, _, eager = parse(method)
         if (base, eager) not in engines:
             cfg = dict(methods[base], **({"spec_cuda_graphs": False} if eager else {}))
+            if base in long_k:          # one engine for both: '+long' switches the long drafts on per run
+                cfg["num_speculative_tokens_max"] = args.k_long
             llm = LLM(model=args.model, device=args.device, dtype=args.dtype, cpu_kv_cache_gib=0.25,
                       max_model_len=2048, gpu_memory_utilization=0.3, **extra, **cfg)
             llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4), use_tqdm=False)    # warm-up
@@ -206,11 +212,17 @@ def main():
                 eng.drafter.adaptive = adaptive
                 eng.drafter.auto_off = eng.config.speculative_auto_off and not noauto
                 eng.fast_verify.enabled = eng.config.spec_fast_verify and "general" not in method.split("+")
+                flags = method.split("+")[1:]
+                eng.drafter.shadow_probes = eng.config.spec_shadow_probes and eng.drafter.supports_shadow \
+                    and "noshadow" not in flags
+                eng.drafter.k = eng.config.max_speculative_tokens if "long" in flags else eng.drafter.k_base
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
             ntok = sum(len(o.token_ids) for o in outs)
             label = labels[base] + (" adaptive" if adaptive else "") + (" no-auto-off" if noauto else "") + \
-                (" eager-verify" if eager else "") + (" general-verify" if "general" in method.split("+") else "")
+                (" eager-verify" if eager else "") + (" general-verify" if "general" in method.split("+") else "") + \
+                (" no-shadow-probes" if "noshadow" in method.split("+") else "") + \
+                (f" long<={args.k_long}" if "long" in method.split("+") else "")
             row = dict(workload=wl, mode=mode, method=label, out_tokens=ntok, wall_s=wall,
                        tok_s=ntok / wall,
                        tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs),

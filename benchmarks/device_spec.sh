@@ -33,6 +33,19 @@ case "${1:-}" in
       --max-tokens 96 --reps 2 --methods none,ngram,ngram+general,self --modes b1,b8 --workloads rewrite,chat \
       --k-ngram 4 --k-self 2 --self-layers 8 --max-num-seqs 16 --tag _llama1b_dummy 2>&1 | grep -v '^{' || true
     cp benchmarks/results/spec_*_smollm2.json benchmarks/results/spec_*_llama1b_dummy.json "$OUT"/ 2>/dev/null || true ;;
+  # issue 12, second round (shadow probes, long drafts), two calls: call 1 carries part0, pylib, SHA256
+  # (`dummy`: stash, the spec GPU tests, the Llama-3.2-1B-shape cost rows); call 2 carries part1 (`bench2`)
+  dummy)
+    python benchmarks/device_bundle.py stash
+    TRITON_INTERPRET=0 timeout 150 python -m pytest -q -x tests/test_gpu_engine.py -k spec -p no:cacheprovider 2>&1 | tail -6 || true
+    timeout 200 python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --model dummy:llama-3.2-1b \
+      --max-tokens 96 --reps 3 --methods none,ngram,ngram+noshadow --modes b1,b8 --workloads rewrite,chat \
+      --k-ngram 4 --max-num-seqs 16 --tag _llama1b_dummy 2>&1 | grep -v '^{' || true ;;
+  bench2)
+    python benchmarks/device_bundle.py stash convert
+    timeout 330 python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --reps 3 \
+      --methods none,ngram,ngram+long,ngram+noshadow --modes b1,b8 --workloads rewrite,chat --k-ngram 4 --k-long 8 \
+      --max-num-seqs 16 --tag _smollm2 2>&1 | grep -v '^{' || true ;;
   *)
-    echo "usage: $0 {tests|bench|stash}" >&2; exit 2 ;;
+    echo "usage: $0 {tests|bench|stash|dummy|bench2}" >&2; exit 2 ;;
 esac

@@ -80,6 +80,9 @@ class EngineConfig:
     # speculative decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
+    num_speculative_tokens_max: int | None = None  # n-gram: a request whose last verify accepted all of its k
+    #                                     drafts drafts 2k next time, up to this (a rejection: back to
+    #                                     num_speculative_tokens); verify graphs are captured for it too; None: off
     draft_model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
@@ -93,6 +96,11 @@ class EngineConfig:
     spec_fast_verify: bool = True       # a verify step whose requests all decode plain-greedy is packed straight
     #                                     into the padded graph layout and verified from the device argmax (one
     #                                     small copy back); False: the general path (packed, gathered logits)
+    spec_shadow_probes: bool = True     # auto-off: a request whose drafting is off is probed from its own output
+    #                                     (the draft the proposer would have made earlier, compared with the
+    #                                     tokens produced since), not by a verify step, so probes never leave the
+    #                                     multi-step pipeline; drafters that can draft for an earlier position
+    #                                     (n-gram); the first probe of a request still verifies (if it drafts)
     # structured output
     structured_overlap: bool | None = None  # decode batches with a constrained request run pipelined blocks of
     #                                         one iteration: the next forward starts from the sampled tokens
@@ -148,6 +156,12 @@ class EngineConfig:
         need(self.speculative_method in _SPEC, "speculative_method", f"must be one of {_SPEC}")
         need(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
              "num_speculative_tokens", "must be an int in [1, 16]")
+        need(self.num_speculative_tokens_max is None or (
+            isinstance(self.num_speculative_tokens_max, int)
+            and self.num_speculative_tokens <= self.num_speculative_tokens_max <= 16),
+            "num_speculative_tokens_max", "must be None or an int in [num_speculative_tokens, 16]")
+        need(self.num_speculative_tokens_max is None or self.speculative_method in (None, "ngram"),
+             "num_speculative_tokens_max", "applies to n-gram drafting only (model drafts cost a forward each)")
         need(1 <= self.ngram_min <= self.ngram_max, "ngram_min", "must satisfy 1 <= ngram_min <= ngram_max")
         need(self.draft_layers >= 1, "draft_layers", "must be >= 1")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
@@ -174,6 +188,7 @@ class EngineConfig:
              "mixed_cuda_graph_max_tokens", "must be an int in [16, 8192]")
         need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
              "spec_cuda_graph_max_batch", "must be an int in [1, 256]")
+        need(isinstance(self.spec_shadow_probes, bool), "spec_shadow_probes", "must be a bool")
         need(self.quant_gemv_tensor_cores in (None, True, False), "quant_gemv_tensor_cores",
              "must be None, True or False")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
@@ -193,6 +208,13 @@ class EngineConfig:
         if not self.enable_kv_cache:
             need(self.speculative_method is None, "speculative_method",
                  "needs the KV cache (enable_kv_cache=True)")
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """The most drafts one request can get in a step (0 without speculative decoding)."""
+        if not self.speculative_method:
+            return 0
+        return max(self.num_speculative_tokens, self.num_speculative_tokens_max or 0)
 
     def to_dict(self) -> dict:
         return asdict(self)

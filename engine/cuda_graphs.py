@@ -66,7 +66,11 @@ class CudaGraphRunner:
         self.max_len = runner.max_model_len
         self.max_blocks = -(-self.max_len // runner.block_size)
         spec = config.speculative_method is not None and config.spec_cuda_graphs
-        self.max_q = config.num_speculative_tokens + 1 if spec else 1
+        self.max_q = config.max_speculative_tokens + 1 if spec else 1
+        # verify graphs: every Q up to num_speculative_tokens + 1, and the longest drafts' (num_speculative_tokens_max)
+        # alone: a step in between is padded up to it
+        self.spec_qs = sorted(set(range(2, config.num_speculative_tokens + 2)) | {self.max_q}) \
+            if spec and self.max_q > 1 else []
         self.spec_sizes = capture_sizes(min(config.spec_cuda_graph_max_batch, self.max_batch)) if spec else []
         self.draft_layers = min(config.draft_layers, runner.mcfg.num_layers) \
             if spec and config.speculative_method == "self" else None
@@ -81,7 +85,7 @@ class CudaGraphRunner:
 
     def keys(self) -> list[tuple[int, int, int | None]]:
         keys = [(B, 1, None) for B in self.sizes]
-        keys += [(P, Q, None) for Q in range(2, self.max_q + 1) for P in self.spec_sizes]
+        keys += [(P, Q, None) for Q in self.spec_qs for P in self.spec_sizes]
         if self.draft_layers is not None:
             keys += [(P, 1, self.draft_layers) for P in self.spec_sizes]
         keys += [(T, MIXED, None) for T in self.mixed_sizes]
@@ -112,6 +116,7 @@ class CudaGraphRunner:
             if num_layers is not None and num_layers != self.draft_layers:
                 return None
         else:
+            Q = self.spec_qs[bisect.bisect_left(self.spec_qs, Q)]     # the captured Q at or above it
             if num_layers is not None or md.max_seqlen_k + Q - 1 > self.max_len:
                 return None
             sizes = self.spec_sizes
@@ -289,8 +294,10 @@ class CudaGraphRunner:
     # ---- verify steps packed by the caller in the padded layout (engine/spec/fast_verify.py) ----------------
     def spec_key(self, B: int, Q: int, max_seq_len: int) -> tuple | None:
         """The verify graph for B sequences of at most Q query rows whose longest context is max_seq_len."""
-        if not self.spec_sizes or not 2 <= Q <= self.max_q or B > self.spec_sizes[-1] \
-                or max_seq_len + Q - 1 > self.max_len:
+        if not self.spec_sizes or not 2 <= Q <= self.max_q or B > self.spec_sizes[-1]:
+            return None
+        Q = self.spec_qs[bisect.bisect_left(self.spec_qs, Q)]         # the captured Q at or above it
+        if max_seq_len + Q - 1 > self.max_len:
             return None
         return self.spec_sizes[bisect.bisect_left(self.spec_sizes, B)], Q, None
 

@@ -77,7 +77,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.model_config = mcfg = ModelConfig.from_hf(hf_cfg)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = derive_max_model_len(config, mcfg)
-        spec_margin = config.num_speculative_tokens + 1 if config.speculative_method else 1
+        spec_margin = config.max_speculative_tokens + 1
         gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
             (1 if self.kernels == "triton" else 0)
         gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
@@ -291,11 +291,14 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         if self.executor is not None:
             self.executor.check()               # a rank that died mid-step leaves these tokens meaningless
         outputs, finished = self._postprocess(sched, sample_mask, outputs_tokens, lp_rows)
+        if self.drafter is not None:
+            self.drafter.shadow_probe(sched.seqs)
         t_end = time.perf_counter()
         self.step_index += 1
         if self.config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
             multi_step.observe_iteration(self, t_end - t0)        # a decode-only step: one iteration
-        if decode_only:
+        if decode_only and (num_spec or self.num_scheduler_steps == 1):
+            # (with multi-step, the plain decode iteration auto-off compares against is a block's)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
         if observe:
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,

@@ -370,6 +370,8 @@ def step(engine, K: int, observe: bool, timer) -> list:
         sched.phases = ["decode"] * len(sched.seqs)
         sched.total_lens = [seq.num_tokens for seq in sched.seqs]
     outputs, finished = engine._postprocess(sched, [True] * len(sched.seqs), tokens, [None] * len(sched.seqs))
+    if engine.drafter is not None:          # auto-off: probes from the block's tokens (the next block runs)
+        engine.drafter.shadow_probe(sched.seqs)
     t_post = time.perf_counter()
     if nxt is not None and nxt.tokens is None:
         engine._inflight = sample_grammar_block(engine, nxt)

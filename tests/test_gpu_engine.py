@@ -110,6 +110,8 @@ def run_spec(num_kv_blocks=512, n=8, **cfg):
 SPEC_METHODS = {
     "ngram": dict(speculative_method="ngram", num_speculative_tokens=3),
     "self": dict(speculative_method="self", num_speculative_tokens=2, draft_layers=10),
+    # long drafts: Q = 2..4 and 9 captured, drafts of 4..8 padded up to 9
+    "ngram-long": dict(speculative_method="ngram", num_speculative_tokens=3, num_speculative_tokens_max=8),
 }
 
 

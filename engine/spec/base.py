@@ -47,14 +47,16 @@ _COST_DECAY = 0.7            # auto-off: weight of the past in the measured step
 
 class _Accept:
     """Decayed truncated-geometric estimate of a request's per-token acceptance probability."""
-    __slots__ = ("num", "den", "idle", "off", "next_probe", "gap", "verified")
+    __slots__ = ("num", "den", "idle", "off", "next_probe", "gap", "verified", "first", "klen")
 
-    def __init__(self):
+    def __init__(self, klen: int = 0):
         self.num, self.den, self.idle = 1.0, 2.0, 0     # prior: a = 0.5
         # auto-off: a request's first draft is a probe, so its own acceptance decides (a failed one doubles
         # the gap to _PROBE_FIRST)
         self.off, self.next_probe, self.gap = True, 0, _PROBE_FIRST // 2
         self.verified = False
+        self.first = True           # shadow probes: the first probe is still a real one (drafted and verified)
+        self.klen = klen            # long drafts: this request's current draft length cap
 
     @property
     def rate(self) -> float:
@@ -125,12 +127,20 @@ class Drafter:
     method = "base"
     draft_cost = 0.0            # one draft token's work relative to one target decode step
     verify_cost = 0.05          # extra work of verifying one more position
+    supports_shadow = False     # shadow_draft: the draft it would have made at an earlier history length
+    supports_long = False       # drafts longer than num_speculative_tokens pay (free drafts: n-gram)
 
     def __init__(self, engine):
         self.engine = engine
-        self.k = engine.config.num_speculative_tokens
+        cfg = engine.config
+        # long drafts (EngineConfig.num_speculative_tokens_max): a request whose last verify accepted every one of
+        # its k_i drafts may draft 2 k_i next time, up to k_max; a rejection brings it back to k_base
+        self.k_base = cfg.num_speculative_tokens
+        self.k = max(self.k_base, cfg.num_speculative_tokens_max or 0) if self.supports_long else self.k_base
         self.adaptive = engine.config.speculative_adaptive
         self.auto_off = engine.config.speculative_auto_off
+        self.shadow_probes = engine.config.spec_shadow_probes and self.supports_shadow
+        self.shadow = SpecStats(self.k)         # shadow probes' drafts and how many would have been accepted
         self._accept: dict[str, _Accept] = {}
         self._t_plain: dict[int, float] = {}               # batch bucket -> s per plain decode iteration
         self._t_verify: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> s per verify step
@@ -152,9 +162,11 @@ class Drafter:
         room = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.engine.max_model_len - seq.num_tokens) - 1
         k = max(0, min(self.k, room))
+        if self.k > self.k_base and k > self.k_base:
+            k = min(k, self._state(seq).klen)
         if self.auto_off and k > 0:
             st = self._state(seq)
-            if st.off and seq.num_output_tokens < st.next_probe:
+            if st.off and (seq.num_output_tokens < st.next_probe or (self._shadowing and not st.first)):
                 return 0
         if self.adaptive and k > 0:
             st = self._state(seq)
@@ -169,7 +181,7 @@ class Drafter:
     def _state(self, seq: Sequence) -> _Accept:
         st = self._accept.get(seq.request_id)
         if st is None:
-            st = self._accept[seq.request_id] = _Accept()
+            st = self._accept[seq.request_id] = _Accept(self.k_base)
         return st
 
     def propose(self, running: list[Sequence]) -> None:
@@ -189,16 +201,97 @@ class Drafter:
             timer = self.engine.runner.timer
             with timer.region("draft"):
                 self.draft(cands)
+            if self.auto_off and self._shadowing and not any(seq.spec_token_ids for seq, _ in cands):
+                # drafting is on but nothing was drafted: the step is a synced plain step, which costs what a
+                # verify step whose drafts were all rejected does (a multi-step block would have been cheaper),
+                # so it counts as one for the estimate of each request whose drafting was on
+                batch = max(1, self._num_decoding)
+                for seq, k in cands:
+                    st = self._accept[seq.request_id]
+                    if not st.off:
+                        st.update(k, 0)
+                        self._after_verify(seq, st, batch)
             if self.auto_off:
                 for seq, _ in cands:
                     st = self._accept[seq.request_id]
                     if st.off and not seq.spec_token_ids:      # a probe that found nothing: retry later
+                        if self._shadowing and self.engine.num_scheduler_steps > 1:
+                            # in the shadow from this position on: a real probe would break the pipeline
+                            # (without multi-step a real retry costs nothing extra and reacts a step sooner)
+                            st.first, st.next_probe = False, seq.num_output_tokens
+                            continue
                         # unverified: after one multi-step block's worth of tokens (1 where there is no
                         # multi-step), so a request the proposer has nothing for never holds the batch off it
                         st.next_probe = seq.num_output_tokens + (st.gap if st.verified
                                                                  else self.engine.num_scheduler_steps)
 
     # ---- auto-off ------------------------------------------------------------------------------
+    @property
+    def _shadowing(self) -> bool:
+        return self.shadow_probes and self.auto_off
+
+    def shadow_probe(self, seqs: list[Sequence]) -> None:
+        """Auto-off with shadow probes (EngineConfig.spec_shadow_probes): after a step's tokens are appended,
+        each request whose drafting is off and whose probe is due gets its probe from its own output instead of
+        a verify step: the draft the proposer would have made at a history length L (the first one from the due
+        position at which it finds one, with k tokens known after it) is compared with the tokens the target
+        produced from L on. For greedy requests that count is exactly what verification would have accepted;
+        for sampled ones it has the same distribution (a one-hot draft is accepted with the target's
+        probability of that token). So a probe never leaves the multi-step pipeline, and a position where the
+        proposer finds nothing costs a few dict lookups. The estimate and the switch back on follow a real
+        probe's; the counters go to `self.shadow`, not to the drafts' (nothing was drafted)."""
+        if not self._shadowing:
+            return
+        k, batch = self.k_base, None
+        window = min(k, self.engine.num_scheduler_steps)        # tokens since the due position, at least
+        for seq in seqs:
+            st = self._accept.get(seq.request_id)
+            if st is None or not st.off or st.first or seq.is_finished:
+                continue
+            n_out = seq.num_output_tokens
+            lo = max(st.next_probe, 1)
+            if n_out - lo < window:
+                continue
+            # replay drafting over the tokens since: a draft at each position the previous verify would have
+            # reached (a rejected or absent draft: one token on), counted as if verified
+            P, toks, pos, seen = seq.num_prompt_tokens, seq.token_ids, lo, 0
+            while pos < n_out:
+                found = self.shadow_draft(seq, P + pos, P + n_out - 1, k)
+                if found is None:
+                    break
+                L, drafts = found
+                drafts = drafts[:len(toks) - L]         # compared with the tokens known after L (at least one)
+                a = 0
+                while a < len(drafts) and drafts[a] == toks[L + a]:
+                    a += 1
+                self.shadow.add(len(drafts), a)
+                st.update(len(drafts), a)
+                seen += 1
+                pos = L - P + a + 1
+            if not seen:
+                st.next_probe = n_out                   # nothing to compare yet: continue from there
+                continue
+            if batch is None:
+                running = [s for s in self.engine.scheduler.running if s.num_output_tokens]
+                batch = max(1, len(running))
+                on = [self._accept.get(s.request_id) for s in running]
+                gain_on = sum(expected_tokens(a.rate, k) - 1 for a in on if a is not None and not a.off)
+            self._after_verify(seq, st, batch)
+            if not st.off:
+                # as the step's check (_pays) would: drafting only pays if the drafting requests' summed gain
+                # beats the extra cost every decoding request pays; otherwise stay off (no pipeline break)
+                gain = expected_tokens(st.rate, k) - 1
+                if gain_on + gain < batch * (self.cost_ratio(batch, k) - 1):
+                    st.off = True
+                    self._switch_off(seq, st)
+                else:
+                    gain_on += gain
+
+    def shadow_draft(self, seq: Sequence, lo: int, hi: int, k: int) -> tuple[int, list[int]] | None:
+        """(L, draft): the first history length L in [lo, hi] at which this drafter would have drafted, and that
+        draft (drafters with supports_shadow)."""
+        raise NotImplementedError
+
     def cost_ratio(self, batch: int, k: int) -> float:
         """Seconds of a verify step with k drafts (drafting included) over a plain decode iteration, at this
         batch size; the static model until both are measured."""
@@ -246,7 +339,8 @@ class Drafter:
         """Auto-off: turn drafting off for a request whose expected gain no longer pays for the verify step
         (even if it were the only one drafting), or back on after a probe that paid."""
         st.verified = True
-        if expected_tokens(st.rate, self.k) - 1 >= self.cost_ratio(batch, self.k) - 1:
+        k = self.k_base
+        if expected_tokens(st.rate, k) - 1 >= self.cost_ratio(batch, k) - 1:
             st.off, st.gap = False, _PROBE_FIRST
         else:
             self._switch_off(seq, st)
@@ -257,9 +351,10 @@ class Drafter:
         inside a block runs after it (at most num_scheduler_steps tokens late)."""
         if not self.auto_off:
             return True
+        shadow = self._shadowing           # (probes after the first run in the shadow: never due here)
         for seq in running:
             st = self._accept.get(seq.request_id)
-            if st is None or not st.off or seq.num_output_tokens >= st.next_probe:
+            if st is None or not st.off or ((st.first or not shadow) and seq.num_output_tokens >= st.next_probe):
                 return True
         return False
 
@@ -343,10 +438,14 @@ class Drafter:
         self.total.add(k, a)
         if not k:
             return
-        if self.adaptive or self.auto_off:
+        if self.adaptive or self.auto_off or self.k > self.k_base:
             st = self._accept.get(seq.request_id)
             if st is not None:
+                st.first = False
                 st.update(k, a)
+                if self.k > self.k_base:        # long drafts: grow after a draft accepted whole, else reset
+                    st.klen = min(2 * st.klen, self.k) if a == k >= st.klen else \
+                        (st.klen if a == k else self.k_base)
                 if self.auto_off:
                     self._after_verify(seq, st, batch)
         self._step_requests[seq.request_id] = (k, a)
@@ -387,12 +486,14 @@ class Drafter:
 
     def total_stats(self) -> dict:
         t = self.total
-        return dict(spec_method=self.method, num_speculative_tokens=self.k,
+        return dict(spec_method=self.method, num_speculative_tokens=self.k_base, max_speculative_tokens=self.k,
                     spec_decode_num_drafts=t.num_drafts, spec_decode_num_draft_tokens=t.num_draft_tokens,
                     spec_decode_num_accepted_tokens=t.num_accepted_tokens,
                     spec_decode_num_accepted_tokens_per_pos=list(t.accepted_per_pos),
                     acceptance_rate=acceptance_rate(t.num_accepted_tokens, t.num_draft_tokens),
-                    mean_acceptance_length=mean_acceptance_length(t.num_accepted_tokens, t.num_drafts))
+                    mean_acceptance_length=mean_acceptance_length(t.num_accepted_tokens, t.num_drafts),
+                    spec_shadow_probes=self.shadow.num_drafts, spec_shadow_draft_tokens=self.shadow.num_draft_tokens,
+                    spec_shadow_accepted_tokens=self.shadow.num_accepted_tokens)
 
     def request_stats(self, request_id: str) -> dict | None:
         """Per-request counters (kept for the last few thousand requests that were ever drafted for)."""

@@ -75,9 +75,12 @@ class NgramIndex:
                 tables[n].update(zip(zip(*[seg[j:j + m] for j in range(n)]), range(e0, hi)))  # latest end wins
         self.ends = hi
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """As ngram_propose(tokens, n_min, n_max, k) for a history that only grew since the last call."""
-        L = len(tokens)
+    def propose(self, tokens: list[int], k: int, L: int | None = None) -> list[int]:
+        """As ngram_propose(tokens[:L], n_min, n_max, k) (L: the whole history) for a history prefix that only
+        grew since the last call. L < len(tokens): a shadow probe, the draft the proposer would have made when
+        the history was L tokens long."""
+        if L is None:
+            L = len(tokens)
         if L < self.ends + 1:                       # the history shrank (never for a live request): re-index
             self.tables, self.ends = [{} for _ in range(self.n_max + 1)], 0
         if k <= 0 or L < 2:
@@ -85,9 +88,9 @@ class NgramIndex:
         if self.ends < L - 1:
             self._extend(tokens, L - 1)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            end = self.tables[n].get(tuple(tokens[L - n:]))
+            end = self.tables[n].get(tuple(tokens[L - n:L]))
             if end is not None:
-                return tokens[end + 1:end + 1 + k]
+                return tokens[end + 1:min(end + 1 + k, L)]
         return []
 
 
@@ -115,6 +118,8 @@ class _History:
 
 class NgramDrafter(Drafter):
     method = "ngram"
+    supports_shadow = True
+    supports_long = True
 
     def __init__(self, engine):
         super().__init__(engine)
@@ -138,3 +143,20 @@ class NgramDrafter(Drafter):
             if not isinstance(ix, NgramIndex):
                 ix = index[seq.request_id] = NgramIndex(self.n_min, self.n_max)
             seq.spec_token_ids = ix.propose(toks, k)
+
+    def shadow_draft(self, seq: Sequence, lo: int, hi: int, k: int) -> tuple[int, list[int]] | None:
+        """The first history length L in [lo, hi] at which the proposer finds a draft (of at most k tokens), as it
+        would have drafted then: (L, draft), or None. Lengths the index has already passed are skipped; a
+        history too long to index is looked at only at hi (one scan)."""
+        toks = seq.token_ids
+        ix = self._index.get(seq.request_id)
+        if len(toks) > INDEX_MAX_TOKENS:
+            d = ngram_propose(toks[:hi], self.n_min, self.n_max, k)
+            return (hi, d) if d else None
+        if not isinstance(ix, NgramIndex):
+            ix = self._index[seq.request_id] = NgramIndex(self.n_min, self.n_max)
+        for L in range(max(lo, ix.ends + 1, 2), hi + 1):
+            d = ix.propose(toks, k, L)
+            if d:
+                return L, d
+        return None
