@@ -114,8 +114,7 @@ def main():
                     help="EngineConfig.structured_multi_step (grammar blocks of up to num_scheduler_steps iterations)")
     ap.add_argument("--mask-threads", type=int, default=None,
                     help="EngineConfig.structured_mask_threads (default: the engine's; 0: llguidance's default)")
-    ap.add_argument("--gpu-wait", choices=["auto", "on", "off"], default="auto",
-                    help="EngineConfig.structured_gpu_wait (auto: on with CUDA where the driver allows)")
+    ap.add_argument("--gpu-wait", choices=["on", "off"], default="off", help="EngineConfig.structured_gpu_wait")
     ap.add_argument("--fused-token-bitmask", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_token_bitmask (the Triton kernel; used with triton kernels)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
@@ -135,7 +134,7 @@ def main():
                     structured_overlap=overlap, fused_token_bitmask=args.fused_token_bitmask == "on",
                     structured_multi_step=args.structured_multi_step == "on",
                     **({} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads or None}),
-                    structured_gpu_wait={"auto": None, "on": True, "off": False}[args.gpu_wait],
+                    structured_gpu_wait=args.gpu_wait == "on",
                     **({} if gpu else {"cpu_kv_cache_gib": 0.5}))
     if eng.tokenizer is None:
         sys.exit("this model has no tokenizer: pass --tokenizer-dir (a copy of SmolLM2's tokenizer files)")
@@ -163,7 +162,7 @@ def main():
                    f"_overlap-{args.structured_overlap}" if args.structured_overlap != "auto" else "",
                    "_single-grammar-steps" if args.structured_multi_step == "off" else "",
                    f"_threads{args.mask_threads}" if args.mask_threads is not None else "",
-                   f"_gpu-wait-{args.gpu_wait}" if args.gpu_wait != "auto" else "",
+                   "_gpu-wait" if args.gpu_wait == "on" else "",
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
                     structured_multi_step=args.structured_multi_step == "on",

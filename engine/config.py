@@ -109,11 +109,10 @@ class EngineConfig:
     structured_multi_step: bool = True  # grammar blocks run up to num_scheduler_steps iterations, the host
     #                                     filling each iteration's masks while the GPU runs its forward (no
     #                                     scheduler or post-processing round trip per token); False: one each
-    structured_gpu_wait: bool | None = None  # grammar blocks launch each iteration's mask, sampler and next
-    #                                     forward ahead; the stream waits on a host-written flag until a grammar
-    #                                     thread has filled that mask (cuStreamWaitValue32): launches leave the
-    #                                     critical path; None: on CUDA where the driver supports it; True:
-    #                                     required (CPU: the engine thread waits instead, for tests); False: off
+    structured_gpu_wait: bool = False   # grammar blocks launch each iteration's mask, sampler and next forward
+    #                                     ahead; the stream waits on a host-written flag until a grammar thread
+    #                                     has filled that mask (cuStreamWaitValue32), taking launches off the
+    #                                     chain the GPU waits on; CPU: the engine thread waits instead (tests)
     structured_mask_threads: int | None = 2  # llguidance threads that fill a step's masks (None: its default,
     #                                     80% of the CPUs up to 32; more threads cost more wake-ups than they
     #                                     save at batch 32 on the H200 host: 2 measured best)
@@ -194,7 +193,7 @@ class EngineConfig:
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")
-        need(self.structured_gpu_wait in (None, True, False), "structured_gpu_wait", "must be None, True or False")
+        need(isinstance(self.structured_gpu_wait, bool), "structured_gpu_wait", "must be a bool")
         need(self.structured_mask_threads is None or (isinstance(self.structured_mask_threads, int)
                                                       and not isinstance(self.structured_mask_threads, bool)
                                                       and 1 <= self.structured_mask_threads <= 256),

@@ -60,8 +60,8 @@ class InFlight:
 
 def _plain(seq: Sequence) -> bool:
     p = seq.params
-    return (seq.matcher is None and not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
-            and (p.greedy or p.seed is None))
+    return (seq.matcher is None and not p.needs_penalties and p.logprobs is None
+            and seq.num_output_tokens >= p.min_tokens and (p.greedy or p.seed is None))
 
 
 def _in_grammar_block(seq: Sequence) -> bool:
@@ -262,7 +262,8 @@ def _gated_grammar_block(engine, blk: InFlight, alive: list[int], idx: torch.Ten
     j's mask copy waits on the stream gate until the grammar thread has filled slot j; the thread waits for
     tokens j - 1, feeds them to the grammars, fills slot j and opens the gate, while this thread launches the
     iterations after j. The tokens are those of sample_grammar_block (same masks, same sampler calls)."""
-    seqs, gate, tb, dev = blk.sched.seqs, engine.grammar_gate, engine.token_bitmask_for_grammars(), blk.logits.device
+    seqs, gate, dev = blk.sched.seqs, engine.grammar_gate, blk.logits.device
+    tb = engine.token_bitmask_for_grammars()
     live = [seqs[i] for i in alive]
     cons = [k for k, s in enumerate(live) if s.matcher is not None]          # constrained rows of the [B'] logits
     n = len(cons)

@@ -82,14 +82,11 @@ class HostGate:
             self._cv.notify_all()
 
 
-def make_gate(device: torch.device, want: bool | None):
-    """The gate for EngineConfig.structured_gpu_wait = want (None: on CUDA where the driver has stream waits on
-    host memory; True: required there, HostGate on the CPU) -> StreamGate, HostGate or None."""
-    if device.type == "cuda":
-        if StreamGate.available(device):
-            return StreamGate(device)
-        if want:
-            raise ValueError("EngineConfig.structured_gpu_wait: this CUDA driver takes no stream wait on host "
-                             "memory (cuStreamWaitValue32)")
-        return None
-    return HostGate() if want else None
+def make_gate(device: torch.device):
+    """The gate for EngineConfig.structured_gpu_wait: StreamGate on CUDA, HostGate on the CPU."""
+    if device.type != "cuda":
+        return HostGate()
+    if not StreamGate.available(device):
+        raise ValueError("EngineConfig.structured_gpu_wait: this CUDA driver takes no stream wait on host memory "
+                         "(cuStreamWaitValue32)")
+    return StreamGate(device)

@@ -125,7 +125,8 @@ def test_grammar_blocks_of_several_iterations(smollm2_engine_factory, grammar_bl
     grammar_blocks.clear()
     gated = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4, structured_gpu_wait=True)
     same(run(gated, reqs), reference)           # launches ahead of the masks, a grammar thread filling them
-    assert {K for _, K in grammar_blocks} == {1, 4} and gated.grammar_gate.value == sum(K for _, K in grammar_blocks)
+    assert {K for _, K in grammar_blocks} == {1, 4}
+    assert gated.grammar_gate.value == sum(K for _, K in grammar_blocks)
     grammar_blocks.clear()
     one = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4, structured_multi_step=False,
                                  structured_mask_threads=1)

@@ -3,9 +3,9 @@
 It covers the tokenizer's vocabulary (GrammarCompiler.mask_vocab_size); the ids of a model vocabulary padded
 beyond it are never allowed (llguidance itself is ~10x slower per token with a padded vocabulary).
 
-llguidance fills the rows on the host (its own thread pool, GIL released; one row on the calling thread) into a pinned buffer that also
-carries the logits-row index of each mask, so one host-to-device copy moves both; then the disallowed
-logits of the constrained rows become -inf, in one Triton launch (`kernels.token_bitmask`) or, with
+llguidance fills the rows on the host (its own thread pool, GIL released; one row on the calling thread)
+into a pinned buffer that also carries the logits-row index of each mask, so one host-to-device copy moves
+both; then the disallowed logits of the constrained rows become -inf, in one Triton launch (`kernels.token_bitmask`) or, with
 kernels="torch" / `EngineConfig.fused_token_bitmask=False`, through torch ops.
 """
 from __future__ import annotations
