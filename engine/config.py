@@ -109,9 +109,6 @@ class EngineConfig:
     structured_multi_step: bool = True  # grammar blocks run up to num_scheduler_steps iterations, the host
     #                                     filling each iteration's masks while the GPU runs its forward (no
     #                                     scheduler or post-processing round trip per token); False: one each
-    structured_sample_graphs: bool = True  # on CUDA with graphs, a grammar iteration's mask copy, mask, sampler
-    #                                     and token copy-back replay one CUDA graph (rows sampled by temperature
-    #                                     only or greedily); False: a dozen launches each iteration
     structured_gpu_wait: bool = False   # grammar blocks launch each iteration's mask, sampler and next forward
     #                                     ahead; the stream waits on a host-written flag until a grammar thread
     #                                     has filled that mask (cuStreamWaitValue32), taking launches off the
@@ -197,7 +194,6 @@ class EngineConfig:
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")
         need(isinstance(self.structured_gpu_wait, bool), "structured_gpu_wait", "must be a bool")
-        need(isinstance(self.structured_sample_graphs, bool), "structured_sample_graphs", "must be a bool")
         need(self.structured_mask_threads is None or (isinstance(self.structured_mask_threads, int)
                                                       and not isinstance(self.structured_mask_threads, bool)
                                                       and 1 <= self.structured_mask_threads <= 256),

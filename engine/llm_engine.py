@@ -146,7 +146,6 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.detok = Detokenizer(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
-        self.grammar_sample_graphs = None       # structured_sample_graphs: made with the token bitmask
         self.grammar_gate = self.grammar_worker = None      # structured_gpu_wait: StreamGate + grammar thread
         if self.structured_overlap and config.structured_gpu_wait and ex is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -349,10 +348,6 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
                                               fused=self.config.fused_token_bitmask and self.kernels == "triton",
                                               threads=self.config.structured_mask_threads)
-            if self.config.structured_sample_graphs and self.device.type == "cuda" and self.token_bitmask.fused \
-                    and self.fused_sampling and self.runner.graphs is not None:
-                from .structured.sample_graphs import GrammarSampleGraphs
-                self.grammar_sample_graphs = GrammarSampleGraphs(self.token_bitmask.words)
         return self.token_bitmask
 
     def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:

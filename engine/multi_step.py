@@ -40,7 +40,6 @@ from .output_processor import consume_grammar
 from .sampler import SampleRow, sample_on_device, sample_unseeded
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
-from .structured.sample_graphs import graphable
 
 
 @dataclass
@@ -231,35 +230,27 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
     idx = None if len(alive) == len(seqs) else torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
     if engine.grammar_gate is not None:
         return _gated_grammar_block(engine, blk, alive, idx)
-    live = [seqs[i] for i in alive]
-    rows = [engine._sample_row(s) for s in live]
-    first = [r.position for r in rows]
-    tb = engine.token_bitmask_for_grammars()
-    graphs = engine.grammar_sample_graphs if idx is None and graphable(rows) else None
-    cons = [k for k, s in enumerate(live) if s.matcher is not None]                # constrained logits rows
     toks, copy = [], None
     for j in range(blk.K):
         if copy is not None:
             host = copy.tolist()                                                          # [B]
-            _feed_grammars(live, [host[i] for i in alive])
-        for r, p in zip(rows, first):               # (seeds: the host has not appended this block's tokens)
-            r.position = p + j
+            _feed_grammars([seqs[i] for i in alive], [host[i] for i in alive])
+        logits = blk.logits if idx is None else blk.logits.index_select(0, idx)          # [B', V]
         t = time.perf_counter()
-        if graphs is not None and blk.mds[j].graphed:   # logits in a decode graph's output buffer
-            with torch.inference_mode():
-                tokens, copy = graphs.sample(tb, blk.logits, [live[k].matcher for k in cons], cons, rows,
-                                             engine.generator)                           # [B]
-            blk.mask_s += time.perf_counter() - t
-        else:
-            logits = blk.logits if idx is None else blk.logits.index_select(0, idx)      # [B', V]
-            engine._apply_grammars(live, logits)
-            blk.mask_s += time.perf_counter() - t
-            tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
-            if idx is not None:                     # rows of ended requests: never read
-                tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
-            copy = HostCopy(tokens) if j + 1 < blk.K else None    # queued before the next forward: lands first
+        engine._apply_grammars([seqs[i] for i in alive], logits)
+        blk.mask_s += time.perf_counter() - t
+        if j == 0:
+            rows = [engine._sample_row(seqs[i]) for i in alive]
+            first = [r.position for r in rows]
+        else:                                       # (seeds: the host has not appended this block's tokens)
+            for r, p in zip(rows, first):
+                r.position = p + j
+        tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
+        if idx is not None:                         # rows of ended requests: never read
+            tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
         toks.append(tokens)
         if j + 1 < blk.K:
+            copy = HostCopy(tokens)                 # queued before the next forward, so it lands first
             blk.logits = engine.runner.execute(tokens, blk.mds[j + 1])
     blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
     blk.host = HostCopy(blk.tokens)

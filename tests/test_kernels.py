@@ -335,19 +335,6 @@ def test_gumbel_sample_greedy_rows_are_argmax():
     assert ((out >= 0) & (out < V)).all()
 
 
-def test_gumbel_sample_seed_in_memory_draws_as_the_argument():
-    """A seed read from a device tensor (what a CUDA graph replays) gives the draws of the same seed passed as
-    the launch argument, and another seed other draws."""
-    from engine.kernels.sampling import gumbel_sample
-    V = 3000
-    logits, temp = rand(5, V), torch.tensor([0.9, 1.0, 0.0, 1.2, 0.5], device=DEV)
-    a = gumbel_sample(logits, temp, seed=77, chunk=1024)
-    seed = torch.tensor([77], dtype=torch.int32, device=DEV)
-    assert torch.equal(gumbel_sample(logits, temp, seed=0, chunk=1024, seed_tensor=seed), a)
-    seed.fill_(78)
-    assert not torch.equal(gumbel_sample(logits, temp, seed=0, chunk=1024, seed_tensor=seed), a)
-
-
 def test_gumbel_sample_matches_softmax_law():
     """Chi-square of many draws against softmax(logits / T), the law of the torch reference."""
     from scipy.stats import chisquare

@@ -167,7 +167,7 @@ def test_no_constraint_no_mask_work(smollm2_engine_factory, grammar_blocks):
 
 @pytest.mark.parametrize("field,value", [("structured_overlap", "yes"), ("fused_token_bitmask", None),
                                          ("structured_multi_step", 1), ("structured_mask_threads", 0),
-                                         ("structured_gpu_wait", "yes"), ("structured_sample_graphs", None),
+                                         ("structured_gpu_wait", "yes"),
                                          ("structured_mask_threads", True)])
 def test_switches_are_validated(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}:"):

@@ -13,14 +13,11 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _gumbel_argmax_kernel(logits_ptr, temp_ptr, val_ptr, idx_ptr, seed, seed_ptr, V, stride, CHUNK: tl.constexpr,
-                          BLOCK: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
-    """Program (row, chunk): the best of logits / T + Gumbel over one CHUNK of the vocabulary. The seed is
-    the argument, or (SEED_IN_MEMORY: a CUDA graph replays the launch with new seeds) read from seed_ptr."""
+def _gumbel_argmax_kernel(logits_ptr, temp_ptr, val_ptr, idx_ptr, seed, V, stride, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Program (row, chunk): the best of logits / T + Gumbel over one CHUNK of the vocabulary."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    if SEED_IN_MEMORY:
-        seed = tl.load(seed_ptr)
     t = tl.load(temp_ptr + row)
     greedy = t <= 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
@@ -42,12 +39,10 @@ def _gumbel_argmax_kernel(logits_ptr, temp_ptr, val_ptr, idx_ptr, seed, seed_ptr
     tl.store(idx_ptr + out, tl.min(tl.where(best_v == top, best_i, V), 0))
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = 8192,
-                  seed_tensor: torch.Tensor | None = None) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, chunk: int = 8192) -> torch.Tensor:
     """logits [B, V] (last dim contiguous), temperature [B] float32 (<= 0: greedy) -> token ids [B] int64.
     Grid (B, V / chunk) fills the chip even at small B; the per-chunk winners are reduced in torch.
-    No host sync: the launch depends only on shapes and the seed (or seed_tensor [1] int32 on the device,
-    read by the kernel: `seed` is then ignored)."""
+    No host sync: the launch depends only on shapes and the seed."""
     B, V = logits.shape
     assert logits.stride(-1) == 1 and temperature.shape == (B,)
     if B == 0:
@@ -57,9 +52,8 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, ch
     n = triton.cdiv(V, chunk)
     vals = torch.empty((B, n), dtype=torch.float32, device=logits.device)
     idx = torch.empty((B, n), dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(B, n)](logits, temperature, vals, idx, seed & 0x7FFFFFFF,
-                                  temperature if seed_tensor is None else seed_tensor, V, logits.stride(0),
-                                  CHUNK=chunk, BLOCK=block, SEED_IN_MEMORY=seed_tensor is not None, num_warps=4)
+    _gumbel_argmax_kernel[(B, n)](logits, temperature, vals, idx, seed & 0x7FFFFFFF, V, logits.stride(0),
+                                  CHUNK=chunk, BLOCK=block, num_warps=4)
     best = vals.argmax(1, keepdim=True)                           # first chunk wins a tie
     return idx.gather(1, best).squeeze(1).long()
 
