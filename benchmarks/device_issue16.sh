@@ -37,16 +37,27 @@ case "${1:-}" in
     stamp done ;;
   confirm)
     nvidia-smi --query-gpu=name --format=csv
-    stamp latency8b
-    timeout 110 python benchmarks/bench_gpu.py --shape llama-3.1-8b --sections latency \
-      --latency-configs "cuda graphs,previous kernels (tiled; no fused merge)" 2>&1 | tail -5
+    stamp sweep1b
+    timeout 75 python benchmarks/sweep_gemv.py --shape llama-3.2-1b --ms 1 --rep 25 --qkv-rope \
+      --table-out "$OUT/table_1b.json" 2>&1 | grep -v "^{" | grep -v "best \[" | tail -14
+    TABLE=""
+    [ -s "$OUT/table_1b.json" ] && TABLE="$OUT/table_1b.json"
     stamp latency1b
-    timeout 70 python benchmarks/bench_gpu.py --shape llama-3.2-1b --sections latency \
-      --latency-configs "cuda graphs,previous kernels (tiled; no fused merge)" 2>&1 | tail -5
+    KVSCOPE_GEMV_TABLE=$TABLE timeout 60 python benchmarks/bench_gpu.py --shape llama-3.2-1b --sections latency \
+      --latency-configs "cuda graphs,previous kernels (tiled; no fused merge)" 2>&1 | tail -4
+    cp benchmarks/results/gpu_*llama-3.2-1b.json "$OUT/latency_1b.json" 2>/dev/null
+    stamp latency8b
+    timeout 95 python benchmarks/bench_gpu.py --shape llama-3.1-8b --sections latency --latency-configs \
+      "cuda graphs,cuda graphs, enable_pdl=False,decode_fused_merge=False,previous kernels (tiled; no fused merge)" \
+      2>&1 | tail -6
+    cp benchmarks/results/gpu_*llama-3.1-8b.json "$OUT/latency_8b.json" 2>/dev/null
     stamp tests
-    timeout 120 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py \
-      -k "triton_and_graphs_match_torch and float32 or multi_step_matches" tests/test_kernels.py \
-      2>&1 | tail -8
+    timeout 60 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py -k "triton_and_graphs_match_torch and float32" \
+      2>&1 | tail -4
+    timeout 30 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "(decode_split and bfloat16) or decode_cuda_graph or switches" \
+      2>&1 | tail -4
+    stamp profile
+    timeout 35 python benchmarks/profile_decode.py --shape llama-3.1-8b --pdl 0 2>&1 | grep -v Warn | head -9
     stamp done ;;
   *) echo "usage: $0 sweep|confirm"; exit 2 ;;
 esac

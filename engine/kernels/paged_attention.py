@@ -131,7 +131,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
-                   out_ptr=None, cnt_ptr=None, stride_fb=0, stride_fh=0, FUSED_MERGE: tl.constexpr = False):
+                   out_ptr=None, cnt_ptr=None, stride_fb=0, stride_fh=0, FUSED_MERGE: tl.constexpr = False,
+                   MIN_CHUNK: tl.constexpr = 256):
     if USE_PDL:                                              # launched early: wait for q and the new KV
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -146,8 +147,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
         r = b                                                # packed query row of this sequence
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    if FUSED_MERGE:                                          # splits past the context do nothing at all
-        n_act = tl.maximum(tl.cdiv(seq_len, tl.maximum(chunk, 1)), 1)   # split 0 always runs (zeros if empty)
+    n_act = NUM_SPLITS
+    if FUSED_MERGE:                                          # at least MIN_CHUNK keys a split: short contexts
+        chunk = tl.maximum(chunk, MIN_CHUNK)                 # use few splits (one: no merge at all), and splits
+        n_act = tl.maximum(tl.cdiv(seq_len, chunk), 1)       # past the context exit at once (split 0 always runs)
         if split >= n_act:
             return
     lo = split * chunk
@@ -180,18 +183,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
                  out.to(o_ptr.dtype.element_ty), mask=q_mask)
     else:                                                    # partials [B, H, S, D] fp32, lse [B, H, S]
         part = (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
-        tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -1e30)
-        tl.store(lse_ptr + part, lse, mask=row_ok)
         if FUSED_MERGE:
-            # the last of the n_act splits of (sequence, kv head) to finish merges them all (no reduce launch):
-            # every thread's partial is stored before one release-acquire add on the pair's counter
-            tl.debug_barrier()
-            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == n_act - 1:
-                _merge_splits(o_ptr, lse_ptr, out_ptr, r, head, row_ok, n_act, stride_fb, stride_fh,
-                              (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS, NUM_SPLITS, BLOCK_M, D, BD)
-                tl.atomic_xchg(cnt, 0)                       # zero again for the next launch (graph replays)
+            if n_act == 1:                                   # the whole context in split 0: the output itself
+                tl.store(out_ptr + r * stride_fb + head[:, None] * stride_fh + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=q_mask)
+            else:
+                tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+                tl.store(lse_ptr + part, lse, mask=row_ok)
+                # the last of the n_act splits of (sequence, kv head) to finish merges them all (no reduce
+                # launch): every thread's partial is stored before one release-acquire add on the pair's counter
+                tl.debug_barrier()
+                cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+                if tl.atomic_add(cnt, 1, sem="acq_rel") == n_act - 1:
+                    _merge_splits(o_ptr, lse_ptr, out_ptr, r, head, row_ok, n_act, stride_fb, stride_fh,
+                                  (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS, NUM_SPLITS, BLOCK_M, D, BD)
+                    tl.atomic_xchg(cnt, 0)                   # zero again for the next launch (graph replays)
+        else:
+            tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+            tl.store(lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
@@ -201,16 +211,16 @@ def _merge_splits(part_ptr, lse_ptr, o_ptr, r, head, row_ok, n_act, stride_ob, s
     Partials are read from L2 (.cg): other programs wrote them during this launch."""
     offs_d = tl.arange(0, BD)
     m = row_ok[:, None] & (offs_d[None, :] < D)
-    mx = tl.full([BLOCK_M], -1e30, tl.float32)
-    for s in range(0, n_act):
-        mx = tl.maximum(mx, tl.load(lse_ptr + base + s, mask=row_ok, other=-1e30, cache_modifier=".cg"))
+    sidx = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(lse_ptr + base[:, None] + sidx[None, :], mask=row_ok[:, None] & (sidx < n_act)[None, :],
+                  other=-1e30, cache_modifier=".cg")         # [BLOCK_M, S]: one load
+    wts = tl.exp2(lse - tl.max(lse, 1)[:, None])
+    den = tl.sum(wts, 1)
     acc = tl.zeros([BLOCK_M, BD], tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
     for s in range(0, n_act):
-        w = tl.exp2(tl.load(lse_ptr + base + s, mask=row_ok, other=-1e30, cache_modifier=".cg") - mx)
+        w = tl.sum(tl.where(sidx[None, :] == s, wts, 0.0), 1)
         o = tl.load(part_ptr + (base + s)[:, None] * D + offs_d[None, :], mask=m, other=0.0, cache_modifier=".cg")
         acc += o * w[:, None]
-        den += w
     out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
     tl.store(o_ptr + r * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m)
@@ -283,11 +293,15 @@ def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: tor
 
 
 def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Decode tiles; MIN_CHUNK: the fused merge's fewest keys per split (CPU: small, so tests reach the merge)."""
     if device.type != "cuda":
-        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1, MIN_CHUNK=32)
     if dtype == torch.float32 or d > 128:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=2, num_stages=3)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
+    return dict(BLOCK_N=64, num_warps=2, num_stages=3, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
+
+
+DECODE_FUSED_MIN_CHUNK = 256                                 # a context of <= 256 keys runs as one split
 
 
 # ---------------------------------------------------------------- launchers
@@ -346,7 +360,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         lse, dst, sob, soh = out, out, out.stride(0), out.stride(1)
     fused = fused_merge and S > 1
     merge = dict(out_ptr=out, cnt_ptr=merge_counters(q.device, B * Hk), stride_fb=out.stride(0),
-                 stride_fh=out.stride(1), FUSED_MERGE=True) if fused else {}
+                 stride_fh=out.stride(1), FUSED_MERGE=True, MIN_CHUNK=cfg.get("MIN_CHUNK", 256)) if fused else {}
     _decode_kernel[(B, Hk, S)](
         q, k_cache, v_cache, dst, lse, block_tables, seq_lens, cu_q, scale * LOG2E,
         q.stride(0), q.stride(1), sob, soh, block_tables.stride(0),
