@@ -86,12 +86,15 @@ def prefill_workload(n: int = 128, seed: int = 0):
 
 
 LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enable_pdl=False),
+                   "cuda graphs, enable_pdl=True": dict(enable_pdl=True),
+                   "decode_fused_merge=True": dict(decode_fused_merge=True),
                    "cuda graphs, gemv_max_tokens=0": dict(gemv_max_tokens=0), "eager": dict(enable_cuda_graphs=False),
                    # issue 16's decode kernels, one switch at a time, and both back at the previous defaults
                    "gemv_variant=tiled": dict(gemv_variant="tiled"),
                    "gemv_variant=persistent": dict(gemv_variant="persistent"),
                    "decode_fused_merge=False": dict(decode_fused_merge=False),
-                   "previous kernels (tiled; no fused merge)": dict(gemv_variant="tiled", decode_fused_merge=False)}
+                   "previous kernels (tiled; no fused merge)": dict(gemv_variant="tiled", decode_fused_merge=False,
+                                                                    enable_pdl=True)}
 
 
 def bench_latency(bw: float, cfg: dict, configs: list[str]) -> list[dict]:
@@ -258,7 +261,8 @@ def main():
                          ("multi_step_max_ms=4 (the server's default)", dict(multi_step_max_ms=4.0)),
                          ("multi_step_admit_min=1", dict(multi_step_admit_min=1)),
                          ("no prefix caching", dict(enable_prefix_caching=False)),
-                         ("decode_fused_merge=False", dict(decode_fused_merge=False))]:
+                         ("decode_fused_merge=True", dict(decode_fused_merge=True)),
+                         ("gemv_variant=tiled", dict(gemv_variant="tiled"))]:
             if args.ablations and name not in args.ablations.split(","):
                 continue
             try:

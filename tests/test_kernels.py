@@ -179,6 +179,18 @@ def test_gemv_resolve_config():
         resolve_config(1, 64, 64, "wide", cpu)
 
 
+def test_persistent_linears_turn_auto_pdl_off():
+    """enable_pdl=None: PDL stays on unless a decode linear takes the persistent GEMV (8B shape on CUDA)."""
+    from engine.kernels.gemv import persistent_linears
+    from engine.models.config import ModelConfig
+    from engine.models.presets import preset_config
+    cuda = torch.device("cuda")
+    big = ModelConfig.from_hf(preset_config("llama-3.1-8b"))
+    assert (4096, 4096) in persistent_linears(big, "auto", cuda) and not persistent_linears(big, "tiled", cuda)
+    assert not persistent_linears(big, "auto", torch.device("cpu"))
+    assert not persistent_linears(ModelConfig.from_hf(preset_config("llama-3.2-1b")), "auto", cuda)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,H,Hk,D,K,bias", [(1, 9, 3, 32, 72, False), (3, 6, 2, 16, 40, True)]
                          + ([(1, 32, 8, 64, 2048, False), (2, 14, 2, 64, 896, True)] if GPU else []))
