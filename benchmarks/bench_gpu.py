@@ -86,7 +86,15 @@ def prefill_workload(n: int = 128, seed: int = 0):
 
 
 LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enable_pdl=False),
-                   "cuda graphs, gemv_max_tokens=0": dict(gemv_max_tokens=0), "eager": dict(enable_cuda_graphs=False)}
+                   "cuda graphs, enable_pdl=True": dict(enable_pdl=True),
+                   "decode_fused_merge=True": dict(decode_fused_merge=True),
+                   "cuda graphs, gemv_max_tokens=0": dict(gemv_max_tokens=0), "eager": dict(enable_cuda_graphs=False),
+                   # issue 16's decode kernels, one switch at a time, and both back at the previous defaults
+                   "gemv_variant=tiled": dict(gemv_variant="tiled"),
+                   "gemv_variant=persistent": dict(gemv_variant="persistent"),
+                   "decode_fused_merge=False": dict(decode_fused_merge=False),
+                   "previous kernels (tiled; no fused merge)": dict(gemv_variant="tiled", decode_fused_merge=False,
+                                                                    enable_pdl=True)}
 
 
 def bench_latency(bw: float, cfg: dict, configs: list[str]) -> list[dict]:
@@ -186,7 +194,8 @@ def main():
     ap.add_argument("--sections", default="latency,throughput,ablation")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prefill-requests", type=int, default=128)
-    ap.add_argument("--latency-configs", default=",".join(LATENCY_CONFIGS),
+    ap.add_argument("--latency-configs", default="cuda graphs,cuda graphs, enable_pdl=False,cuda graphs, gemv_max_tokens=0,"
+                    "eager,previous kernels (tiled; no fused merge)",
                     help=f"comma-separated, of {list(LATENCY_CONFIGS)}")
     ap.add_argument("--ablations", default="", help="comma-separated ablation names to run (default: all)")
     ap.add_argument("--hf-requests", type=int, default=64)
@@ -206,7 +215,13 @@ def main():
         except Exception as e:
             rows.append(dict(bench="vllm", config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
     if "latency" in sections:
-        rows += bench_latency(bw, cfg, args.latency_configs.split(","))
+        names = []                                  # names hold ", " themselves: a piece after ", " continues one
+        for piece in args.latency_configs.split(","):
+            if names and piece.startswith(" "):
+                names[-1] += "," + piece
+            else:
+                names.append(piece)
+        rows += bench_latency(bw, cfg, names)
         if "batch1_ms_per_token" in peer:
             rows.append(dict(bench="latency b=1", config=f"vLLM {peer['version']}",
                              ms_per_token=peer["batch1_ms_per_token"], ratio=peer["batch1_ms_per_token"] / rows[0]["ms_per_token"]))
@@ -245,7 +260,9 @@ def main():
                          ("num_scheduler_steps=1", dict(num_scheduler_steps=1)),
                          ("multi_step_max_ms=4 (the server's default)", dict(multi_step_max_ms=4.0)),
                          ("multi_step_admit_min=1", dict(multi_step_admit_min=1)),
-                         ("no prefix caching", dict(enable_prefix_caching=False))]:
+                         ("no prefix caching", dict(enable_prefix_caching=False)),
+                         ("decode_fused_merge=True", dict(decode_fused_merge=True)),
+                         ("gemv_variant=tiled", dict(gemv_variant="tiled"))]:
             if args.ablations and name not in args.ablations.split(","):
                 continue
             try:

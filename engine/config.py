@@ -10,6 +10,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SPEC = (None, "ngram", "draft", "self")
 _LAYOUTS = ("paged", "contiguous")
 _QUANT = (None, "fp8", "int8", "int4")
+_GEMV_VARIANTS = ("auto", "tiled", "persistent")
 
 
 @dataclass
@@ -75,8 +76,18 @@ class EngineConfig:
     #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
     tensor_parallel_size: int = 1       # ranks sharding the model Megatron-style (one worker process per extra
     #                                     rank; NCCL on cuda, gloo on cpu); cuda ranks use consecutive devices
-    enable_pdl: bool = True             # those linears launch as programmatic dependents on Hopper+ (their
-    #                                         first weight tile is fetched while the previous kernel finishes)
+    enable_pdl: bool | None = None      # those linears launch as programmatic dependents on Hopper+ (their
+    #                                         first weight tile is fetched while the previous kernel finishes);
+    #                                         None: on unless a decode linear takes the persistent GEMV (at the 8B
+    #                                         shape on an H200, PDL on 4.87 vs off 4.44 ms/token with it)
+    gemv_variant: str = "auto"          # the bf16 fused GEMV's launch: "auto" (kernels/gemv.py GEMV_CONFIGS, swept
+    #                                     per projection shape on an H200; the rule elsewhere), "tiled" (the rule:
+    #                                     programs of BLOCK_N rows walking K), "persistent" (a few programs per SM,
+    #                                     the prologue once per program, whole-K rows streamed a tile or two ahead)
+    decode_fused_merge: bool = False    # split-K decode attention merges its splits in the kernel (the last split
+    #                                     of a sequence and kv head to finish; splits past the context exit at
+    #                                     once): one launch per layer instead of decode + reduce (triton kernels);
+    #                                     off: measured slower at the 8B shape's batch 1 (4.87 vs 4.75 ms/token)
     # speculative decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
@@ -177,6 +188,9 @@ class EngineConfig:
         need(self.gemv_max_tokens is None or (isinstance(self.gemv_max_tokens, int)
                                                and 0 <= self.gemv_max_tokens <= 16),
              "gemv_max_tokens", "must be None or an int in [0, 16]")
+        need(self.gemv_variant in _GEMV_VARIANTS, "gemv_variant", f"must be one of {_GEMV_VARIANTS}")
+        need(isinstance(self.decode_fused_merge, bool), "decode_fused_merge", "must be a bool")
+        need(self.enable_pdl in (None, True, False), "enable_pdl", "must be None, True or False")
         need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
              "tensor_parallel_size", "must be an int in [1, 64]")
         if self.tensor_parallel_size > 1:

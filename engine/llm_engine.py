@@ -80,7 +80,12 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         spec_margin = config.max_speculative_tokens + 1
         gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
             (1 if self.kernels == "triton" else 0)
-        gemv_pdl = config.enable_pdl and self.kernels == "triton" and pdl_supported(self.device)
+        pdl = config.enable_pdl
+        if pdl is None:                     # auto: off where a decode linear takes the persistent GEMV
+            from .kernels.gemv import persistent_linears
+            pdl = not (self.kernels == "triton" and config.tensor_parallel_size == 1
+                       and persistent_linears(mcfg, config.gemv_variant, self.device))
+        gemv_pdl = pdl and self.kernels == "triton" and pdl_supported(self.device)
         self.executor = None
         self.parallel_layout = parallel_layout(config.tensor_parallel_size, self.device)
         if config.tensor_parallel_size > 1:
@@ -111,6 +116,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         set_tensor_cores(self.model, tc)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
+        self.model.set_decode_kernels(config.gemv_variant, config.decode_fused_merge)
         if ex is not None:
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)

@@ -59,6 +59,9 @@ def test_request_larger_than_pool():
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024),
      r"EngineConfig.max_num_batched_tokens: must be >= max_model_len \(1024\)"),
     (dict(enable_kv_cache=False, speculative_method="ngram"), r"EngineConfig.speculative_method: needs the KV cache"),
+    (dict(gemv_variant="wide"), r"EngineConfig.gemv_variant: must be one of \('auto', 'tiled', 'persistent'\)"),
+    (dict(decode_fused_merge=1), r"EngineConfig.decode_fused_merge: must be a bool"),
+    (dict(enable_pdl="yes"), r"EngineConfig.enable_pdl: must be None, True or False"),
 ])
 def test_bad_configs(cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -134,11 +134,70 @@ def test_fused_linear(dtype, M, N, K, prologue, pdl):
     assert rel_err(out, ref) < 2 * TOL[dtype], rel_err(out, ref)
 
 
+GEMV_CONFIGS = [("persistent", 2, 4, 1, 1), ("persistent", 4, 4, 2, 2), ("persistent", 1, 8, 3, 2),
+                ("tiled", 4, 32, 4, 1), ("tiled", 2, 64, 2, 0), (4, 64, 1, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 37, 100), (2, 19, 64)] + ([(1, 4096, 14336), (1, 28672, 4096)] if GPU else []))
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("cfg", GEMV_CONFIGS + ["persistent", "tiled"])
+def test_fused_linear_variants(dtype, M, N, K, prologue, cfg):
+    """The persistent variant (prologue once per program, whole-K rows, DEPTH tiles prefetched, a grid of a few
+    programs per SM looping over row tiles) and the tiled one with PRE, vs the torch reference; odd N, K."""
+    if N * K > 1 << 20 and not isinstance(cfg, str):
+        pytest.skip("full-size shapes: the variants' own configs only (benchmarks/sweep_gemv.py checks the rest)")
+    x = rand(M, 2 * K if prologue == "silu_mul" else K, dtype=dtype) * 2
+    w = rand(N, K, dtype=dtype) / K ** 0.5
+    nw = rand(K, dtype=dtype) + 1 if prologue == "rms_norm" else None
+    bias = rand(N, dtype=dtype) if prologue == "silu_mul" else None
+    residual = rand(M, N, dtype=dtype) if prologue != "rms_norm" else None
+    kw = dict(variant=cfg) if isinstance(cfg, str) else dict(config=cfg)
+    out = tk.fused_linear(x, w, bias, prologue=prologue, norm_weight=nw, eps=1e-5, residual=residual, **kw)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    ref = torch_ops.fused_linear(x.double(), w.double(), d(bias), prologue=prologue, norm_weight=d(nw), eps=1e-5,
+                                 residual=d(residual))
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_err(out, ref) < 2 * TOL[dtype], rel_err(out, ref)
+
+
+def test_gemv_resolve_config():
+    """The tuned table is used at M = 1 on CUDA; "tiled" is the rule; persistent falls back to tiled where the
+    activation row would not fit in registers; configs are well formed."""
+    from engine.kernels.gemv import GEMV_CONFIGS, PERSISTENT_MAX_ELEMS, gemv_config, resolve_config
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_config(1, 4096, 4096, "tiled", cuda) == ("tiled", *gemv_config(1, 4096, 4096), 0)
+    assert resolve_config(1, 4096, 4096, "auto", cpu) == ("tiled", *gemv_config(1, 4096, 4096), 0)
+    assert resolve_config(1, 64, 2 * PERSISTENT_MAX_ELEMS, "persistent", cpu)[0] == "tiled"
+    assert resolve_config(1, 64, 100, "persistent", cpu)[0] == "persistent"
+    for (N, K), cfg in GEMV_CONFIGS.items():
+        assert cfg[0] in ("tiled", "persistent") and len(cfg) == 5
+        got = resolve_config(1, N, K, "auto", cuda)
+        assert got[0] == cfg[0] and got[1] == cfg[1]
+        assert resolve_config(1, N, K, "tiled", cuda)[0] == "tiled"
+    with pytest.raises(AssertionError):
+        resolve_config(1, 64, 64, "wide", cpu)
+
+
+def test_persistent_linears_turn_auto_pdl_off():
+    """enable_pdl=None: PDL stays on unless a decode linear takes the persistent GEMV (8B shape on CUDA)."""
+    from engine.kernels.gemv import persistent_linears
+    from engine.models.config import ModelConfig
+    from engine.models.presets import preset_config
+    cuda = torch.device("cuda")
+    big = ModelConfig.from_hf(preset_config("llama-3.1-8b"))
+    assert (4096, 4096) in persistent_linears(big, "auto", cuda) and not persistent_linears(big, "tiled", cuda)
+    assert not persistent_linears(big, "auto", torch.device("cpu"))
+    assert not persistent_linears(ModelConfig.from_hf(preset_config("llama-3.2-1b")), "auto", cuda)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,H,Hk,D,K,bias", [(1, 9, 3, 32, 72, False), (3, 6, 2, 16, 40, True)]
                          + ([(1, 32, 8, 64, 2048, False), (2, 14, 2, 64, 896, True)] if GPU else []))
-def test_fused_qkv_rope_store(dtype, M, H, Hk, D, K, bias):
-    """q/k/v linear with RoPE and the KV store in its epilogue vs fused_linear + rope_and_store (float64)."""
+@pytest.mark.parametrize("config", [None, (1, 32, 2), (4, 64, 4)])
+def test_fused_qkv_rope_store(dtype, M, H, Hk, D, K, bias, config):
+    """q/k/v linear with RoPE and the KV store in its epilogue vs fused_linear + rope_and_store (float64);
+    config: (rotation pairs per program, BLOCK_K, num_warps) as benchmarks/sweep_gemv.py --qkv-rope sweeps it."""
     pdl = GPU and torch.cuda.get_device_capability()[0] >= 9
     N, bs = (H + 2 * Hk) * D, 4
     x = rand(M, K, dtype=dtype) * 2
@@ -153,7 +212,7 @@ def test_fused_qkv_rope_store(dtype, M, H, Hk, D, K, bias):
         slots[1] = -1                                        # padding row: nothing stored
     kc, vc = rand(nblocks, bs, Hk, D, dtype=dtype), rand(nblocks, bs, Hk, D, dtype=dtype)
     kc_ref, vc_ref = kc.double(), vc.double()
-    q = tk.fused_qkv_rope_store(x, w, b, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots, pdl=pdl)
+    q = tk.fused_qkv_rope_store(x, w, b, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots, pdl=pdl, config=config)
     d = lambda t: None if t is None else t.double()  # noqa: E731
     q_ref = torch_ops.fused_qkv_rope_store(x.double(), w.double(), d(b), nw.double(), 1e-5, H, Hk, positions,
                                            cos_sin.double(), kc_ref, vc_ref, slots)
@@ -251,24 +310,32 @@ def test_paged_attention_head_shapes(H, Hk, D):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 2, 8])
-def test_paged_attention_decode_split(dtype, splits):
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_paged_attention_decode_split(dtype, splits, fused_merge):
     # lengths 1 and short ones leave some splits empty; one is long enough for several tiles per split
     seq_lens = [1, 130, 7, 64] + ([4096, 3000, 33] * 10 if GPU else [])
     shp = dict(H=32, Hk=8, D=128) if GPU else SMALL
     q, kc, vc, md = make_batch([1] * len(seq_lens), seq_lens, bs=16, dtype=dtype, **shp)
     scale = q.shape[-1] ** -0.5
-    out = tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, md.max_seqlen_k,
-                                    num_splits=splits)
-    ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
-    assert rel_err(out, ref) < TOL[dtype]
+    for _ in range(2 if fused_merge else 1):                # the second launch reuses the (re-zeroed) counters
+        out = tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, md.max_seqlen_k,
+                                        num_splits=splits, fused_merge=fused_merge)
+        ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
+        assert rel_err(out, ref) < TOL[dtype]
+    if fused_merge:
+        from engine.kernels.paged_attention import merge_counters
+        assert int(merge_counters(DEV, 1).abs().sum()) == 0   # every launch leaves its counters zero
 
 
-def test_decode_padded_rows_are_zero():
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_decode_padded_rows_are_zero(fused_merge):
     q, kc, vc, md = make_batch([1, 1], [5, 40], bs=8, dtype=torch.float32, **SMALL)
     lens = md.seq_lens.clone()
     lens[0] = 0                                              # a CUDA-graph padding row
     for splits in (1, 4):
-        out = tk.paged_attention_decode(q, kc, vc, md.block_tables, lens, 0.2, 64, num_splits=splits)
+        out = torch.full_like(q, float("nan"))
+        tk.paged_attention_decode(q, kc, vc, md.block_tables, lens, 0.2, 64, num_splits=splits, out=out,
+                                  fused_merge=fused_merge)
         assert torch.all(out[0] == 0) and torch.isfinite(out).all()
 
 
@@ -287,8 +354,10 @@ def test_get_ops_triton():
 
 
 @gpu_only
-def test_decode_cuda_graph():
-    """Capture once with static buffers, then replay with new lengths, tables and queries."""
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_decode_cuda_graph(fused_merge):
+    """Capture once with static buffers, then replay with new lengths, tables and queries (fused_merge: the
+    split counters must be zero again after every replay, and short contexts leave most splits idle)."""
     B, H, Hk, D, bs, max_len = 16, 32, 8, 64, 16, 4096
     width = max_len // bs
     _, kc, vc, _ = make_batch([1], [max_len * 4], H, Hk, D, bs, torch.bfloat16)   # a big enough pool
@@ -308,13 +377,15 @@ def test_decode_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):                         # warm up (compile) outside the capture
-        tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len)
+        tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len, fused_merge=fused_merge)
     torch.cuda.current_stream().wait_stream(stream)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out_s = tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len)
-    for _ in range(3):
+        out_s = tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len, fused_merge=fused_merge)
+    for i in range(6):
         fill()
+        if i % 2:
+            lens_s.copy_(torch.randint(1, 400, (B,), device=DEV, dtype=torch.int32))   # short contexts
         g.replay()
         ref = paged_attention_decode_ref(q_s.double(), kc.double(), vc.double(), bt_s, lens_s, scale)
         assert rel_err(out_s, ref) < TOL[torch.bfloat16]
@@ -354,6 +425,27 @@ def test_gumbel_sample_matches_softmax_law():
     obs = torch.cat([counts[big], counts[~big].sum()[None]]).numpy()
     exp = torch.cat([expected[big], expected[~big].sum()[None]]).numpy()
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("switches", [dict(gemv_variant="persistent", decode_fused_merge=True),
+                                      dict(gemv_variant="tiled", decode_fused_merge=False)])
+def test_decode_kernel_switches_match_torch(switches):
+    """EngineConfig.gemv_variant / decode_fused_merge: greedy tokens of the Triton small-batch path (fp32) equal
+    the torch path's on the same weights, and the switches reach the model."""
+    from engine import LLMEngine, SamplingParams
+    toks = {}
+    for name, cfg in (("torch", dict(kernels="torch")), ("triton", dict(kernels="triton", **switches))):
+        eng = LLMEngine(model="dummy:tiny", device=str(DEV), dtype="float32", num_kv_blocks=64,
+                        enable_cuda_graphs=False, max_model_len=512, **cfg)
+        if name == "triton":
+            assert eng.model.gemv_variant == switches["gemv_variant"]
+            assert eng.model.model.layers[0].self_attn.decode_fused_merge == switches["decode_fused_merge"]
+        rid = eng.add_request(list(range(3, 300)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        out = {}
+        while eng.has_unfinished_requests():
+            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        toks[name] = out[rid]
+    assert toks["triton"] == toks["torch"]
 
 
 def test_small_batch_forward_matches_the_layered_path():

@@ -130,7 +130,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+                   out_ptr=None, cnt_ptr=None, stride_fb=0, stride_fh=0, FUSED_MERGE: tl.constexpr = False,
+                   MIN_CHUNK: tl.constexpr = 256):
     if USE_PDL:                                              # launched early: wait for q and the new KV
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -145,6 +147,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
         r = b                                                # packed query row of this sequence
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_act = NUM_SPLITS
+    if FUSED_MERGE:                                          # at least MIN_CHUNK keys a split: short contexts
+        chunk = tl.maximum(chunk, MIN_CHUNK)                 # use few splits (one: no merge at all), and splits
+        n_act = tl.maximum(tl.cdiv(seq_len, chunk), 1)       # past the context exit at once (split 0 always runs)
+        if split >= n_act:
+            return
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
@@ -175,9 +183,47 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
                  out.to(o_ptr.dtype.element_ty), mask=q_mask)
     else:                                                    # partials [B, H, S, D] fp32, lse [B, H, S]
         part = (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
-        tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -1e30)
-        tl.store(lse_ptr + part, lse, mask=row_ok)
+        if FUSED_MERGE:
+            if n_act == 1:                                   # the whole context in split 0: the output itself
+                tl.store(out_ptr + r * stride_fb + head[:, None] * stride_fh + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=q_mask)
+            else:
+                tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+                tl.store(lse_ptr + part, lse, mask=row_ok)
+                # the last of the n_act splits of (sequence, kv head) to finish merges them all (no reduce
+                # launch): every thread's partial is stored before one release-acquire add on the pair's counter
+                tl.debug_barrier()
+                cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+                if tl.atomic_add(cnt, 1, sem="acq_rel") == n_act - 1:
+                    _merge_splits(o_ptr, lse_ptr, out_ptr, r, head, row_ok, n_act, stride_fb, stride_fh,
+                                  (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS, NUM_SPLITS, BLOCK_M, D, BD)
+                    tl.atomic_xchg(cnt, 0)                   # zero again for the next launch (graph replays)
+        else:
+            tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+            tl.store(lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(part_ptr, lse_ptr, o_ptr, r, head, row_ok, n_act, stride_ob, stride_oh, base,
+                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Log-sum-exp merge of splits [0, n_act) of the heads `head` ([BLOCK_M], rows row_ok) -> o rows r.
+    Partials are read from L2 (.cg): other programs wrote them during this launch."""
+    offs_d = tl.arange(0, BD)
+    m = row_ok[:, None] & (offs_d[None, :] < D)
+    sidx = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(lse_ptr + base[:, None] + sidx[None, :], mask=row_ok[:, None] & (sidx < n_act)[None, :],
+                  other=-1e30, cache_modifier=".cg")         # [BLOCK_M, S]: one load
+    wts = tl.exp2(lse - tl.max(lse, 1)[:, None])
+    den = tl.sum(wts, 1)
+    acc = tl.zeros([BLOCK_M, BD], tl.float32)
+    for s in range(0, n_act):
+        w = tl.sum(tl.where(sidx[None, :] == s, wts, 0.0), 1)
+        o = tl.load(part_ptr + (base + s)[:, None] * D + offs_d[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        acc += o * w[:, None]
+    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(o_ptr + r * stride_ob + head[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=m)
 
 
 @triton.jit
@@ -247,11 +293,16 @@ def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: tor
 
 
 def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Decode tiles; MIN_CHUNK: the fused merge's fewest keys per split (CPU: small, so tests reach the merge)."""
     if device.type != "cuda":
-        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1, MIN_CHUNK=32)
     if dtype == torch.float32 or d > 128:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=2, num_stages=3)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
+    return dict(BLOCK_N=64, num_warps=2, num_stages=3, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
+
+
+DECODE_FUSED_MIN_CHUNK = 64                                  # 256 measured slower at the 8B shape's batch 1
+#                                                              (one split per kv head at <= 256 keys: 306 vs 262 us)
 
 
 # ---------------------------------------------------------------- launchers
@@ -273,9 +324,28 @@ def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes):
         num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
 
 
-def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out, pdl=False):
+_MERGE_COUNTERS: dict = {}
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, one per (sequence, kv head), that the fused merge counts split arrivals on (each launch
+    leaves them zero again). Buffers are never freed: captured graphs hold their addresses; a larger need
+    allocates a new one. One per device: launches of the fused merge on one device must not run concurrently
+    on two streams."""
+    key = torch.device(device)
+    buf = _MERGE_COUNTERS.get(key)
+    if buf is None or buf[-1].numel() < n:
+        size = max(n, 4096 if key.type == "cuda" else n)
+        t = torch.zeros(size, dtype=torch.int32, device=key)
+        _MERGE_COUNTERS[key] = buf = (buf or []) + [t]
+    return buf[-1]
+
+
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out, pdl=False,
+                   fused_merge=False):
     """Grid (B, Hk, S). cu_q None: sequence b's query is row b; else rows come from cu_q and
-    sequences with q_len != 1 are skipped. pdl: both kernels launch as programmatic dependents."""
+    sequences with q_len != 1 are skipped. pdl: both kernels launch as programmatic dependents.
+    fused_merge (S > 1): no reduce kernel; the last split of each (sequence, kv head) to finish merges them."""
     launch = {"launch_pdl": True} if pdl else {}
     H, D = q.shape[1], q.shape[2]
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
@@ -289,6 +359,9 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         dst, sob, soh = part, 0, 0
     else:
         lse, dst, sob, soh = out, out, out.stride(0), out.stride(1)
+    fused = fused_merge and S > 1
+    merge = dict(out_ptr=out, cnt_ptr=merge_counters(q.device, B * Hk), stride_fb=out.stride(0),
+                 stride_fh=out.stride(1), FUSED_MERGE=True, MIN_CHUNK=cfg.get("MIN_CHUNK", 256)) if fused else {}
     _decode_kernel[(B, Hk, S)](
         q, k_cache, v_cache, dst, lse, block_tables, seq_lens, cu_q, scale * LOG2E,
         q.stride(0), q.stride(1), sob, soh, block_tables.stride(0),
@@ -296,8 +369,8 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
         NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype), USE_PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
-    if S > 1:
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **merge, **launch)
+    if S > 1 and not fused:
         _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),
                                NUM_SPLITS=S, D=D, BD=BD, VARLEN=varlen, USE_PDL=pdl,
                                num_warps=1 if BD * S <= 1024 else 4, **launch)
@@ -307,10 +380,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seqlen_k_hint: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: dict | None = None,
-                           pdl: bool = False) -> torch.Tensor:
+                           pdl: bool = False, fused_merge: bool = False) -> torch.Tensor:
     """One query per sequence. q [B, H, D] (any strides, D contiguous); block_tables [B, W] int32;
     seq_lens [B] int32 (0 allowed: padded rows give zeros). Returns [B, H, D].
-    No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits."""
+    No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits. fused_merge: the splits
+    are merged inside the decode kernel by the last one to finish (one launch instead of two; splits past a
+    sequence's context exit at once), EngineConfig.decode_fused_merge."""
     B, H, D = q.shape
     Hk = k_cache.shape[2]
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -319,18 +394,19 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B:
         cfg = dict(_decode_config(H // Hk, D, q.dtype, q.device), **(config or {}))
         S = num_splits or decode_num_splits(B, Hk, max_seqlen_k_hint, q.device)
-        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out, pdl)
+        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out, pdl, fused_merge)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                    config: dict | None = None, pdl: bool = False) -> torch.Tensor:
+                    config: dict | None = None, pdl: bool = False, fused_merge: bool = False) -> torch.Tensor:
     """Causal attention of packed varlen queries over paged KV; same contract as torch_ops.paged_attention.
     q [T, H, D] (any strides, D contiguous) -> [T, H, D]. Decode-only batches take the split-K kernel;
     in mixed batches the decodes take it too (config: decodes_apart=False keeps them in the prefill
     kernel, decode_splits=N forces their split count; other keys tune the prefill kernel). pdl: decode-only
-    batches launch as programmatic dependents (Hopper+, compiled Triton)."""
+    batches launch as programmatic dependents (Hopper+, compiled Triton). fused_merge: decode-only batches merge
+    their splits inside the decode kernel (see paged_attention_decode)."""
     if md.mixed_splits:
         return _paged_attention_graphed(q, k_cache, v_cache, md, scale, out)
     T, H, D = q.shape
@@ -341,7 +417,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     apart, dec_splits = cfg.pop("decodes_apart", True), cfg.pop("decode_splits", None)
     if md.max_seqlen_q == 1 and T == B and not cfg:
         return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      md.max_seqlen_k, out=out, num_splits=dec_splits, pdl=pdl)
+                                      md.max_seqlen_k, out=out, num_splits=dec_splits, pdl=pdl,
+                                      fused_merge=fused_merge)
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)

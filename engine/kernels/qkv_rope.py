@@ -7,12 +7,14 @@ and v heads straight into the paged caches. Used in place of fused_linear + rope
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import torch_ops
-from .gemv import _activation
+from .gemv import _activation, _env_table
 
 
 @triton.jit
@@ -92,12 +94,35 @@ def _rope_store(x1, x2, head, j, offs_m, mm, H, Hk, q_ptr, kc_ptr, vc_ptr, pos_p
         tl.store(dst + HALF, x2.to(kc_ptr.dtype.element_ty), mask=ok)
 
 
+# (N, K, D) -> (P rotation pairs per program, BLOCK_K, num_warps) at M = 1 on CUDA: benchmarks/sweep_gemv.py
+# --qkv-rope's best on an H200; other shapes (and M > 1) take the rule below
+# (Llama-3.1-8B, 6144 x 4096: the rule (2, 1024, 1) measured 16.0 us, 74% of copy BW, the sweep's best of 52)
+QKV_ROPE_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
+}
+
+
+def qkv_rope_config(M: int, N: int, K: int, D: int, device: torch.device) -> tuple[int, int, int]:
+    half = D // 2
+    cfg = None
+    if M == 1 and device.type == "cuda":
+        path = os.environ.get("KVSCOPE_GEMV_TABLE")           # a sweep's winners (see gemv.tuned_config)
+        cfg = _env_table(path).get(("qkv", N, K, D)) if path else None
+        cfg = cfg or QKV_ROPE_CONFIGS.get((N, K, D))
+    if cfg is None:
+        P = 2 if half % 2 == 0 else 1
+        bm = triton.next_power_of_2(M)
+        cfg = (P, max(32, min(1024, triton.next_power_of_2(K), 8192 // (bm * 2 * P))), 1)
+    return cfg
+
+
 def fused_qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
                          positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool = False,
+                         config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] residual stream -> q [M, H, D] = RoPE(RMSNorm(x) @ Wq.T); RoPE(k) and v into the caches
-    [num_blocks, block_size, Hk, D] at flat slots (negative: skipped). weight [(H + 2Hk) * D, K], rows q, k, v."""
+    [num_blocks, block_size, Hk, D] at flat slots (negative: skipped). weight [(H + 2Hk) * D, K], rows q, k, v.
+    config: (P rotation pairs per program, BLOCK_K, num_warps) (a sweep), else qkv_rope_config's."""
     M, K = x.shape
     N = weight.shape[0]
     D = N // (num_heads + 2 * num_kv_heads)
@@ -108,15 +133,15 @@ def fused_qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if M == 0:
         return q
     half = D // 2
-    P = 2 if half % 2 == 0 else 1                               # rotation pairs per program
+    P, bk, warps = config or qkv_rope_config(M, N, K, D, x.device)
+    assert half % P == 0, (P, D)
     bm = triton.next_power_of_2(M)
-    bk = max(32, min(1024, triton.next_power_of_2(K), 8192 // (bm * 2 * P)))
     _qkv_rope_kernel[((num_heads + 2 * num_kv_heads) * (half // P),)](
         x, weight, bias if bias is not None else weight, norm_weight, q, k_cache, v_cache, positions, cos_sin,
         slot_mapping, M, K, num_heads, num_kv_heads, x.stride(0), weight.stride(0), q.stride(0),
         cos_sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], eps,
         D=D, P=P, BLOCK_SIZE=k_cache.shape[1], HAS_BIAS=bias is not None, USE_PDL=pdl, BLOCK_M=bm,
-        BLOCK_K=bk, num_warps=1, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        BLOCK_K=bk, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return q
 
 

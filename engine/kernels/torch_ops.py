@@ -26,10 +26,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  prologue: str | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                 residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, pdl: bool = False, variant: str = "auto") -> torch.Tensor:
     """prologue(x) @ weight.T (+ bias) (+ residual); prologue None, "rms_norm" (x [M, K], RMSNorm with
     norm_weight) or "silu_mul" (x [M, 2K] = gate | up). The unfused composition the Triton GEMV fuses
-    (pdl, a launch option of the Triton kernel, means nothing here)."""
+    (pdl and variant, launch options of the Triton kernel, mean nothing here)."""
     if prologue == "rms_norm":
         x = rms_norm(x, norm_weight, eps)[0]
     elif prologue == "silu_mul":
@@ -100,8 +100,9 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float, pdl: bool = False) -> torch.Tensor:
-    """Causal attention of packed varlen queries over each sequence's paged KV.
+                    md: AttentionMetadata, scale: float, pdl: bool = False, fused_merge: bool = False) -> torch.Tensor:
+    """Causal attention of packed varlen queries over each sequence's paged KV (pdl and fused_merge, launch
+    options of the Triton kernels, mean nothing here).
 
     q [T, H, D]; caches [num_blocks, block_size, Hk, D] already hold this step's K/V. Returns [T, H, D].
     A sequence's queries are its last q_len positions of its seq_len context.

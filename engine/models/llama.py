@@ -57,6 +57,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hk) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
+        self.decode_fused_merge = False                       # see LlamaForCausalLM.set_decode_kernels
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -77,7 +78,8 @@ class Attention(nn.Module):
             return self.attend(qkv, md, cos_sin, pdl).reshape(h.shape[0], self.h * self.d)
         q = fused_qkv_rope_store(self.ops, self.qkv_proj, h, norm.weight, norm.eps, self.h, self.hk, md.positions,
                                  cos_sin, self.k_cache, self.v_cache, md.slot_mapping, pdl=pdl)      # [T, H, D]
-        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)
+        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl,
+                                     fused_merge=self.decode_fused_merge)
         return o.reshape(h.shape[0], self.h * self.d)
 
     def attend(self, qkv: torch.Tensor, md: AttentionMetadata, cos_sin: torch.Tensor,
@@ -94,7 +96,8 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0].view(T, self.hk, self.d)
         self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping,
                                 pdl=pdl)
-        return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)  # [T, H, D]
+        return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl,
+                                        fused_merge=self.decode_fused_merge)  # [T, H, D]
 
 
 class MLP(nn.Module):
@@ -142,6 +145,13 @@ class LlamaForCausalLM(nn.Module):
         self.timer = NullTimer()
         self.gemv_max_tokens = 0           # steps of at most this many tokens take forward_small_batch
         self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
+        self.gemv_variant = "auto"         # their launch (EngineConfig.gemv_variant)
+
+    def set_decode_kernels(self, gemv_variant: str = "auto", fused_merge: bool = False) -> None:
+        """EngineConfig.gemv_variant and decode_fused_merge (Triton launch options; the torch ops ignore them)."""
+        self.gemv_variant = gemv_variant
+        for layer in self.model.layers:
+            layer.self_attn.decode_fused_merge = fused_merge
 
 
     def forward(self, input_ids: torch.Tensor, md: AttentionMetadata,
@@ -175,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         """forward() for a few tokens (a decode step): norms, SiLU-mul, residual adds, RoPE and the KV store
         ride inside the fused linears, so a layer is 4 linears + attention. h is the residual stream; with tensor
         parallelism rank 0 alone adds it before the all-reduce of the partial sums."""
-        t, ops, m, pdl = self.timer, self.ops, self.model, self.gemv_pdl
+        t, ops, m, pdl, var = self.timer, self.ops, self.model, self.gemv_pdl, self.gemv_variant
         first = self.tp.rank == 0
         with t.region("embedding"):
             h = self.embed(input_ids)                          # [T, hidden]
@@ -184,12 +194,13 @@ class LlamaForCausalLM(nn.Module):
             a, mlp, ln1, ln2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             with t.region("attention"):
                 o = a.forward_small_batch(h, ln1, md, self.cos_sin, pdl)    # [T, H * D]
-                h = fused_linear(ops, a.o_proj, o, residual=h if first else None, pdl=pdl)
+                h = fused_linear(ops, a.o_proj, o, residual=h if first else None, pdl=pdl, variant=var)
             h = self.all_reduce(h)
             with t.region("mlp"):
                 gu = fused_linear(ops, mlp.gate_up_proj, h, prologue="rms_norm", norm_weight=ln2.weight,
-                                  eps=ln2.eps, pdl=pdl)
-                h = fused_linear(ops, mlp.down_proj, gu, prologue="silu_mul", residual=h if first else None, pdl=pdl)
+                                  eps=ln2.eps, pdl=pdl, variant=var)
+                h = fused_linear(ops, mlp.down_proj, gu, prologue="silu_mul", residual=h if first else None, pdl=pdl,
+                                 variant=var)
             h = self.all_reduce(h)
         with t.region("norms"):
             x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)

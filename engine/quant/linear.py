@@ -81,6 +81,7 @@ class QuantLinear(nn.Module):
 def fused_linear(ops, layer: nn.Module, x: torch.Tensor, **fusions) -> torch.Tensor:
     """ops.fused_linear over a plain or a quantized linear layer."""
     if isinstance(layer, QuantLinear):
+        fusions.pop("variant", None)                        # the bf16 GEMV's launch variant
         return layer.fused(x, **fusions)
     return ops.fused_linear(x, layer.weight, layer.bias, **fusions)
 
