@@ -80,6 +80,31 @@ def check_quant_gemv_tc(fmt, block_m, dot):
                      num_warps=warps, num_stages=stages)
 
 
+def check_quant_gemv_packed(fmt, block_m, flags, split):
+    """The packed-word GEMV (its inline-PTX decodes: flags bit 0) at the rule's config, 8B-like alignment."""
+    from engine.kernels import quant_gemv_packed as q
+    bn, bk, warps, _, _ = q.quant_gemv_packed_config(fmt, block_m, 4096, 4096)
+    int4 = fmt == "int4"
+    ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16" if int4 else "*fp32", "z_ptr": "*fp16" if int4 else "*fp32",
+            "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for prologue in (1, 2):
+        compile_sm90(q._pk_gemv_kernel,
+                     dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 2,
+                          USE_PDL=True, ASM=bool(flags & 1), PRE=bool(flags & 2), SPLIT=split, BLOCK=128,
+                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk),
+                     ptrs, aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"), num_warps=warps)
+
+
+def check_quant_qkv_rope_packed(fmt, block_m):
+    from engine.kernels import quant_qkv_rope
+    import triton.language as tl
+    ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16"} if fmt == 2 else {"w_ptr": "*i32"}
+    compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel,
+                 dict(FMT=fmt, D=128, BLOCK_SIZE=16, HAS_BIAS=False, USE_PDL=True, CVT=0, PRE=True, BLOCK=128,
+                      HALF_G=64 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=1024 if fmt == 2 else 512, P=8,
+                      TC=False, DT=tl.float32, OFF=0.0, PK=True, ASM=True), ptrs)
+
+
 def check_quant_qkv_rope(fmt, block_m):
     from engine.kernels import quant_qkv_rope
     import triton.language as tl
@@ -113,6 +138,9 @@ CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4
          [(check_quant_gemv_tc, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 16], [0, 1])] + \
          [(check_quant_gemv_tc, ("int4", m, d)) for m in (1, 16) for d in (2, 3)] + \
          [(check_quant_qkv_rope, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
+         [(check_quant_gemv_packed, (f, m, fl, sp)) for f in ("int4", "int8", "fp8") for m, fl, sp in
+          ((1, 1, 1), (1, 3, 2), (1, 0, 1), (4, 1, 2))] + \
+         [(check_quant_qkv_rope_packed, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 
 
