@@ -418,7 +418,7 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
     bn, bk, warps, split, flags = config or quant_gemv_packed_config(fmt, M, N, K)
     asm, pre = bool(flags & 1), bool(flags & 2)
     assert not asm or not _interpreted(), "the packed (inline-PTX) decode runs compiled only"
-    assert not (asm and fmt == "int4") or x.dtype == torch.bfloat16, "int4's packed decode takes bf16 activations"
+    asm = asm and (fmt != "int4" or x.dtype == torch.bfloat16)    # int4's bf16x2 products: bf16 activations only
     w, s, z, group = pk_tensors(fmt, qt)
     if fmt == "int4":
         assert bk % group == 0, f"int4 BLOCK_K {bk} must be a multiple of the group size {group}"

@@ -100,7 +100,8 @@ def quant_fused_qkv_rope_store(x: torch.Tensor, fmt: str, qt: dict[str, torch.Te
         P = max(1, min(bn // 2, half))
         while half % P:
             P //= 2
-        cvt, pre, stages, dt, asm = 0, bool(flags & 2), 1, tl.float32, bool(flags & 1)
+        cvt, pre, stages, dt = 0, bool(flags & 2), 1, tl.float32
+        asm = bool(flags & 1) and (fmt != "int4" or x.dtype == torch.bfloat16)
         w, s, z, group = pk_tensors(fmt, qt)
         if fmt == "int4":
             assert bk % group == 0, f"int4 BLOCK_K {bk} must be a multiple of the group size {group}"
