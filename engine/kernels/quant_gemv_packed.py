@@ -7,9 +7,9 @@ of int8's bytes) ran as slowly as int8: issue-bound, not HBM-bound. Here:
   nibble j (S = G / 8), so a [BN, NG, S] tile of words pairs with 8 contiguous [NG, S] activation slices. Plain
   decode (ASM 0, any device and the interpreter): (w >> 4j) & 15 | 0x4B000000 is the fp32 2^23 + q, minus 2^23
   (shift, lop3, fadd, ffma a weight). ASM 1 (compiled, bf16 activations): one inline-PTX block per word: lop3
-  puts nibbles j and j + 4 into the mantissas of a bf16 pair 128 + q (0x4300 | q), fma(128 + q, a, -128 a) is
-  q a rounded once, three bf16x2 adds and a widening add: ~17 instructions for 8 weights. Per group the partial
-  sum(q a) gets the scale and sum(a) the min.
+  puts nibbles j and j + 4 into the mantissas of a bf16 pair 128 + q (0x4300 | q), a bf16x2 fma makes it the
+  centred q - 8 exactly, four bf16x2 fmas accumulate the products and a widening add ends: ~18 instructions for
+  8 weights. Per group the partial sum(q a) gets the scale and sum(a) the min (+ 8 scale when centred).
 - int8 / fp8: [BN, BK / 4] words, four codes each; activation slices a_c at k = 4 i + c. Plain decode: int8
   ((w >> 8c) & 255) ^ 128 | 0x4B000000 minus 2^23 + 128; fp8 by conversion. ASM 1: int8 by one xor a word, a
   prmt (bytes into 0x4B0000uu) and a fadd a code; fp8 by two paired e4m3 -> f16x2 conversions a word. The row
@@ -40,30 +40,35 @@ from .quant_gemv import _row_activation, _x_row
 PK_FMT_IDS = {"int8": 0, "fp8": 1, "int4": 2}
 WS_ROWS: tl.constexpr = tl.constexpr(16)        # workspace rows (M <= 16)
 
-# int4 word -> sum over its 8 nibbles of q_j a_j. $1 the word, $2..$5 bf16 pairs (a_p, a_p+4), $6..$9 the same
-# pairs times -128; (w >> 4p) & 0x000F000F | 0x43004300 holds nibbles p, p + 4 as the bf16 pair 128 + q.
+# int4 word -> sum over its 8 nibbles of (q_j - 8) a_j. $1 the word, $2..$5 bf16 pairs (a_p, a_p+4);
+# (w >> 4p) & 0x000F000F | 0x43004300 holds nibbles p, p + 4 as the bf16 pair 128 + q; minus 136 is q - 8 exactly
+# (centred codes: the partial sums stay small, so their bf16 rounding is small beside the result); the products
+# accumulate in bf16x2 fmas, the two halves are added in fp32.
 _W4_ASM = tl.constexpr("""{
-    .reg .b32 w, t, p0, p1, p2, p3, one, msk, ex;
+    .reg .b32 w, t, q, acc, one, msk, ex, off, z;
     .reg .f32 lo, hi;
     mov.b32 one, 0x3F803F80;
     mov.b32 msk, 0x000F000F;
     mov.b32 ex, 0x43004300;
+    mov.b32 off, 0xC308C308;
+    mov.b32 z, 0x80008000;
     lop3.b32 t, $1, msk, ex, 0xEA;
-    fma.rn.bf16x2 p0, t, $2, $6;
+    fma.rn.bf16x2 q, t, one, off;
+    fma.rn.bf16x2 acc, q, $2, z;
     shr.u32 w, $1, 4;
     lop3.b32 t, w, msk, ex, 0xEA;
-    fma.rn.bf16x2 p1, t, $3, $7;
+    fma.rn.bf16x2 q, t, one, off;
+    fma.rn.bf16x2 acc, q, $3, acc;
     shr.u32 w, $1, 8;
     lop3.b32 t, w, msk, ex, 0xEA;
-    fma.rn.bf16x2 p2, t, $4, $8;
+    fma.rn.bf16x2 q, t, one, off;
+    fma.rn.bf16x2 acc, q, $4, acc;
     shr.u32 w, $1, 12;
     lop3.b32 t, w, msk, ex, 0xEA;
-    fma.rn.bf16x2 p3, t, $5, $9;
-    fma.rn.bf16x2 p0, p0, one, p1;
-    fma.rn.bf16x2 p2, p2, one, p3;
-    fma.rn.bf16x2 p0, p0, one, p2;
-    shl.b32 t, p0, 16;
-    and.b32 w, p0, 0xFFFF0000;
+    fma.rn.bf16x2 q, t, one, off;
+    fma.rn.bf16x2 acc, q, $5, acc;
+    shl.b32 t, acc, 16;
+    and.b32 w, acc, 0xFFFF0000;
     mov.b32 lo, t;
     mov.b32 hi, w;
     add.f32 $0, lo, hi;
@@ -106,22 +111,14 @@ _F8_ASM = tl.constexpr("""{
 }""")
 
 
-# two fp32 -> the bf16 pair (lo, hi) rounded, and the pair times -128 (exact)
-_PAIR_ASM = tl.constexpr("""{
-    .reg .b32 n, z;
-    mov.b32 n, 0xC300C300;
-    mov.b32 z, 0x80008000;
-    cvt.rn.bf16x2.f32 $0, $3, $2;
-    fma.rn.bf16x2 $1, $0, n, z;
-}""")
+# two fp32 -> the bf16 pair (lo, hi), rounded
+_PAIR_ASM = tl.constexpr("{ cvt.rn.bf16x2.f32 $0, $2, $1; }")
 
 
 @triton.jit
 def _bf16_pairs(lo, hi):
-    """fp32 tensors lo, hi -> int32 bf16 pairs (lo in the low half) and the pairs times -128: one instruction
-    each (compiled only)."""
-    return tl.inline_asm_elementwise(_PAIR_ASM, "=r,=r,f,f", [lo, hi], dtype=(tl.int32, tl.int32), is_pure=True,
-                                     pack=1)
+    """fp32 tensors lo, hi -> int32 bf16 pairs (lo in the low half): one instruction (compiled only)."""
+    return tl.inline_asm_elementwise(_PAIR_ASM, "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -268,15 +265,11 @@ def _pk_w4_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, g_lo, g_hi, M, K,
             a6, s6 = _row_activation(x_row, nw_ptr, k0 + 6 * S, K, PROLOGUE)
             a7, s7 = _row_activation(x_row, nw_ptr, k0 + 7 * S, K, PROLOGUE)
             if ASM:             # the products use the bf16-rounded activations, sum(a) the fp32 ones
-                p04, c04 = _bf16_pairs(a0, a4)
-                p15, c15 = _bf16_pairs(a1, a5)
-                p26, c26 = _bf16_pairs(a2, a6)
-                p37, c37 = _bf16_pairs(a3, a7)
                 p = tl.inline_asm_elementwise(
-                    _W4_ASM, "=f,r,r,r,r,r,r,r,r,r",
-                    [b, p04[None, :, :], p15[None, :, :], p26[None, :, :], p37[None, :, :], c04[None, :, :],
-                     c15[None, :, :], c26[None, :, :], c37[None, :, :]],
-                    dtype=tl.float32, is_pure=True, pack=1)                    # [BN, NG, S]
+                    _W4_ASM, "=f,r,r,r,r,r",
+                    [b, _bf16_pairs(a0, a4)[None, :, :], _bf16_pairs(a1, a5)[None, :, :],
+                     _bf16_pairs(a2, a6)[None, :, :], _bf16_pairs(a3, a7)[None, :, :]],
+                    dtype=tl.float32, is_pure=True, pack=1)                    # [BN, NG, S]: sum (q - 8) a
             else:               # a chain of fmas
                 p = q0 * a0[None, :, :]
                 p += q1 * a1[None, :, :]
@@ -287,7 +280,10 @@ def _pk_w4_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, g_lo, g_hi, M, K,
                 p += q6 * a6[None, :, :]
                 p += q7 * a7[None, :, :]
             sa = tl.sum(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7, axis=1)                      # [NG]
-            part = tl.sum(p, axis=2) * s + sa[None, :] * z                                  # [BN, NG]
+            if ASM:             # centred codes: w = (q - 8) s + (min + 8 s)
+                part = tl.sum(p, axis=2) * s + sa[None, :] * (z + 8.0 * s)                  # [BN, NG]
+            else:
+                part = tl.sum(p, axis=2) * s + sa[None, :] * z
             if BLOCK_M == 1:
                 acc2 += part
             else:
@@ -351,8 +347,23 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
 
 
 # (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS) at M = 1 (FLAGS bit 0 ASM, bit 1 PRE):
-# benchmarks/sweep_quant_gemv.py --kernels packed on an H200
-QUANT_GEMV_PACKED_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
+# benchmarks/sweep_quant_gemv.py --quick --kernels packed on an H200 (us at M = 1 in the comments; the earlier
+# kernels' best, CUDA / tensor cores, from the README in brackets)
+QUANT_GEMV_PACKED_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
+    # Llama-3.1-8B: qkv, o, gate_up, down
+    ("fp8", 6144, 4096): (16, 256, 1, 4, 1),        # 12.6 (13.1)
+    ("int8", 6144, 4096): (16, 256, 1, 4, 1),       # 13.1 (12.9 tensor cores: kept there)
+    ("int4", 6144, 4096): (16, 512, 1, 1, 3),       # 14.5 (14.0; timed before the centred decode)
+    ("fp8", 4096, 4096): (32, 512, 2, 4, 1),        # 8.2 (8.9)
+    ("int8", 4096, 4096): (32, 512, 2, 4, 1),       # 8.5 (9.4)
+    ("int4", 4096, 4096): (16, 512, 1, 4, 3),       # 8.1 (9.3)
+    ("fp8", 28672, 4096): (16, 512, 1, 1, 1),       # 36.5 (34.9 tensor cores: kept there)
+    ("int8", 28672, 4096): (16, 512, 1, 1, 3),      # 40.5 (40.1 tensor cores: kept there)
+    ("int4", 28672, 4096): (16, 512, 1, 1, 3),      # 36.3 (54.4)
+    ("fp8", 4096, 14336): (64, 512, 4, 4, 1),       # 19.5 (26.6)
+    ("int8", 4096, 14336): (32, 512, 2, 4, 1),      # 21.1 (28.3)
+    ("int4", 4096, 14336): (32, 512, 2, 4, 3),      # 19.2 (31.6)
+}
 
 
 def packed_supported(fmt: str, K: int) -> bool:
@@ -361,14 +372,13 @@ def packed_supported(fmt: str, K: int) -> bool:
 
 
 def quant_gemv_packed_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS): the swept entry, else a rule: 16 rows a one-warp program
-    (activation work shared by 16 rows), 1024 weights a step, the packed (ASM) decode where compiled, split-K
-    for few row blocks (N / 16 < 3 x 132 SMs: o, down at 8B)."""
+    """(BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS): the swept entry, else the 8B winners' pattern: 512 weights a
+    step; N > 8192 (qkv, gate_up): 16 rows a one-warp program, no split; else (o, down) 32 rows on two warps and
+    4-way split-K; the packed (ASM) decode where compiled (int4 with the early load)."""
     cfg = QUANT_GEMV_PACKED_CONFIGS.get((fmt, N, K))
     if cfg is None:
-        bn = 8 if fmt == "fp8" else 16
-        split = max(1, min(4, (3 * 132 * bn) // max(N, 1)))
-        cfg = (bn, 1024 if fmt == "int4" else 512, 1, split, 0 if _interpreted() else 3)
+        flags = 0 if _interpreted() else (3 if fmt == "int4" else 1)
+        cfg = (16, 512, 1, 1, flags) if N > 8192 else (32, 512, 2, 4, flags)
     bn, bk, warps, split, flags = cfg
     if M > 1:                   # activation rows live beside the weights
         bk = max(256, bk // triton.next_power_of_2(M))
