@@ -109,7 +109,7 @@ def check_quant_qkv_rope(fmt, block_m):
     from engine.kernels import quant_qkv_rope
     import triton.language as tl
     base = dict(FMT=fmt, D=64, BLOCK_SIZE=16, HAS_BIAS=True, USE_PDL=True, CVT=0, PRE=True, BLOCK=128,
-                HALF_G=32 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=256)
+                HALF_G=32 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=256, PK=False, ASM=False)
     compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel, dict(base, P=2, TC=False, DT=tl.float32, OFF=0.0))
     tc = dict(base, P=8, TC=True, DT=tl.float16, OFF=1024.0 if fmt == 2 else 0.0, BLOCK_M=1 if block_m == 1 else 16)
     compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel, tc, aligned=("K", "stride_xm", "stride_wn"), num_warps=2,

@@ -348,21 +348,22 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
 
 # (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS) at M = 1 (FLAGS bit 0 ASM, bit 1 PRE):
 # benchmarks/sweep_quant_gemv.py --quick --kernels packed on an H200 (us at M = 1 in the comments; the earlier
-# kernels' best, CUDA / tensor cores, from the README in brackets)
+# kernels' best, CUDA / tensor cores, from the README in brackets; int4 from a second sweep, after the centred
+# decode)
 QUANT_GEMV_PACKED_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
     # Llama-3.1-8B: qkv, o, gate_up, down
     ("fp8", 6144, 4096): (16, 256, 1, 4, 1),        # 12.6 (13.1)
     ("int8", 6144, 4096): (16, 256, 1, 4, 1),       # 13.1 (12.9 tensor cores: kept there)
-    ("int4", 6144, 4096): (16, 512, 1, 1, 3),       # 14.5 (14.0; timed before the centred decode)
+    ("int4", 6144, 4096): (16, 512, 1, 4, 1),       # 11.2 (14.0)
     ("fp8", 4096, 4096): (32, 512, 2, 4, 1),        # 8.2 (8.9)
     ("int8", 4096, 4096): (32, 512, 2, 4, 1),       # 8.5 (9.4)
-    ("int4", 4096, 4096): (16, 512, 1, 4, 3),       # 8.1 (9.3)
+    ("int4", 4096, 4096): (32, 512, 2, 4, 3),       # 7.4 (9.3)
     ("fp8", 28672, 4096): (16, 512, 1, 1, 1),       # 36.5 (34.9 tensor cores: kept there)
     ("int8", 28672, 4096): (16, 512, 1, 1, 3),      # 40.5 (40.1 tensor cores: kept there)
-    ("int4", 28672, 4096): (16, 512, 1, 1, 3),      # 36.3 (54.4)
+    ("int4", 28672, 4096): (16, 512, 1, 1, 3),      # 31.7 (54.4)
     ("fp8", 4096, 14336): (64, 512, 4, 4, 1),       # 19.5 (26.6)
     ("int8", 4096, 14336): (32, 512, 2, 4, 1),      # 21.1 (28.3)
-    ("int4", 4096, 14336): (32, 512, 2, 4, 3),      # 19.2 (31.6)
+    ("int4", 4096, 14336): (32, 512, 2, 4, 3),      # 18.1 (31.6)
 }
 
 

@@ -75,9 +75,11 @@ class QuantLinear(nn.Module):
             return torch_ops.fused_qkv_rope_store(x, self.dequantize(x.dtype), self.bias, *args)
         from ..kernels.quant_qkv_rope import quant_fused_qkv_rope_store
         head_dim = self.out_features // (num_heads + 2 * num_kv_heads)
+        # the packed dot under RoPE (no split-K, 16 rows a program) only for int4, whose words nothing else reads:
+        # with it fp8's 8B decode step measured 3.12 ms against 3.09 on the earlier q/k/v kernel
         tc = self.tensor_cores and x.shape[0] <= 16 and head_dim % 32 == 0
         return quant_fused_qkv_rope_store(x, self.fmt, self.tensors(), self.shape, self.bias, *args, pdl=pdl,
-                                          tensor_cores=tc, packed=self.packed and x.shape[0] <= 16)
+                                          tensor_cores=tc, packed=self.packed and self.fmt == "int4" and x.shape[0] <= 16)
 
     def extra_repr(self) -> str:
         return f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
