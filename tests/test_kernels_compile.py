@@ -80,8 +80,9 @@ def check_quant_gemv_tc(fmt, block_m, dot):
                      num_warps=warps, num_stages=stages)
 
 
-def check_quant_gemv_packed(fmt, block_m, flags, split):
-    """The packed-word GEMV (its inline-PTX decodes: flags bit 0) at the rule's config, 8B-like alignment."""
+def check_quant_gemv_packed(fmt, block_m, flags, split, rows=False):
+    """The packed-word GEMV (its inline-PTX decodes: flags bit 0) at the rule's config, 8B-like alignment; rows: the
+    rows on the grid (ROWS, launched at BLOCK_M = 1)."""
     from engine.kernels import quant_gemv_packed as q
     bn, bk, warps, _, _ = q.quant_gemv_packed_config(fmt, block_m, 4096, 4096)
     int4 = fmt == "int4"
@@ -91,7 +92,7 @@ def check_quant_gemv_packed(fmt, block_m, flags, split):
         compile_sm90(q._pk_gemv_kernel,
                      dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 2,
                           USE_PDL=True, ASM=bool(flags & 1), PRE=bool(flags & 2), SPLIT=split, BLOCK=128,
-                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk),
+                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, ROWS=rows),
                      ptrs, aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"), num_warps=warps)
 
 
@@ -140,6 +141,7 @@ CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4
          [(check_quant_qkv_rope, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
          [(check_quant_gemv_packed, (f, m, fl, sp)) for f in ("int4", "int8", "fp8") for m, fl, sp in
           ((1, 1, 1), (1, 3, 2), (1, 0, 1), (4, 1, 2))] + \
+         [(check_quant_gemv_packed, ("int4", 1, fl, 4, True)) for fl in (0, 3)] + \
          [(check_quant_qkv_rope_packed, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 

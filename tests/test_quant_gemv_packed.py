@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
 from engine.kernels.quant_gemv import quant_fused_linear_ref
@@ -156,3 +157,93 @@ def test_quantized_model_packed_matches_torch(fmt):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     set_packed(model, False)
     assert not lin.packed and all(torch.equal(v, before[k]) for k, v in lin.tensors().items())
+
+
+class _GridSpy:
+    """Stands in for a @triton.jit kernel: records each launch's grid and constexprs, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
+def test_packed_int4_rows_on_grid(prologue, monkeypatch):
+    """int4 at M > 1 runs each row as its own programs (the kernel's ROWS: grid (M, row blocks, K chunks), the M = 1
+    dot, launched with M = 1), the H200-verified M = 1 path; int8 keeps its rows in one program. Both give the
+    reference: odd N, K a partial group past three, M = 2..4, split-K 1 / 2 / 3 (the workspace left zero)."""
+    from engine.kernels import quant_gemv_packed as q
+    spy = _GridSpy(q._pk_gemv_kernel)
+    monkeypatch.setattr(q, "_pk_gemv_kernel", spy)
+    torch.manual_seed(7)
+    N, K, group = 37, 3 * 64 + 20, 64
+    t = int4_to_words(quantize(torch.randn(N, K) * 0.05, "int4", group))
+    for M, split in ((2, 1), (3, 2), (4, 3)):
+        x = torch.randn(M, 2 * K if prologue == "silu_mul" else K)
+        nw = torch.rand(K) + 0.5 if prologue == "rms_norm" else None
+        bias, res = torch.randn(N), torch.randn(M, N)
+        ref = quant_fused_linear_ref(x, "int4", t, (N, K), bias, prologue=prologue, norm_weight=nw, residual=res)
+        for rows in (None, False):
+            spy.launches.clear()
+            cfg = (16, 2 * group, 1, split, 0)
+            kw = dict(prologue=prologue, norm_weight=nw, residual=res, config=cfg, rows_on_grid=rows)
+            y = quant_fused_linear_packed(x, "int4", t, (N, K), bias, **kw)
+            torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+            if split > 1:
+                torch.testing.assert_close(quant_fused_linear_packed(x, "int4", t, (N, K), bias, **kw), y)
+            grid, args, kwargs = spy.launches[0]
+            nb, chunks = triton.cdiv(N, 16), min(split, 2)           # 4 groups of 64 in tiles of 2: 2 chunks at most
+            if rows is None:                                          # the default: rows on the grid
+                assert grid == (M, nb, chunks) and kwargs["ROWS"] and kwargs["BLOCK_M"] == 1 and args[10] == 1
+            else:
+                assert grid == (nb, chunks) and not kwargs["ROWS"] and kwargs["BLOCK_M"] == triton.next_power_of_2(M) and args[10] == M
+
+
+def test_packed_routing_by_format_and_rows(monkeypatch):
+    """The default row placement per format, the M > 1 tiles (int4: its M = 1 tiles), and the int4 q/k/v + RoPE at
+    M > 1 through the packed GEMV with the rows on the grid and the RoPE + store kernel (not the RoPE kernel's
+    shared-row packed dot), matching the reference; at M = 1 the RoPE kernel's packed dot as before."""
+    from engine.kernels import quant_gemv_packed as q
+    from engine.kernels import quant_qkv_rope
+    from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store_ref
+    from engine.quant.linear import QuantLinear
+    assert q.rows_on_grid_default("int4") and not q.rows_on_grid_default("int8") and not q.rows_on_grid_default("fp8")
+    for M in (2, 4, 16):
+        assert quant_gemv_packed_config("int4", M, 4096, 14336) == quant_gemv_packed_config("int4", 1, 4096, 14336)
+    spy = _GridSpy(q._pk_gemv_kernel)
+    monkeypatch.setattr(q, "_pk_gemv_kernel", spy)
+    packed_rope = []
+    real = quant_qkv_rope.quant_fused_qkv_rope_store
+
+    def rope_spy(*args, **kwargs):
+        packed_rope.append(kwargs.get("packed"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(quant_qkv_rope, "quant_fused_qkv_rope_store", rope_spy)
+    torch.manual_seed(5)
+    (H, Hk), D, K, bs = (2, 1), 32, 128, 4
+    N = (H + 2 * Hk) * D
+    lin = QuantLinear("int4", K, N, None, "cpu", int4_to_words(quantize(torch.randn(N, K) * 0.05, "int4", 32)))
+    lin.kernels, lin.packed = "triton", True
+    cos_sin = torch.randn(64, D)
+    for M in (1, 3):
+        spy.launches.clear()
+        packed_rope.clear()
+        x, nw = torch.randn(M, K), torch.rand(K) + 0.5
+        positions, slots = torch.randint(0, 64, (M,)), torch.tensor([5, -1, 9][:M])
+        kc, vc = torch.randn(4, bs, Hk, D), torch.randn(4, bs, Hk, D)
+        kr, vr = kc.clone(), vc.clone()
+        out = lin.fused_qkv_rope_store(x, nw, 1e-5, H, Hk, positions, cos_sin, kc, vc, slots)
+        ref = quant_fused_qkv_rope_store_ref(x, "int4", lin.tensors(), (N, K), None, nw, 1e-5, H, Hk, positions,
+                                             cos_sin, kr, vr, slots)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kc, kr, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(vc, vr, atol=1e-4, rtol=1e-4)
+        if M == 1:
+            assert packed_rope == [True] and not spy.launches
+        else:
+            assert packed_rope == [] and len(spy.launches) == 1 and spy.launches[0][2]["ROWS"]

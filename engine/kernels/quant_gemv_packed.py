@@ -305,16 +305,29 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
                     FMT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                     USE_PDL: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    """C: the weight's columns in split units (int4: groups; else words), per: a K chunk's units (SPLIT > 1)."""
-    pid = tl.program_id(0)
+                    BLOCK_K: tl.constexpr, ROWS: tl.constexpr = False):
+    """C: the weight's columns in split units (int4: groups; else words), per: a K chunk's units (SPLIT > 1).
+    ROWS: the activation rows on grid axis 0 (launched with M = 1, BLOCK_M = 1): each program runs the M = 1 dot
+    for its row r (x, residual and out offset by r; workspace row r, counter r of its row block); the programs of
+    one weight tile are neighbours in launch order, so the rows after the first read it from L2."""
+    if ROWS:
+        row = tl.program_id(0)
+        pid = tl.program_id(1)
+        kid = tl.program_id(2)
+        x_ptr += row.to(tl.int64) * stride_xm
+        r_ptr += row.to(tl.int64) * stride_rm
+        out_ptr += row.to(tl.int64) * stride_om
+    else:
+        row = 0
+        pid = tl.program_id(0)
+        kid = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mm, nm = offs_m < M, offs_n < N
     if SPLIT == 1:
         c_lo, c_hi = 0, C
     else:
-        c_lo = tl.program_id(1) * per
+        c_lo = kid * per
         c_hi = tl.minimum(c_lo + per, C)
     if FMT == 2:
         acc, ss = _pk_w4_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, c_lo, c_hi, M, K, stride_xm, stride_wn,
@@ -328,12 +341,14 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
                   PROLOGUE, HAS_BIAS, HAS_RES)
     else:
         omask = mm[:, None] & nm[None, :]
-        wp = ws_ptr + offs_m[:, None] * N + offs_n[None, :]                    # [WS_ROWS, N] partial sums
-        sp = ws_ptr + WS_ROWS * N + pid * BLOCK_M + offs_m                     # then [row blocks, BM] squares
+        wp = ws_ptr + (row + offs_m)[:, None] * N + offs_n[None, :]            # [WS_ROWS, N] partial sums
+        sp = ws_ptr + WS_ROWS * N + pid * WS_ROWS + row + offs_m               # then [row blocks, WS_ROWS] squares
+        cp = cnt_ptr + pid * WS_ROWS + row                                     # [row blocks, WS_ROWS] counters
         tl.atomic_add(wp, acc, mask=omask, sem="relaxed")
         if PROLOGUE == 1:
             tl.atomic_add(sp, ss, mask=mm, sem="relaxed")
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        tl.debug_barrier()      # every warp's partials issued before the release (not left to a scratch barrier)
+        done = tl.atomic_add(cp, 1, sem="acq_rel")
         if done == SPLIT - 1:   # the row block's last program: every other partial is in
             tot = tl.load(wp, mask=omask, other=0.0, cache_modifier=".cg")
             tl.store(wp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=omask)
@@ -341,7 +356,7 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
             if PROLOGUE == 1:
                 ss_t = tl.load(sp, mask=mm, other=0.0, cache_modifier=".cg")
                 tl.store(sp, tl.zeros([BLOCK_M], dtype=tl.float32), mask=mm)
-            tl.store(cnt_ptr + pid, 0)
+            tl.store(cp, 0)
             _epilogue(tot, ss_t, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
                       PROLOGUE, HAS_BIAS, HAS_RES)
 
@@ -381,8 +396,8 @@ def quant_gemv_packed_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int
         flags = 0 if _interpreted() else (3 if fmt == "int4" else 1)
         cfg = (16, 512, 1, 1, flags) if N > 8192 else (32, 512, 2, 4, flags)
     bn, bk, warps, split, flags = cfg
-    if M > 1:                   # activation rows live beside the weights
-        bk = max(256, bk // triton.next_power_of_2(M))
+    if M > 1 and not rows_on_grid_default(fmt):     # activation rows live beside the weights (int4: the rows on
+        bk = max(256, bk // triton.next_power_of_2(M))   # the grid, each program the M = 1 dot at its M = 1 tiles)
     return bn, bk, warps, split, flags
 
 
@@ -390,13 +405,13 @@ _WS: dict = {}
 
 
 def _workspace(device, N: int, bn: int):
-    """Per (device, N, BLOCK_N): fp32 [16 N + 16 row blocks] partial sums and squares, int32 [row blocks] counters;
-    zero, and left zero by every split-K launch."""
+    """Per (device, N, BLOCK_N): fp32 [16 N + 16 row blocks] partial sums and squares, int32 [16 row blocks]
+    counters (one a row for the ROWS grid); zero, and left zero by every split-K launch."""
     key = (device, N, bn)
     if key not in _WS:
         nb = triton.cdiv(N, bn)
         _WS[key] = (torch.zeros(16 * N + 16 * nb, dtype=torch.float32, device=device),
-                    torch.zeros(nb, dtype=torch.int32, device=device))
+                    torch.zeros(16 * nb, dtype=torch.int32, device=device))
     return _WS[key]
 
 
@@ -415,9 +430,12 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
                               bias: torch.Tensor | None = None, *, prologue: str | None = None,
                               norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                               residual: torch.Tensor | None = None, pdl: bool = False,
-                              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                              config: tuple[int, int, int, int, int] | None = None,
+                              rows_on_grid: bool | None = None) -> torch.Tensor:
     """quant_fused_linear's contract (kernels/quant_gemv.py) on this file's kernel: x [M <= 16, K] (or [M, 2K] for
-    silu_mul) -> [M, N]. config: (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS), else quant_gemv_packed_config."""
+    silu_mul) -> [M, N]. config: (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS), else quant_gemv_packed_config.
+    rows_on_grid (M > 1): each row its own programs running the M = 1 dot (the kernel's ROWS); None: rows_on_grid's
+    default for the format (int4 on, int8 / fp8 off: their M rows share a program)."""
     M = x.shape[0]
     N, K = shape
     check_gemv_args(x, N, K, prologue, norm_weight, residual)
@@ -441,15 +459,25 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
     per = triton.cdiv(triton.cdiv(units, split), tile) * tile
     split = triton.cdiv(units, per)
     nb = triton.cdiv(N, bn)
+    rows = M > 1 and (rows_on_grid if rows_on_grid is not None else rows_on_grid_default(fmt))
     ws, cnt = _workspace(x.device, N, bn) if split > 1 else (out, out)
-    _pk_gemv_kernel[(nb, split)](
+    _pk_gemv_kernel[(M, nb, split) if rows else (nb, split)](
         x, w, s, z, bias if bias is not None else w, norm_weight if norm_weight is not None else w,
-        residual if residual is not None else out, out, ws, cnt, M, N, K, units, per,
+        residual if residual is not None else out, out, ws, cnt, 1 if rows else M, N, K, units, per,
         x.stride(0), w.stride(0), s.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         FMT=PK_FMT_IDS[fmt], PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        USE_PDL=pdl, ASM=asm, PRE=pre, SPLIT=split, BLOCK=BLOCK, S=S, BLOCK_M=max(1, triton.next_power_of_2(M)),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        USE_PDL=pdl, ASM=asm, PRE=pre, SPLIT=split, BLOCK=BLOCK, S=S,
+        BLOCK_M=1 if rows else max(1, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows,
+        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+def rows_on_grid_default(fmt: str) -> bool:
+    """int4 at M > 1: the rows on the grid, each program the M = 1 dot (the one the H200 sweep verified at every
+    projection), not the shared-row int4 dot (BLOCK_M > 1): that one was never verified on a GPU and int4 failed
+    tests/test_gpu_quant_packed.py there while it was in use (README, "Packed-word decode GEMV").
+    int8 / fp8 keep their rows in one program (decoded once for all rows; their M = 4 test passed)."""
+    return fmt == "int4"
 
 
 def _interpreted() -> bool:
