@@ -351,10 +351,16 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
         done = tl.atomic_add(cp, 1, sem="acq_rel")
         if done == SPLIT - 1:   # the row block's last program: every other partial is in
             tot = tl.load(wp, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(wp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=omask)
             ss_t = ss
             if PROLOGUE == 1:
                 ss_t = tl.load(sp, mask=mm, other=0.0, cache_modifier=".cg")
+            # every thread holds its copies before any thread zeroes them: the squares ss_t [BM] (and at M = 1 the
+            # [1, BN] sums on several warps) are replicated across threads, the zeroing store is one owner's, so
+            # without the barrier a warp could read a square already zeroed (1 / rms of 1 / sqrt(eps): seen on
+            # the H200 as a second call off by 69x, fp8 M = 4 rms_norm split 2 on two warps)
+            tl.debug_barrier()
+            tl.store(wp, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=omask)
+            if PROLOGUE == 1:
                 tl.store(sp, tl.zeros([BLOCK_M], dtype=tl.float32), mask=mm)
             tl.store(cp, 0)
             _epilogue(tot, ss_t, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mm, nm, K, stride_rm, stride_om, eps,
@@ -473,10 +479,10 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
 
 
 def rows_on_grid_default(fmt: str) -> bool:
-    """int4 at M > 1: the rows on the grid, each program the M = 1 dot (the one the H200 sweep verified at every
-    projection), not the shared-row int4 dot (BLOCK_M > 1): that one was never verified on a GPU and int4 failed
-    tests/test_gpu_quant_packed.py there while it was in use (README, "Packed-word decode GEMV").
-    int8 / fp8 keep their rows in one program (decoded once for all rows; their M = 4 test passed)."""
+    """int4 at M > 1: the rows on the grid, each program the M = 1 dot (verified on the H200 at M = 4 on every 8B
+    projection at the engine's configs, both decodes), not the shared-row int4 dot (BLOCK_M > 1), which has not
+    run on a GPU since the split-K zeroing race was fixed (tests/test_gpu_quant_packed.py's xfail diagnostic
+    says when it does). int8 / fp8 keep their rows in one program (decoded once for all rows; M = 4 verified)."""
     return fmt == "int4"
 
 

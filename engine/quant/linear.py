@@ -78,7 +78,7 @@ class QuantLinear(nn.Module):
         if self.packed and self.fmt == "int4" and 1 < x.shape[0] <= 16 and not self.tensor_cores:
             # int4 words at M > 1: the packed GEMV with the rows on the grid (each program the M = 1 dot), then the
             # RoPE + KV-store kernel. The RoPE kernel's packed dot keeps M rows in one program (BLOCK_M > 1): the
-            # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV (unverified on a GPU)
+            # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV (not verified on a GPU)
             from ..kernels.quant_gemv_packed import rows_on_grid_default
             if rows_on_grid_default(self.fmt):
                 from ..kernels.rope import rope_and_store
