@@ -70,9 +70,10 @@ def bench_kernels() -> list[dict]:
     return rows
 
 
-def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None) -> dict:
-    llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384,
-              quant_gemv_tensor_cores=tensor_cores)
+def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None, packed: bool | None = None,
+                max_num_seqs: int = 256) -> dict:
+    llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
+              quant_gemv_tensor_cores=tensor_cores, quant_gemv_packed=packed)
     eng = llm.engine
     wb = weight_bytes(eng.model)
     embed = eng.model.model.embed_tokens.weight
@@ -88,7 +89,7 @@ def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None)
     step = (m.last_token_time - m.first_token_time) / 255
     floor = (step_bytes + kv_tok * 256) / bw
     row = dict(bench="model", format=fmt or "bf16", gemv={True: "tc", False: "cuda", None: "per shape"}[eng.quant_tensor_cores] if fmt else "-",
-               weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
+               packed=getattr(eng, "quant_packed", None) if fmt else "-", max_num_seqs=max_num_seqs, weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
                kv_blocks=eng.num_blocks, kv_GB=eng.num_blocks * kv_bytes_per_block(eng.model_config, eng.block_size,
                                                                                   eng.dtype) / 1e9,
                ms_per_token=whole * 1e3, decode_step_ms=step * 1e3, floor_ms=floor * 1e3,
@@ -110,7 +111,13 @@ def main():
     ap.add_argument("--requests", type=int, default=256, help="nano workload size (0: skip throughput)")
     ap.add_argument("--gemv", default="auto", choices=("auto", "tc", "cuda", "both"),
                     help="quantized decode GEMVs: tensor cores, CUDA cores, the engine's choice, or both")
+    ap.add_argument("--packed", default="auto", choices=("auto", "on", "off", "both"),
+                    help="EngineConfig.quant_gemv_packed: the packed-word GEMV (kernels/quant_gemv_packed.py)")
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="the engines' max_num_seqs (1: only the batch-1 decode graph is captured, a faster start; "
+                         "the batch-1 figures need no more)")
     args = ap.parse_args()
+    packs = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[args.packed]
     gemvs = {"auto": [None], "tc": [True], "cuda": [False], "both": [None, True, False]}[args.gemv]
     dev = device_name()
     bw = copy_bandwidth()
@@ -121,9 +128,9 @@ def main():
     if "model" in args.sections:
         for f in args.formats.split(","):
             fmt = None if f == "none" else f
-            for tc in gemvs if fmt else [None]:
+            for tc, pk in [(t, p) for p in packs for t in gemvs] if fmt else [(None, None)]:
                 try:
-                    model_rows.append(bench_model(fmt, bw, prompts, outs, tc))
+                    model_rows.append(bench_model(fmt, bw, prompts, outs, tc, pk, args.max_num_seqs))
                 except Exception as e:  # keep the rest of the table
                     model_rows.append(dict(bench="model", format=f"{f} failed: {type(e).__name__}: {e}"[:160]))
                 print(model_rows[-1], flush=True)
@@ -140,7 +147,7 @@ def main():
                                   "gemm256_us", "gemm256_fp8act_us"])
         print()
     if model_rows:
-        print_table(model_rows, ["format", "gemv", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
+        print_table(model_rows, ["format", "gemv", "packed", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
                                  "pct_floor", "kv_blocks", "kv_GB_freed", "nano_tok_s"])
 
 

@@ -37,8 +37,9 @@ from benchmarks.sweep_gemv import graph_us, shapes_for  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref  # noqa: E402
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref, quant_gemv_config  # noqa: E402
+from engine.kernels.quant_gemv_packed import quant_fused_linear_packed, quant_gemv_packed_config  # noqa: E402
 from engine.kernels.quant_gemv_tc import quant_gemv_tc_config  # noqa: E402
-from engine.quant.formats import quantize  # noqa: E402
+from engine.quant.formats import int4_to_words, quantize  # noqa: E402
 
 FORMATS = ("fp8", "int8", "int4")
 
@@ -86,6 +87,25 @@ def tc_configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
+def pk_configs(fmt: str, quick: bool) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS) of the packed-word GEMV (quant_gemv_packed.py): 16-64 rows on
+    1-4 warps, two k-tile widths, split-K 1/2/4 (timed on the shapes with N <= 8192 only), the inline-PTX decode
+    with and without the next tile's early load (FLAGS 1 / 3; the plain decode timed at the best config)."""
+    out = []
+    bks = (512, 1024) if fmt == "int4" else (256, 512) if quick else (256, 512, 1024)
+    for bn, warps in ((16, 1), (32, 2), (64, 4)) if quick else ((8, 1), (16, 1), (32, 1), (32, 2), (64, 4)):
+        if fmt == "fp8" and 128 % bn:
+            continue
+        for bk in bks:
+            for split in (1, 2, 4):
+                for flags in (1, 3):
+                    out.append((bn, bk, warps, split, flags))
+    return out
+
+
+PK_FLAGS = (0, 1, 2, 3)
+
+
 def make(fmt, spec, copies=1):
     """Activation, `copies` quantized weights (the same values), norm weight, residual for a shape."""
     N, K, pro, res = spec
@@ -109,9 +129,13 @@ def nbytes(t) -> int:
 
 
 def call(fmt, spec, x, t, nw, r, cfg=None, tc=False):
+    """tc: True the tensor-core GEMV, False the CUDA-core one, "packed" the packed-word one (int4: words layout)."""
     N, K, pro, _ = spec
     if fmt == "bf16":
         return tk.fused_linear(x, t, prologue=pro, norm_weight=nw, eps=1e-5, residual=r)
+    if tc == "packed":
+        return quant_fused_linear_packed(x, fmt, t, (N, K), prologue=pro, norm_weight=nw, eps=1e-5, residual=r,
+                                         config=cfg)
     return quant_fused_linear(x, fmt, t, (N, K), prologue=pro, norm_weight=nw, eps=1e-5, residual=r,
                               tensor_cores=tc, config=cfg)
 
@@ -120,11 +144,13 @@ def _compile(job):
     fmt, spec, cfg, kind = job
     N, K, pro, res = spec
     x, ts, nw, r = make(fmt, (min(N, 1024), K, pro, res))       # same specialisation as the full shape
+    if kind == "packed" and fmt == "int4":
+        ts = [int4_to_words(ts[0])]
     try:
         if kind == "gemm":
             quant_matmul(x[:, :K].contiguous(), fmt, ts[0], (min(N, 1024), K), config=cfg)
         else:
-            call(fmt, (min(N, 1024), K, pro, res), x, ts[0], nw, r, cfg, tc=kind == "tc")
+            call(fmt, (min(N, 1024), K, pro, res), x, ts[0], nw, r, cfg, tc=KIND_ARG[kind])
         torch.cuda.synchronize()
         return None
     except Exception as e:
@@ -135,18 +161,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", help="a preset whose linears to sweep")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--no-gemm", action="store_true", help="skip quant_gemm.py's tl.dot kernel at M = 1")
     ap.add_argument("--quick", action="store_true", help="smaller grids (see configs, tc_configs)")
-    ap.add_argument("--kernels", default="cuda,tc", help="cuda: quant_gemv.py's; tc: quant_gemv_tc.py's")
+    ap.add_argument("--kernels", default="cuda,tc", help="cuda: quant_gemv.py's; tc: quant_gemv_tc.py's; "
+                    "packed: quant_gemv_packed.py's")
     args = ap.parse_args()
     kernels = args.kernels.split(",")
-    assert kernels and set(kernels) <= {"cuda", "tc"}, args.kernels
+    assert kernels and set(kernels) <= {"cuda", "tc", "packed"}, args.kernels
     t0 = time.time()
     shapes = shapes_for(args.shape)
     fmts = args.formats.split(",")
     dev = device_name()
     ceil = ceilings()
     bw = ceil["copy_GBps"]
-    grids = {"cuda": configs, "tc": tc_configs}
+    grids = {"cuda": configs, "tc": tc_configs, "packed": pk_configs}
     # one compile per kernel variant: (kernel, format, prologue, residual, config)
     variants, jobs = {}, []
     for fmt in fmts:
@@ -157,7 +185,7 @@ def main():
                     if key not in variants:
                         variants[key] = len(jobs)
                         jobs.append((fmt, spec, c, kind))
-        for c in GEMM_CONFIGS:                                   # one compile per format: no fusions
+        for c in GEMM_CONFIGS if not args.no_gemm else ():       # one compile per format: no fusions
             variants[("gemm", fmt, c)] = len(jobs)
             jobs.append((fmt, next(iter(shapes.values())), c, "gemm"))
     ctx = torch.multiprocessing.get_context("spawn")
@@ -180,28 +208,31 @@ def main():
         torch.cuda.empty_cache()
         for fmt in fmts:
             x, ts, nw, r = make(fmt, spec, copies)
+            tsp = [int4_to_words(t) for t in ts] if fmt == "int4" and "packed" in kernels else ts
             ref = quant_fused_linear_ref(x.float(), fmt, ts[0], (N, K), prologue=pro,
                                          norm_weight=None if nw is None else nw.float(), eps=1e-5,
                                          residual=None if r is None else r.float())
             wb = nbytes(ts[0])
 
             def measure(c, tc=False):
-                err = float((call(fmt, spec, x, ts[0], nw, r, c, tc).float() - ref).norm() / ref.norm())
-                us = graph_us(lambda t: call(fmt, spec, x, t, nw, r, c, tc), ts)
+                tt = tsp if tc == "packed" else ts
+                err = float((call(fmt, spec, x, tt[0], nw, r, c, tc).float() - ref).norm() / ref.norm())
+                us = graph_us(lambda t: call(fmt, spec, x, t, nw, r, c, tc), tt)
                 return dict(cfg=c, us=us, GBps=wb / us / 1e3, pct_copy=100 * wb / us / 1e3 / bw, rel_err=err)
 
             row = dict(format=fmt, shape=name, N=N, K=K, prologue=pro, residual=res, MB=wb / 1e6,
                        bf16_us=bf16_us, bf16_pct=100 * bf16_bytes / bf16_us / 1e3 / bw, floor_us=wb / bw / 1e3)
             for kind in kernels:
-                tc = kind == "tc"
+                tc = KIND_ARG[kind]
                 sweep = [measure(c, tc) for c in grids[kind](fmt, args.quick)
-                         if not errors.get((kind, fmt, pro, res, c))]
+                         if not errors.get((kind, fmt, pro, res, c)) and (kind != "packed" or c[3] == 1 or N <= 8192)]
                 ok = sorted((s for s in sweep if s["rel_err"] < 1e-2), key=lambda d: d["us"])
                 if not ok:
                     print(f"{kind} {fmt} {name}: no config passed ({sweep[:2]})", flush=True)
                     continue
                 top = ok[0]
-                table_cfg = (quant_gemv_tc_config if tc else quant_gemv_config)(fmt, 1, N, K)
+                table_cfg = {"tc": quant_gemv_tc_config, "cuda": quant_gemv_config,
+                             "packed": quant_gemv_packed_config}[kind](fmt, 1, N, K)
                 try:
                     table = measure(table_cfg, tc)
                 except Exception as e:                          # e.g. a table entry past this GPU's shared memory
@@ -213,7 +244,16 @@ def main():
                             f"{kind}_pct": top["pct_copy"], f"{kind}_rel_err": top["rel_err"],
                             f"{kind}_table_cfg": table_cfg, f"{kind}_table_us": table["us"],
                             f"{kind}_table_pct": table["pct_copy"]})
-                if not tc:
+                if kind == "packed":                            # each decode / early load at the best tiles
+                    c, by = top["cfg"], {}
+                    for fl in PK_FLAGS:
+                        try:
+                            m = top if fl == c[4] else measure((*c[:4], fl), "packed")
+                            by[fl] = (m["us"], m["rel_err"])
+                        except Exception as e:
+                            by[fl] = (float("nan"), f"{type(e).__name__}: {str(e)[:80]}")
+                    row["packed_us_err_by_flags"] = by
+                elif not tc:
                     c = top["cfg"]
                     row["cuda_us_by_cvt"] = {v: (top if v == c[3] else measure((*c[:3], v, c[4])))["us"]
                                              for v in CVTS[fmt]}
@@ -229,7 +269,7 @@ def main():
             xk = x[:, :K].contiguous()                          # the GEMM's plain [1, K] input
             gref = quant_matmul_ref(xk.float(), fmt, ts[0], (N, K))
             gemm = []
-            for gc in GEMM_CONFIGS:
+            for gc in GEMM_CONFIGS if not args.no_gemm else ():
                 if errors.get(("gemm", fmt, gc)):
                     continue
                 gerr = float((quant_matmul(xk, fmt, ts[0], (N, K), config=gc).float() - gref).norm() / gref.norm())
@@ -239,7 +279,7 @@ def main():
             row.update(gemm_us=gemm_us, gemm_pct=100 * wb / gemm_us / 1e3 / bw, gemm_cfg=gemm_cfg)
             rows.append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-            ts = None
+            ts = tsp = None
             torch.cuda.empty_cache()
     layers = per_layer(rows, fmts, kernels)
     out = dict(device=dev, shape=args.shape, ceilings=ceil, kernels=kernels, rows=rows, per_layer=layers,
@@ -256,7 +296,7 @@ def main():
 def print_report(dev, bw, shape, path, rows, layers, kernels, best) -> None:
     print(f"\n{dev}: copy {bw:.0f} GB/s; {shape} at M = 1; per call us (% of copy bandwidth, weight bytes "
           f"incl. scales); weights streamed from HBM; json: {path}")
-    cols = [k for k in ("cuda", "tc") if k in kernels]
+    cols = [k for k in ("cuda", "tc", "packed") if k in kernels]
     print(f"{'fmt':5s} {'shape':8s} {'MB':>6s} {'floor':>6s} "
           + " ".join(f"{k + ' best':>15s} {'GB/s':>6s} {k + ' table':>15s}" for k in cols)
           + f" {'GEMM (tl.dot)':>15s} {'bf16 fused':>15s}  best cfgs")
@@ -277,7 +317,8 @@ def print_report(dev, bw, shape, path, rows, layers, kernels, best) -> None:
         print(f"{d['format']:5s} {d['kernel']:10s} {d['MB']:7.1f} {d['floor_us']:7.1f} {d['us']:8.1f} "
               f"{d['GBps']:7.0f} {d['pct_copy']:7.0f} {d['speedup_vs_bf16']:7.2f}")
     for kind, name, table in (("cuda", "quant_gemv.py", "QUANT_GEMV_CONFIGS"),
-                              ("tc", "quant_gemv_tc.py", "QUANT_GEMV_TC_CONFIGS")):
+                              ("tc", "quant_gemv_tc.py", "QUANT_GEMV_TC_CONFIGS"),
+                              ("packed", "quant_gemv_packed.py", "QUANT_GEMV_PACKED_CONFIGS")):
         if kind in kernels:
             print(f"\n# paste into engine/kernels/{name} (merging entries of other shapes):")
             print(f"{table}.update({{")
@@ -285,6 +326,9 @@ def print_report(dev, bw, shape, path, rows, layers, kernels, best) -> None:
                 if kd == kind:
                     print(f"    ({f!r}, {n}, {k}): {tuple(c)},")
             print("})")
+
+
+KIND_ARG = {"cuda": False, "tc": True, "packed": "packed"}
 
 
 def per_layer(rows: list[dict], fmts: list[str], kernels: list[str]) -> list[dict]:

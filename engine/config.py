@@ -27,6 +27,12 @@ class EngineConfig:
     #                                     weights decoded to 16-bit in registers, tl.dot on the rows padded to 16
     #                                     (kernels/quant_gemv_tc.py); None: with triton on cuda >= sm80, for
     #                                     the shapes where the sweep found them faster (QUANT_GEMV_TC_CONFIGS)
+    quant_gemv_packed: bool | None = None  # quantized decode linears on the packed-word GEMV
+    #                                     (kernels/quant_gemv_packed.py: int32 word loads, inline-PTX decodes,
+    #                                     split-K): int4 is repacked on load to the words layout and always
+    #                                     takes it; int8 too, fp8 where QUANT_GEMV_PACKED_CONFIGS lists the shape,
+    #                                     unless the tensor-core GEMV has the shape. None: on with
+    #                                     triton on cuda >= sm90; False: the earlier kernels (ablation)
     fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
     #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
     # KV cache
@@ -204,6 +210,7 @@ class EngineConfig:
         need(isinstance(self.spec_shadow_probes, bool), "spec_shadow_probes", "must be a bool")
         need(self.quant_gemv_tensor_cores in (None, True, False), "quant_gemv_tensor_cores",
              "must be None, True or False")
+        need(self.quant_gemv_packed in (None, True, False), "quant_gemv_packed", "must be None, True or False")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")

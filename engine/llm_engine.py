@@ -22,7 +22,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
 from .output_processor import OutputProcessor
-from .quant.linear import set_tensor_cores, weight_bytes
+from .quant.linear import set_packed, set_tensor_cores, weight_bytes
 from .outputs import RequestOutput
 from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
@@ -113,6 +113,13 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
                                and torch.cuda.get_device_capability(self.device) >= (8, 0)):
             tc = False
         self.quant_tensor_cores = tc            # None: per shape, where the sweep found tensor cores faster
+        pk = config.quant_gemv_packed
+        if pk is None:
+            pk = self.kernels == "triton" and self.device.type == "cuda" \
+                and torch.cuda.get_device_capability(self.device) >= (9, 0)
+        self.quant_packed = bool(pk) and self.kernels == "triton"
+        if self.model.quantization:
+            set_packed(self.model, self.quant_packed)
         set_tensor_cores(self.model, tc)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl

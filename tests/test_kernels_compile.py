@@ -45,7 +45,7 @@ def compile_sm90(kernel, constexprs: dict, pointers: dict | None = None, aligned
                  if n in aligned or (n.endswith("_ptr") and n not in constexprs)}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
-    triton.compile(src, target=TARGET, options=options or None)
+    return triton.compile(src, target=TARGET, options=options or None)
 
 
 def check_quant_gemv(fmt, block_m):
@@ -80,11 +80,60 @@ def check_quant_gemv_tc(fmt, block_m, dot):
                      num_warps=warps, num_stages=stages)
 
 
+def check_quant_gemv_packed(fmt, block_m, flags, split, rows=False):
+    """The packed-word GEMV (its inline-PTX decodes: flags bit 0) at the rule's config, 8B-like alignment; rows: the
+    rows on the grid (ROWS, launched at BLOCK_M = 1)."""
+    from engine.kernels import quant_gemv_packed as q
+    bn, bk, warps, _, _ = q.quant_gemv_packed_config(fmt, block_m, 4096, 4096)
+    int4 = fmt == "int4"
+    ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16" if int4 else "*fp32", "z_ptr": "*fp16" if int4 else "*fp32",
+            "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for prologue in (1, 2):
+        compile_sm90(q._pk_gemv_kernel,
+                     dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 2,
+                          USE_PDL=True, ASM=bool(flags & 1), PRE=bool(flags & 2), SPLIT=split, BLOCK=128,
+                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, ROWS=rows),
+                     ptrs, aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"), num_warps=warps)
+
+
+def check_quant_gemv_packed_workspace_order(fmt, block_m, rows=False):
+    """Split-K's last program: a CTA barrier between its reads of the workspace (the sums and the rms_norm squares,
+    copies of which several warps hold) and the stores that zero it; without one a warp read a square another had
+    zeroed already (H200: fp8, M = 4, rms_norm, split 2, two warps: the second call off by 69x)."""
+    import re
+    from engine.kernels import quant_gemv_packed as q
+    int4 = fmt == "int4"
+    ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16" if int4 else "*fp32", "z_ptr": "*fp16" if int4 else "*fp32",
+            "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    k = compile_sm90(q._pk_gemv_kernel,
+                     dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=1, HAS_BIAS=False, HAS_RES=True, USE_PDL=False, ASM=False,
+                          PRE=False, SPLIT=2, BLOCK=128, S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=32,
+                          BLOCK_K=256 if int4 else 128, ROWS=rows), ptrs, num_warps=2)
+    lines = k.asm["ptx"].splitlines()
+    start = next(i for i, ln in enumerate(lines) if "atom.global" in ln and "acq_rel" in ln)
+    tail = lines[start:]
+    last_ld = max(i for i, ln in enumerate(tail) if "ld.global.cg" in ln)
+    first_st = min(i for i, ln in enumerate(tail) if re.search(r"\bst\.global", ln))
+    assert last_ld < first_st and any("bar.sync" in ln for ln in tail[last_ld:first_st]), \
+        f"{fmt} BLOCK_M={block_m}: workspace zeroed (line {first_st}) before / without a barrier after its last read " \
+        f"(line {last_ld})"
+
+
+def check_quant_qkv_rope_packed(fmt, block_m):
+    from engine.kernels import quant_qkv_rope
+    import triton.language as tl
+    ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16"} if fmt == 2 else {"w_ptr": "*i32"}
+    compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel,
+                 dict(FMT=fmt, D=128, BLOCK_SIZE=16, HAS_BIAS=False, USE_PDL=True, CVT=0, PRE=True, BLOCK=128,
+                      HALF_G=64 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=1024 if fmt == 2 else 512, P=8,
+                      TC=False, DT=tl.float32, OFF=0.0, PK=True, ASM=True), ptrs)
+
+
 def check_quant_qkv_rope(fmt, block_m):
     from engine.kernels import quant_qkv_rope
     import triton.language as tl
     base = dict(FMT=fmt, D=64, BLOCK_SIZE=16, HAS_BIAS=True, USE_PDL=True, CVT=0, PRE=True, BLOCK=128,
-                HALF_G=32 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=256)
+                HALF_G=32 if fmt == 2 else 1, BLOCK_M=block_m, BLOCK_K=256, PK=False, ASM=False)
     compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel, dict(base, P=2, TC=False, DT=tl.float32, OFF=0.0))
     tc = dict(base, P=8, TC=True, DT=tl.float16, OFF=1024.0 if fmt == 2 else 0.0, BLOCK_M=1 if block_m == 1 else 16)
     compile_sm90(quant_qkv_rope._qkv_rope_quant_kernel, tc, aligned=("K", "stride_xm", "stride_wn"), num_warps=2,
@@ -113,6 +162,11 @@ CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4
          [(check_quant_gemv_tc, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 16], [0, 1])] + \
          [(check_quant_gemv_tc, ("int4", m, d)) for m in (1, 16) for d in (2, 3)] + \
          [(check_quant_qkv_rope, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
+         [(check_quant_gemv_packed, (f, m, fl, sp)) for f in ("int4", "int8", "fp8") for m, fl, sp in
+          ((1, 1, 1), (1, 3, 2), (1, 0, 1), (4, 1, 2))] + \
+         [(check_quant_gemv_packed, ("int4", 1, fl, 4, True)) for fl in (0, 3)] + \
+         [(check_quant_gemv_packed_workspace_order, a) for a in (("fp8", 4), ("int8", 1), ("int4", 1, True))] + \
+         [(check_quant_qkv_rope_packed, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 
 

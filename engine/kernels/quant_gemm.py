@@ -63,6 +63,45 @@ def _gemm_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, str
 
 
 @triton.jit
+def _join8(t0, t1, t2, t3, t4, t5, t6, t7):
+    """8 tensors [..., S] -> [..., 8 S] (an interleave; the same for weights and k offsets, so the dot is right)."""
+    t = tl.join(tl.join(tl.join(t0, t1), tl.join(t2, t3)), tl.join(tl.join(t4, t5), tl.join(t6, t7)))
+    return tl.reshape(t, (t0.shape[0], 8 * t0.shape[1]))
+
+
+@triton.jit
+def _gemm_w4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_sn,
+                          stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, S: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int4 in the words layout (formats.int4_to_words): a group's S words hold nibble j = k slice j; the 8
+    dequantized slices are interleaved into one [BN, 8 S] tile, the activation gathered in the same order."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, nm = offs_m < M, offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm                  # [BM, 1]
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn                  # [BN, 1] word rows
+    offs_i = tl.arange(0, S)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, G):
+        b = tl.load(w_rows + g * S + offs_i[None, :], mask=nm[:, None], other=0)                 # [BN, S]
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)[:, None]
+        kb = g * 8 * S + offs_i[None, :]                                                          # [1, S]
+        ks = _join8(kb, kb + S, kb + 2 * S, kb + 3 * S, kb + 4 * S, kb + 5 * S, kb + 6 * S, kb + 7 * S)
+        a = tl.load(x_rows + ks, mask=mm[:, None] & (ks < K), other=0.0)                        # [BM, 8 S]
+        dt = a.dtype
+        w = _join8(((b & 15).to(tl.float32) * s + z).to(dt), (((b >> 4) & 15).to(tl.float32) * s + z).to(dt),
+                   (((b >> 8) & 15).to(tl.float32) * s + z).to(dt), (((b >> 12) & 15).to(tl.float32) * s + z).to(dt),
+                   (((b >> 16) & 15).to(tl.float32) * s + z).to(dt), (((b >> 20) & 15).to(tl.float32) * s + z).to(dt),
+                   (((b >> 24) & 15).to(tl.float32) * s + z).to(dt), (((b >> 28) & 15).to(tl.float32) * s + z).to(dt))
+        acc += _dot(a, tl.trans(w), IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+@triton.jit
 def _gemm_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_sn,
                     stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -117,6 +156,12 @@ def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: 
     ieee = x.dtype == torch.float32
     if fmt == "int4":
         w, s, z = qt["qweight"], qt["scales"], qt["mins"]
+        if w.dtype == torch.int32:                          # the words layout (formats.int4_to_words)
+            _gemm_w4_words_kernel[grid](x, w, s, z, bias if bias is not None else w, out, M, N, K, s.shape[1],
+                                        x.stride(0), w.stride(0), s.stride(0), out.stride(0),
+                                        HAS_BIAS=bias is not None, IEEE=ieee, S=int4_group(qt) // 8, BLOCK_M=bm,
+                                        BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            return out
         _gemm_w4_kernel[grid](x, w, s, z, bias if bias is not None else w, out, M, N, K, s.shape[1],
                               x.stride(0), w.stride(0), s.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                               IEEE=ieee, HALF=int4_group(qt) // 2, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,

@@ -9,6 +9,10 @@
         (w = q * scale + min, q in 0..15). Byte i of group g holds k = G g + i in its low nibble and
         k = G g + G / 2 + i in its high one, so a kernel reads a group as two contiguous halves of the
         activation. G is implied by the shapes (int4_group).
+        Words layout (int4_to_words; the packed decode GEMV's, kernels/quant_gemv_packed.py): `qweight` int32
+        [N, Kp / 8]; word i of group g (i < S = G / 8, word column g S + i) holds k = G g + j S + i in its
+        nibble j (bits 4j..4j+3), so the 8 nibbles of a word tile pair with 8 contiguous activation slices and
+        decode by shift-and-mask, no reshape. dequantize tells the layouts apart by the dtype.
 """
 from __future__ import annotations
 
@@ -33,7 +37,35 @@ INT4_GROUPS = (32, 64, 128)
 
 
 def int4_group(tensors: dict[str, torch.Tensor]) -> int:
-    return 2 * tensors["qweight"].shape[1] // tensors["scales"].shape[1]
+    per = 8 if tensors["qweight"].dtype == torch.int32 else 2          # codes per qweight element
+    return per * tensors["qweight"].shape[1] // tensors["scales"].shape[1]
+
+
+def int4_codes(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """int4 qweight (either layout) -> codes uint8 [N, Kp] in k order."""
+    qw = tensors["qweight"]
+    G = int4_group(tensors)
+    N = qw.shape[0]
+    if qw.dtype == torch.int32:                                           # words: [N, groups, S], nibble j
+        w = qw.view(N, -1, 1, G // 8)
+        shifts = torch.arange(0, 32, 4, device=qw.device, dtype=torch.int32).view(1, 1, 8, 1)
+        return ((w >> shifts) & 15).to(torch.uint8).view(N, -1)          # [N, groups, 8, S] -> k = G g + j S + i
+    p = qw.view(N, -1, G // 2)                                            # bytes: [N, groups, G / 2]
+    return torch.cat((p & 15, p >> 4), dim=2).view(N, -1)
+
+
+def int4_to_words(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int4 tensors in the byte layout -> the words layout (same scales and mins; exact). Words pass through."""
+    if tensors["qweight"].dtype == torch.int32:
+        return tensors
+    G = int4_group(tensors)
+    codes = int4_codes(tensors).to(torch.int64)
+    N = codes.shape[0]
+    c = codes.view(N, -1, 8, G // 8)                                      # [N, groups, j, i]
+    shifts = torch.arange(0, 32, 4, device=codes.device, dtype=torch.int64).view(1, 1, 8, 1)
+    w = (c << shifts).sum(dim=2)                                          # [N, groups, S] in 0 .. 2^32 - 1
+    w = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+    return {"qweight": w.view(N, -1).contiguous(), "scales": tensors["scales"], "mins": tensors["mins"]}
 
 
 def quantize(w: torch.Tensor, fmt: str, group: int = BLOCK) -> dict[str, torch.Tensor]:
@@ -77,8 +109,7 @@ def dequantize(fmt: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int
         full = s.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
         w = tensors["weight"].float() * full
     elif fmt == "int4":
-        p = tensors["qweight"].view(N, -1, int4_group(tensors) // 2)                   # [N, groups, G / 2]
-        q = torch.cat((p & 15, p >> 4), dim=2).float()                                 # [N, groups, G]
+        q = int4_codes(tensors).float().view(N, tensors["scales"].shape[1], -1)        # [N, groups, G]
         w = (q * tensors["scales"].float()[..., None] + tensors["mins"].float()[..., None]).view(N, -1)[:, :K]
     else:
         raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
