@@ -201,7 +201,11 @@ def main():
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
+    ap.add_argument("--gemv-table", default="", help="a sweep_gemv.py --table-out JSON merged into the tuned tables")
     args = ap.parse_args()
+    if args.gemv_table:
+        from engine.kernels.gemv import load_tuned_table
+        load_tuned_table(args.gemv_table)
     MODEL = f"dummy:{args.shape}"
     sections = args.sections.split(",")
     dev = device_name()

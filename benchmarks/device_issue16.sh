@@ -2,7 +2,7 @@
 # Issue 16, batch-1 decode kernels on the device (nvidia-h200), in two `run` calls over a copy of this tree:
 #   call 1: bash benchmarks/device_issue16.sh sweep    GPU kernel tests; sweep_gemv.py on the 8B shapes (+ the
 #           q/k/v-RoPE kernel) writing $OUT/table_8b.json; the 8B batch-1 latency with that table
-#           (KVSCOPE_GEMV_TABLE) and with the previous kernels; profile_decode.py --pdl 0 with the table
+#           (--gemv-table) and with the previous kernels; profile_decode.py --pdl 0 with the table
 #   call 2: bash benchmarks/device_issue16.sh confirm  the committed tables: 8B and 1B batch 1, the fp32
 #           token-identity GPU tests
 set -uo pipefail
@@ -25,11 +25,11 @@ case "${1:-}" in
     TABLE=""
     [ -s "$OUT/table_8b.json" ] && TABLE="$OUT/table_8b.json"
     stamp latency
-    KVSCOPE_GEMV_TABLE=$TABLE timeout 75 python benchmarks/bench_gpu.py --shape llama-3.1-8b --sections latency \
+    timeout 75 python benchmarks/bench_gpu.py --gemv-table "$TABLE" --shape llama-3.1-8b --sections latency \
       --latency-configs "cuda graphs" 2>&1 | tail -6
     cp benchmarks/results/gpu_*llama-3.1-8b.json "$OUT/latency_8b_new.json" 2>/dev/null
     stamp profile
-    KVSCOPE_GEMV_TABLE=$TABLE timeout 60 python benchmarks/profile_decode.py --shape llama-3.1-8b --pdl 0 \
+    timeout 60 python benchmarks/profile_decode.py --gemv-table "$TABLE" --shape llama-3.1-8b --pdl 0 \
       2>&1 | grep -v Warn | head -14
     stamp previous
     timeout 60 python benchmarks/bench_gpu.py --shape llama-3.1-8b --sections latency \
@@ -43,7 +43,7 @@ case "${1:-}" in
     TABLE=""
     [ -s "$OUT/table_1b.json" ] && TABLE="$OUT/table_1b.json"
     stamp latency1b
-    KVSCOPE_GEMV_TABLE=$TABLE timeout 60 python benchmarks/bench_gpu.py --shape llama-3.2-1b --sections latency \
+    timeout 60 python benchmarks/bench_gpu.py --gemv-table "$TABLE" --shape llama-3.2-1b --sections latency \
       --latency-configs "cuda graphs,previous kernels (tiled; no fused merge)" 2>&1 | tail -4
     cp benchmarks/results/gpu_*llama-3.2-1b.json "$OUT/latency_1b.json" 2>/dev/null
     stamp latency8b

@@ -23,7 +23,11 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="num_scheduler_steps")
     ap.add_argument("--gemv", type=int, default=None, help="gemv_max_tokens (default: the engine's)")
     ap.add_argument("--pdl", type=int, default=1, help="enable_pdl (0: kernel times not stretched by early starts)")
+    ap.add_argument("--gemv-table", default="", help="a sweep_gemv.py --table-out JSON merged into the tuned tables")
     args = ap.parse_args()
+    if args.gemv_table:
+        from engine.kernels.gemv import load_tuned_table
+        load_tuned_table(args.gemv_table)
     bw = copy_bandwidth()
     weights, kv = model_bytes(preset_config(args.shape))
     llm = LLM(f"dummy:{args.shape}", max_model_len=4096, max_num_seqs=8, num_scheduler_steps=args.steps,

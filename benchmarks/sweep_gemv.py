@@ -6,7 +6,7 @@ default), cuBLAS (F.linear) and the unfused kernels it replaces, as % of copy ba
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step. Configs compile in parallel worker processes first.
 Usage: python benchmarks/sweep_gemv.py [--quick] [--shape llama-3.1-8b[,llama-3.2-1b]] [--ms 1,2,4,8]
-       [--table-out winners.json]   (KVSCOPE_GEMV_TABLE=winners.json makes the engine use them: see gemv.py)
+       [--table-out winners.json]   (bench_gpu.py / profile_decode.py --gemv-table winners.json use them)
 (table last; JSON to benchmarks/results/gemv_<device>_<shape>.json)
 """
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shape", default="llama-3.2-1b", help="presets whose linears to sweep (comma-separated)")
     ap.add_argument("--ms", default="1,2,4,8", help="batch sizes of the comparison rows")
-    ap.add_argument("--table-out", default="", help="write the winners as {\"N,K\": config} (KVSCOPE_GEMV_TABLE)")
+    ap.add_argument("--table-out", default="", help="write the winners as {\"N,K\": config} (--gemv-table of bench_gpu.py)")
     ap.add_argument("--rep", type=int, default=40, help="ms of timed replays per config")
     ap.add_argument("--qkv-rope", action="store_true", help="also sweep the q/k/v-RoPE-store kernel (M = 1)")
     args = ap.parse_args()

@@ -7,14 +7,13 @@ and v heads straight into the paged caches. Used in place of fused_linear + rope
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import torch_ops
-from .gemv import _activation, _env_table
+from .gemv import _activation
 
 
 @triton.jit
@@ -105,9 +104,7 @@ def qkv_rope_config(M: int, N: int, K: int, D: int, device: torch.device) -> tup
     half = D // 2
     cfg = None
     if M == 1 and device.type == "cuda":
-        path = os.environ.get("KVSCOPE_GEMV_TABLE")           # a sweep's winners (see gemv.tuned_config)
-        cfg = _env_table(path).get(("qkv", N, K, D)) if path else None
-        cfg = cfg or QKV_ROPE_CONFIGS.get((N, K, D))
+        cfg = QKV_ROPE_CONFIGS.get((N, K, D))
     if cfg is None:
         P = 2 if half % 2 == 0 else 1
         bm = triton.next_power_of_2(M)
