@@ -230,6 +230,8 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
     idx = None if len(alive) == len(seqs) else torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
     if engine.grammar_gate is not None:
         return _gated_grammar_block(engine, blk, alive, idx)
+    rows = [engine._sample_row(seqs[i]) for i in alive]
+    first = [r.position for r in rows]
     toks, copy = [], None
     for j in range(blk.K):
         if copy is not None:
@@ -239,15 +241,7 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
         t = time.perf_counter()
         engine._apply_grammars([seqs[i] for i in alive], logits)
         blk.mask_s += time.perf_counter() - t
-        if j == 0:
-            rows = [engine._sample_row(seqs[i]) for i in alive]
-            first = [r.position for r in rows]
-        else:                                       # (seeds: the host has not appended this block's tokens)
-            for r, p in zip(rows, first):
-                r.position = p + j
-        tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
-        if idx is not None:                         # rows of ended requests: never read
-            tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
+        tokens = _sample_iteration(engine, logits, rows, first, j, idx, len(seqs))                 # [B]
         toks.append(tokens)
         if j + 1 < blk.K:
             copy = HostCopy(tokens)                 # queued before the next forward, so it lands first
@@ -255,6 +249,18 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
     blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
     blk.host = HostCopy(blk.tokens)
     return blk
+
+
+def _sample_iteration(engine, logits: torch.Tensor, rows: list[SampleRow], first: list[int], j: int,
+                      idx: torch.Tensor | None, B: int) -> torch.Tensor:
+    """Sample iteration j of a grammar block from its masked logits [B', V] -> token ids [B] (rows of ended
+    requests: 0, never read). rows: the block's SampleRows, first: their positions at its first iteration."""
+    for r, p in zip(rows, first):                   # (seeds: the host has not appended this block's tokens)
+        r.position = p + j
+    tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
+    if idx is not None:
+        tokens = torch.zeros(B, dtype=torch.int64, device=logits.device).index_copy_(0, idx, tokens)
+    return tokens
 
 
 def _gated_grammar_block(engine, blk: InFlight, alive: list[int], idx: torch.Tensor | None) -> InFlight:
@@ -273,21 +279,15 @@ def _gated_grammar_block(engine, blk: InFlight, alive: list[int], idx: torch.Ten
     copies: queue.SimpleQueue = queue.SimpleQueue()
     work = engine.grammar_worker.submit(_fill_grammar_slots, gate, tb, alive, live,
                                         [live[k].matcher for k in cons], slots, base, copies)
+    rows = [engine._sample_row(s) for s in live]
+    first = [r.position for r in rows]
     toks = []
     try:
         for j in range(blk.K):
             logits = blk.logits if idx is None else blk.logits.index_select(0, idx)      # [B', V]
             gate.wait(base + j + 1)
             tb.apply_packed(logits, slots[j].to(dev, non_blocking=True), n)
-            if j == 0:
-                rows = [engine._sample_row(s) for s in live]
-                first = [r.position for r in rows]
-            else:                                   # (seeds: the host has not appended this block's tokens)
-                for r, p in zip(rows, first):
-                    r.position = p + j
-            tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
-            if idx is not None:                     # rows of ended requests: never read
-                tokens = torch.zeros(len(seqs), dtype=torch.int64, device=dev).index_copy_(0, idx, tokens)
+            tokens = _sample_iteration(engine, logits, rows, first, j, idx, len(seqs))             # [B]
             toks.append(tokens)
             if j + 1 < blk.K:
                 copies.put(HostCopy(tokens))        # queued before the next forward, so it lands first
