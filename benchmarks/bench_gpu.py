@@ -204,8 +204,8 @@ def main():
     ap.add_argument("--gemv-table", default="", help="a sweep_gemv.py --table-out JSON merged into the tuned tables")
     args = ap.parse_args()
     if args.gemv_table:
-        from engine.kernels.gemv import load_tuned_table
-        load_tuned_table(args.gemv_table)
+        from benchmarks.common import load_gemv_table
+        load_gemv_table(args.gemv_table)
     MODEL = f"dummy:{args.shape}"
     sections = args.sections.split(",")
     dev = device_name()

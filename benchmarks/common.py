@@ -87,3 +87,16 @@ def write_png(fig, png: Path, width: int = 1100, height: int = 640) -> str | Non
     except Exception as e:
         print(f"(no PNG: {type(e).__name__}: {e})", file=sys.stderr)
         return None
+
+
+def load_gemv_table(path: str) -> None:
+    """Merge a sweep's winners (benchmarks/sweep_gemv.py --table-out: a JSON {"N,K": config, "qkv:N,K,D":
+    config}) into the engine's GEMV_CONFIGS and QKV_ROPE_CONFIGS, to measure them before they are copied in."""
+    import json
+
+    from engine.kernels.gemv import GEMV_CONFIGS
+    from engine.kernels.qkv_rope import QKV_ROPE_CONFIGS
+    with open(path) as f:
+        for key, cfg in json.load(f).items():
+            dims = tuple(int(v) for v in key.split(":")[-1].split(","))
+            (QKV_ROPE_CONFIGS if key.startswith("qkv:") else GEMV_CONFIGS)[dims] = tuple(cfg)

@@ -26,8 +26,8 @@ def main():
     ap.add_argument("--gemv-table", default="", help="a sweep_gemv.py --table-out JSON merged into the tuned tables")
     args = ap.parse_args()
     if args.gemv_table:
-        from engine.kernels.gemv import load_tuned_table
-        load_tuned_table(args.gemv_table)
+        from benchmarks.common import load_gemv_table
+        load_gemv_table(args.gemv_table)
     bw = copy_bandwidth()
     weights, kv = model_bytes(preset_config(args.shape))
     llm = LLM(f"dummy:{args.shape}", max_model_len=4096, max_num_seqs=8, num_scheduler_steps=args.steps,

@@ -142,8 +142,12 @@ def check_quant_qkv_rope(fmt, block_m):
 
 def check_bf16_decode(block_m):
     from engine.kernels import gemv, qkv_rope
-    compile_sm90(gemv._gemv_kernel, dict(PROLOGUE=2, HAS_BIAS=False, HAS_RES=True, USE_PDL=True,
-                                         BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=512))
+    for pre in (False, True):
+        compile_sm90(gemv._gemv_kernel, dict(PROLOGUE=2, HAS_BIAS=False, HAS_RES=True, USE_PDL=True,
+                                             BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=512, PRE=pre))
+    compile_sm90(gemv._gemv_persistent_kernel, dict(PROLOGUE=1, HAS_BIAS=False, HAS_RES=False, USE_PDL=False,
+                                                    BLOCK_M=block_m, BLOCK_N=2, BLOCK_K=4096, DEPTH=1),
+                 {"w_ptr": "*bf16"}, num_warps=4)
     compile_sm90(qkv_rope._qkv_rope_kernel, dict(D=64, P=2, BLOCK_SIZE=16, HAS_BIAS=False, USE_PDL=True,
                                                  BLOCK_M=block_m, BLOCK_K=512))
 
@@ -153,9 +157,11 @@ def check_paged_attention():
     compile_sm90(paged_attention._prefill_kernel,
                  dict(G=4, GP=4, BQ=32, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, SKIP_DECODES=True,
                       DOT_PREC="tf32"))
-    compile_sm90(paged_attention._decode_kernel,
-                 dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,
-                      DOT_PREC="tf32", USE_PDL=True))
+    for merge in (False, True):
+        compile_sm90(paged_attention._decode_kernel,
+                     dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,
+                          DOT_PREC="tf32", USE_PDL=True, FUSED_MERGE=merge, MIN_CHUNK=64),
+                     {"out_ptr": "*bf16", "cnt_ptr": "*i32"})
 
 
 CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 4])] + \

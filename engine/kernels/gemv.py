@@ -181,17 +181,6 @@ GEMV_VARIANTS = ("auto", "tiled", "persistent")
 PERSISTENT_MAX_ELEMS = 16384             # BLOCK_M * next_pow2(K) held in registers by the persistent variant
 
 
-def load_tuned_table(path: str) -> None:
-    """Merge a sweep's winners (benchmarks/sweep_gemv.py --table-out: a JSON {"N,K": config, "qkv:N,K,D":
-    config}) into GEMV_CONFIGS and qkv_rope.QKV_ROPE_CONFIGS, to measure them in the engine before they are
-    copied into the tables (benchmarks' --gemv-table)."""
-    from .qkv_rope import QKV_ROPE_CONFIGS
-    with open(path) as f:
-        for key, cfg in json.load(f).items():
-            dims = tuple(int(v) for v in key.split(":")[-1].split(","))
-            (QKV_ROPE_CONFIGS if key.startswith("qkv:") else GEMV_CONFIGS)[dims] = tuple(cfg)
-
-
 def tuned_config(N: int, K: int) -> tuple | None:
     return GEMV_CONFIGS.get((N, K))
 
