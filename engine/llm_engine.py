@@ -159,13 +159,10 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.detok = Detokenizer(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
-        self.grammar_gate = self.grammar_worker = None      # structured_gpu_wait: StreamGate + grammar thread
+        self.grammar_gate = self.grammar_worker = None      # structured_gpu_wait: a stream gate + grammar thread
         if self.structured_overlap and config.structured_gpu_wait and ex is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             from .stream_gate import make_gate
-            self.grammar_gate = make_gate(self.device)
-            self.grammar_worker = ThreadPoolExecutor(1, thread_name_prefix="kvscope-grammar")
+            self.grammar_gate, self.grammar_worker = make_gate(self.device)
         self.num_constrained = 0                # unfinished requests with a grammar (0: no mask work at all)
         self.events = EventBus()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -82,11 +83,14 @@ class HostGate:
             self._cv.notify_all()
 
 
-def make_gate(device: torch.device):
-    """The gate for EngineConfig.structured_gpu_wait: StreamGate on CUDA, HostGate on the CPU."""
+def make_gate(device: torch.device) -> tuple[StreamGate | HostGate, ThreadPoolExecutor]:
+    """EngineConfig.structured_gpu_wait's gate (StreamGate on CUDA, HostGate on the CPU) and the one thread that
+    fills the gated masks."""
     if device.type != "cuda":
-        return HostGate()
-    if not StreamGate.available(device):
+        gate = HostGate()
+    elif StreamGate.available(device):
+        gate = StreamGate(device)
+    else:
         raise ValueError("EngineConfig.structured_gpu_wait: this CUDA driver takes no stream wait on host memory "
                          "(cuStreamWaitValue32)")
-    return StreamGate(device)
+    return gate, ThreadPoolExecutor(1, thread_name_prefix="kvscope-grammar")
