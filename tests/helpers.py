@@ -99,3 +99,23 @@ def every_code_weight(fmt: str, N: int, K: int, device="cpu") -> dict:
     return {"qweight": (i[:, :K // 2] % 256).to(torch.uint8),
             "scales": torch.ones(N, K // 128, dtype=torch.float16, device=device),
             "mins": torch.zeros(N, K // 128, dtype=torch.float16, device=device)}
+
+
+def every_code_weights(fmt: str, K: int = 256) -> dict:
+    """Packed-GEMV weights [2, K] (K = 256) holding every code of the format (int4 in the words layout, fp8's NaN
+    codes replaced by 0: 0 x NaN would poison a one-hot dot), unit scales: for one-hot decode checks."""
+    import torch
+
+    from engine.quant.formats import int4_to_words
+    if fmt == "int4":
+        codes = torch.arange(16).repeat(2 * K // 16)[: 2 * K].view(2, K).to(torch.uint8)
+        packed = codes.view(2, -1, 2, 64)
+        return int4_to_words({"qweight": (packed[:, :, 0] | (packed[:, :, 1] << 4)).view(2, -1),
+                              "scales": torch.ones(2, 2, dtype=torch.float16),
+                              "mins": torch.zeros(2, 2, dtype=torch.float16)})
+    if fmt == "int8":
+        return {"weight": torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(1, K).repeat(2, 1),
+                "weight_scale": torch.ones(2, 1)}
+    b = torch.arange(256, dtype=torch.int16).to(torch.uint8)
+    b[(b & 127) == 127] = 0
+    return {"weight": b.view(torch.float8_e4m3fn).view(1, K).repeat(2, 1), "weight_scale_inv": torch.ones(1, 2)}

@@ -14,6 +14,7 @@ import torch
 from engine.kernels.quant_gemv import quant_fused_linear_ref
 from engine.kernels.quant_gemv_packed import quant_fused_linear_packed, quant_gemv_packed_config
 from engine.quant.formats import dequantize, int4_to_words, quantize
+from helpers import every_code_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -97,19 +98,7 @@ def test_packed_plain_decode_full_size(fmt):
 def test_packed_decodes_every_code_exactly(fmt):
     """One-hot bf16 activations through the inline-PTX decodes: every code of the format read back exactly."""
     K = 256
-    if fmt == "int4":
-        codes = torch.arange(16).repeat(2 * K // 16)[: 2 * K].view(2, K).to(torch.uint8)
-        packed = codes.view(2, -1, 2, 64)
-        t = int4_to_words({"qweight": (packed[:, :, 0] | (packed[:, :, 1] << 4)).view(2, -1),
-                           "scales": torch.ones(2, 2, dtype=torch.float16),
-                           "mins": torch.zeros(2, 2, dtype=torch.float16)})
-    elif fmt == "int8":
-        t = {"weight": torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).view(1, K).repeat(2, 1),
-             "weight_scale": torch.ones(2, 1)}
-    else:
-        b = torch.arange(256, dtype=torch.int16).to(torch.uint8)
-        b[(b & 127) == 127] = 0                                   # NaN codes: 0 x NaN would poison the one-hot dot
-        t = {"weight": b.view(torch.float8_e4m3fn).view(1, K).repeat(2, 1), "weight_scale_inv": torch.ones(1, 2)}
+    t = every_code_weights(fmt, K)
     t = {k: v.cuda() for k, v in t.items()}
     w = dequantize(fmt, t, (2, K))
     ok = torch.isfinite(w[0]).nonzero().flatten()
