@@ -5,7 +5,8 @@ propose / verify / accept / pop_step_stats / total_stats hooks (see base.py).
 """
 from __future__ import annotations
 
-from .base import Drafter, SpecStats, acceptance_rate, mean_acceptance_length
+from .base import Drafter
+from .stats import SpecStats, acceptance_rate, mean_acceptance_length
 from .fast_verify import FastVerify
 from .model_drafter import ModelDrafter
 from .ngram import NgramDrafter, ngram_propose

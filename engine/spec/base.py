@@ -36,6 +36,8 @@ import torch
 from ..sampler import _apply_penalties, _seeded_generator, filtered_probs
 from ..sequence import Sequence
 from .rejection import greedy_accept, rejection_sample
+from .shadow import ShadowProbes
+from .stats import SpecStats, acceptance_rate, best_draft_len, expected_tokens, mean_acceptance_length
 
 _MAX_REQUEST_STATS = 4096
 _DECAY = 0.8                 # adaptive: weight of the past in the acceptance estimate
@@ -67,42 +69,6 @@ class _Accept:
         self.den = _DECAY * self.den + accepted + (accepted < k)
 
 
-class SpecStats:
-    def __init__(self, k: int):
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * k
-
-    def add(self, num_draft: int, num_accepted: int) -> None:
-        if num_draft <= 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        for j in range(num_accepted):
-            self.accepted_per_pos[j] += 1
-
-    def to_dict(self) -> dict:
-        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
-                    num_accepted_tokens=self.num_accepted_tokens, accepted_per_pos=list(self.accepted_per_pos),
-                    acceptance_rate=acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens),
-                    mean_acceptance_length=mean_acceptance_length(self.num_accepted_tokens, self.num_drafts))
-
-
-def acceptance_rate(accepted: int, draft_tokens: int) -> float | None:
-    return accepted / draft_tokens if draft_tokens else None
-
-
-def mean_acceptance_length(accepted: int, drafts: int) -> float | None:
-    return 1.0 + accepted / drafts if drafts else None
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a verify step of k drafts yields when each draft is accepted with probability a: 1 + a + ... + a^k."""
-    return float(sum(a ** j for j in range(k + 1)))
-
-
 def _batch_bucket(b: int) -> int:
     return max(1, b).bit_length()          # 1, 2-3, 4-7, 8-15, ...
 
@@ -112,18 +78,7 @@ def plain_greedy(seq: Sequence) -> bool:
     return p.greedy and not p.needs_penalties and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
 
 
-def best_draft_len(a: float, k_max: int, cost: float) -> int:
-    """The k in [0, k_max] maximising (1 + a + ... + a^k) / (1 + k * cost)."""
-    best_k, best, tokens = 0, 1.0, 1.0
-    for k in range(1, k_max + 1):
-        tokens += a ** k
-        v = tokens / (1.0 + k * cost)
-        if v > best * 1.0001:
-            best_k, best = k, v
-    return best_k
-
-
-class Drafter:
+class Drafter(ShadowProbes):
     method = "base"
     draft_cost = 0.0            # one draft token's work relative to one target decode step
     verify_cost = 0.05          # extra work of verifying one more position
@@ -226,72 +181,6 @@ class Drafter:
                                                                  else self.engine.num_scheduler_steps)
 
     # ---- auto-off ------------------------------------------------------------------------------
-    @property
-    def _shadowing(self) -> bool:
-        return self.shadow_probes and self.auto_off
-
-    def shadow_probe(self, seqs: list[Sequence]) -> None:
-        """Auto-off with shadow probes (EngineConfig.spec_shadow_probes): after a step's tokens are appended,
-        each request whose drafting is off and whose probe is due gets its probe from its own output instead of
-        a verify step: the draft the proposer would have made at a history length L (the first one from the due
-        position at which it finds one, with k tokens known after it) is compared with the tokens the target
-        produced from L on. For greedy requests that count is exactly what verification would have accepted;
-        for sampled ones it has the same distribution (a one-hot draft is accepted with the target's
-        probability of that token). So a probe never leaves the multi-step pipeline, and a position where the
-        proposer finds nothing costs a few dict lookups. The estimate and the switch back on follow a real
-        probe's; the counters go to `self.shadow`, not to the drafts' (nothing was drafted)."""
-        if not self._shadowing:
-            return
-        k, batch = self.k_base, None
-        window = min(k, self.engine.num_scheduler_steps)        # tokens since the due position, at least
-        for seq in seqs:
-            st = self._accept.get(seq.request_id)
-            if st is None or not st.off or st.first or seq.is_finished:
-                continue
-            n_out = seq.num_output_tokens
-            lo = max(st.next_probe, 1)
-            if n_out - lo < window:
-                continue
-            # replay drafting over the tokens since: a draft at each position the previous verify would have
-            # reached (a rejected or absent draft: one token on), counted as if verified
-            P, toks, pos, seen = seq.num_prompt_tokens, seq.token_ids, lo, 0
-            while pos < n_out:
-                found = self.shadow_draft(seq, P + pos, P + n_out - 1, k)
-                if found is None:
-                    break
-                L, drafts = found
-                drafts = drafts[:len(toks) - L]         # compared with the tokens known after L (at least one)
-                a = 0
-                while a < len(drafts) and drafts[a] == toks[L + a]:
-                    a += 1
-                self.shadow.add(len(drafts), a)
-                st.update(len(drafts), a)
-                seen += 1
-                pos = L - P + a + 1
-            if not seen:
-                st.next_probe = n_out                   # nothing to compare yet: continue from there
-                continue
-            if batch is None:
-                running = [s for s in self.engine.scheduler.running if s.num_output_tokens]
-                batch = max(1, len(running))
-                on = [self._accept.get(s.request_id) for s in running]
-                gain_on = sum(expected_tokens(a.rate, k) - 1 for a in on if a is not None and not a.off)
-            self._after_verify(seq, st, batch)
-            if not st.off:
-                # as the step's check (_pays) would: drafting only pays if the drafting requests' summed gain
-                # beats the extra cost every decoding request pays; otherwise stay off (no pipeline break)
-                gain = expected_tokens(st.rate, k) - 1
-                if gain_on + gain < batch * (self.cost_ratio(batch, k) - 1):
-                    st.off = True
-                    self._switch_off(seq, st)
-                else:
-                    gain_on += gain
-
-    def shadow_draft(self, seq: Sequence, lo: int, hi: int, k: int) -> tuple[int, list[int]] | None:
-        """(L, draft): the first history length L in [lo, hi] at which this drafter would have drafted, and that
-        draft (drafters with supports_shadow)."""
-        raise NotImplementedError
-
     def cost_ratio(self, batch: int, k: int) -> float:
         """Seconds of a verify step with k drafts (drafting included) over a plain decode iteration, at this
         batch size; the static model until both are measured."""
