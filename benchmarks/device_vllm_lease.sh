@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# kvscope beside vLLM 0.26.0 in one lease (issues 14 and 16): after the peer's three setup calls
+# (../shared/vllm-peer/README.md), one `run` call per phase, each well under the 600 s call limit:
+#   bash benchmarks/device_vllm_lease.sh table <shape>     bench_gpu.py: batch 1, nano, prefill-heavy, vLLM beside
+#   bash benchmarks/device_vllm_lease.sh profile <shape> <workload>   profile_kernels.py for both engines
+#   bash benchmarks/device_vllm_lease.sh fp8                nano workload, 8B shape, fp8 weights, both engines
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/kvscope_out}"
+mkdir -p "$OUT"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
+VSITE="$HOME/vsite"
+T0=$(date +%s)
+stamp() { echo "=== $1 at +$(( $(date +%s) - T0 )) s"; }
+[ -d "$VSITE" ] || { echo "no $VSITE: run the peer's setup calls first"; exit 3; }
+case "${1:-}" in
+  table)
+    stamp "table ${2}"
+    timeout 560 python benchmarks/bench_gpu.py --shape "$2" --sections vllm,latency,throughput,prefill \
+      --hf-requests 0 --latency-configs "cuda graphs" --vllm-path "$VSITE" 2>&1 | grep -v "^\[\|Warn\|warn" | tail -25
+    cp benchmarks/results/gpu_*"$2".json "$OUT"/ 2>/dev/null ;;
+  profile)
+    stamp "kvscope ${2} ${3}"
+    timeout 200 python benchmarks/profile_kernels.py --engine kvscope --shape "$2" --workload "$3" 2>&1 | tail -32
+    stamp "vllm ${2} ${3}"
+    PYTHONPATH="$VSITE" timeout 330 python benchmarks/profile_kernels.py --engine vllm --shape "$2" --workload "$3" \
+      2>&1 | grep -v "^\(INFO\|WARNING\|DEBUG\)" | tail -32 ;;
+  fp8)
+    stamp "kvscope fp8"
+    timeout 200 python benchmarks/profile_kernels.py --engine kvscope --shape llama-3.1-8b --workload nano \
+      --quantization fp8 2>&1 | tail -14
+    stamp "vllm fp8"
+    PYTHONPATH="$VSITE" timeout 330 python benchmarks/profile_kernels.py --engine vllm --shape llama-3.1-8b \
+      --workload nano --quantization fp8 2>&1 | grep -v "^\(INFO\|WARNING\|DEBUG\)" | tail -14 ;;
+  *) echo "usage: $0 table <shape> | profile <shape> <nano|prefill> | fp8"; exit 2 ;;
+esac
+stamp done
+cp benchmarks/results/kernels_profile_*.json "$OUT"/ 2>/dev/null
+true
