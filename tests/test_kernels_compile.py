@@ -119,6 +119,31 @@ def check_quant_gemv_packed_workspace_order(fmt, block_m, rows=False):
         f"(line {last_ld})"
 
 
+def check_quant_gemv_int8_pairs():
+    """int8 at one token on the f16x2 pair decode (PAIRS, inline PTX incl. cvt.rn.satfinite.f16x2.f32) at each 8B
+    projection's table config and prologue."""
+    from engine.kernels import quant_gemv_packed as q
+    for (fmt, N, K), (bn, bk, warps, split, flags) in q.QUANT_GEMV_PACKED_CONFIGS.items():
+        if fmt != "int8":
+            continue
+        prologue = 1 if N in (6144, 28672) else (2 if K > 4096 else 0)
+        compile_sm90(q._pk_gemv_kernel,
+                     dict(FMT=0, PROLOGUE=prologue, HAS_BIAS=False, HAS_RES=prologue != 1, USE_PDL=True,
+                          ASM=bool(flags & 1), PRE=bool(flags & 2), SPLIT=split, BLOCK=128, S=1, BLOCK_M=1,
+                          BLOCK_N=bn, BLOCK_K=bk, ROWS=False, PAIRS=True),
+                     {"w_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"},
+                     aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"), num_warps=warps)
+
+
+def check_quant_gemm_int4_group_dots():
+    from engine.kernels import quant_gemm
+    for bm, bn, warps, stages in (quant_gemm.quant_gemm_config(16), quant_gemm.quant_gemm_config(128)):
+        compile_sm90(quant_gemm._gemm_w4_words_kernel,
+                     dict(HAS_BIAS=False, IEEE=False, S=16, BLOCK_M=bm, BLOCK_N=bn, DOTS=True),
+                     {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16"}, aligned=("K", "stride_xm", "stride_wn"),
+                     num_warps=warps, num_stages=stages)
+
+
 def check_quant_qkv_rope_packed(fmt, block_m):
     from engine.kernels import quant_qkv_rope
     import triton.language as tl
@@ -173,6 +198,7 @@ CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4
          [(check_quant_gemv_packed, ("int4", 1, fl, 4, True)) for fl in (0, 3)] + \
          [(check_quant_gemv_packed_workspace_order, a) for a in (("fp8", 4), ("int8", 1), ("int4", 1, True))] + \
          [(check_quant_qkv_rope_packed, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
+         [(check_quant_gemv_int8_pairs, ()), (check_quant_gemm_int4_group_dots, ())] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 
 
