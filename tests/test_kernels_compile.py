@@ -92,7 +92,7 @@ def check_quant_gemv_packed(fmt, block_m, flags, split, rows=False):
         compile_sm90(q._pk_gemv_kernel,
                      dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 2,
                           USE_PDL=True, ASM=bool(flags & 1), PRE=bool(flags & 2), SPLIT=split, BLOCK=128,
-                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, ROWS=rows),
+                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, PAIRS=False),
                      ptrs, aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"), num_warps=warps)
 
 
@@ -108,7 +108,7 @@ def check_quant_gemv_packed_workspace_order(fmt, block_m, rows=False):
     k = compile_sm90(q._pk_gemv_kernel,
                      dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=1, HAS_BIAS=False, HAS_RES=True, USE_PDL=False, ASM=False,
                           PRE=False, SPLIT=2, BLOCK=128, S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=32,
-                          BLOCK_K=256 if int4 else 128, ROWS=rows), ptrs, num_warps=2)
+                          BLOCK_K=256 if int4 else 128, ROWS=rows, PAIRS=False), ptrs, num_warps=2)
     lines = k.asm["ptx"].splitlines()
     start = next(i for i, ln in enumerate(lines) if "atom.global" in ln and "acq_rel" in ln)
     tail = lines[start:]
