@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.kernels.quant_gemv import quant_fused_linear_ref
-from engine.kernels.quant_gemv_packed import quant_fused_linear_packed, quant_gemv_packed_config
+from engine.kernels.quant_gemv_packed import quant_fused_linear_packed
+from engine.kernels.quant_packed_configs import quant_gemv_packed_config
 from engine.quant.formats import dequantize, int4_to_words, quantize
 from helpers import every_code_weights
 

@@ -84,7 +84,8 @@ def check_quant_gemv_packed(fmt, block_m, flags, split, rows=False):
     """The packed-word GEMV (its inline-PTX decodes: flags bit 0) at the rule's config, 8B-like alignment; rows: the
     rows on the grid (ROWS, launched at BLOCK_M = 1)."""
     from engine.kernels import quant_gemv_packed as q
-    bn, bk, warps, _, _ = q.quant_gemv_packed_config(fmt, block_m, 4096, 4096)
+    from engine.kernels.quant_packed_configs import quant_gemv_packed_config
+    bn, bk, warps, _, _ = quant_gemv_packed_config(fmt, block_m, 4096, 4096)
     int4 = fmt == "int4"
     ptrs = {"w_ptr": "*i32", "s_ptr": "*fp16" if int4 else "*fp32", "z_ptr": "*fp16" if int4 else "*fp32",
             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
@@ -123,7 +124,8 @@ def check_quant_gemv_int8_pairs():
     """int8 at one token on the f16x2 pair decode (PAIRS, inline PTX incl. cvt.rn.satfinite.f16x2.f32) at each 8B
     projection's table config and prologue."""
     from engine.kernels import quant_gemv_packed as q
-    for (fmt, N, K), (bn, bk, warps, split, flags) in q.QUANT_GEMV_PACKED_CONFIGS.items():
+    from engine.kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS
+    for (fmt, N, K), (bn, bk, warps, split, flags) in QUANT_GEMV_PACKED_CONFIGS.items():
         if fmt != "int8":
             continue
         prologue = 1 if N in (6144, 28672) else (2 if K > 4096 else 0)

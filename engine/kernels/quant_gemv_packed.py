@@ -30,8 +30,7 @@ import triton.language as tl
 from ..quant.formats import BLOCK, int4_group
 from .gemv import PROLOGUES, _epilogue, check_gemv_args
 from .quant_gemv import _row_activation, _x_row
-from .quant_packed_configs import (QUANT_GEMV_PACKED_CONFIGS, _interpreted, packed_supported,  # noqa: F401
-                                   quant_gemv_packed_config, rows_on_grid_default)
+from .quant_packed_configs import _interpreted, packed_supported, quant_gemv_packed_config, rows_on_grid_default
 from .quant_packed_decode import _W4_ASM, _bf16_pairs, _w8_codes, _w8_pairs_dot
 
 PK_FMT_IDS = {"int8": 0, "fp8": 1, "int4": 2}

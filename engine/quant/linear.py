@@ -87,7 +87,7 @@ class QuantLinear(nn.Module):
             # RoPE + KV-store kernel. The RoPE kernel's packed dot keeps M rows in one program (BLOCK_M > 1): the
             # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV (not verified on a GPU).
             # split (M = 1): the GEMV's split-K fills the GPU, which the RoPE kernel's 16-row programs do not
-            from ..kernels.quant_gemv_packed import rows_on_grid_default
+            from ..kernels.quant_packed_configs import rows_on_grid_default
             if split or rows_on_grid_default(self.fmt):
                 from ..kernels.rope import rope_and_store
                 D = head_dim
@@ -164,7 +164,7 @@ def set_packed(model, on: bool, switches=None) -> None:
     None: all off): quant_int8_pairs, quant_qkv_split_rope (int4 / int8-pairs q/k/v at one token as the split-K
     GEMV, then the RoPE + store kernel), quant_gemm_group_dots (the int4 words GEMM's 8 dots a group). Call before
     set_tensor_cores."""
-    from ..kernels.quant_gemv_packed import QUANT_GEMV_PACKED_CONFIGS, packed_supported
+    from ..kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS, packed_supported
     for _, _, lin in _layer_linears(model):
         if not isinstance(lin, QuantLinear):
             continue
