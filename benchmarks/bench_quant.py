@@ -71,9 +71,10 @@ def bench_kernels() -> list[dict]:
 
 
 def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None, packed: bool | None = None,
-                max_num_seqs: int = 256) -> dict:
+                max_num_seqs: int = 256, switches: bool = True) -> dict:
     llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
-              quant_gemv_tensor_cores=tensor_cores, quant_gemv_packed=packed)
+              quant_gemv_tensor_cores=tensor_cores, quant_gemv_packed=packed, quant_int8_pairs=switches,
+              quant_qkv_split_rope=switches, quant_gemm_group_dots=switches)
     eng = llm.engine
     wb = weight_bytes(eng.model)
     embed = eng.model.model.embed_tokens.weight
