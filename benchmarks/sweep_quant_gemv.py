@@ -37,7 +37,8 @@ from benchmarks.sweep_gemv import graph_us, shapes_for  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref  # noqa: E402
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref, quant_gemv_config  # noqa: E402
-from engine.kernels.quant_gemv_packed import quant_fused_linear_packed, quant_gemv_packed_config  # noqa: E402
+from engine.kernels.quant_gemv_packed import quant_fused_linear_packed  # noqa: E402
+from engine.kernels.quant_packed_configs import quant_gemv_packed_config  # noqa: E402
 from engine.kernels.quant_gemv_tc import quant_gemv_tc_config  # noqa: E402
 from engine.quant.formats import int4_to_words, quantize  # noqa: E402
 
@@ -318,7 +319,7 @@ def print_report(dev, bw, shape, path, rows, layers, kernels, best) -> None:
               f"{d['GBps']:7.0f} {d['pct_copy']:7.0f} {d['speedup_vs_bf16']:7.2f}")
     for kind, name, table in (("cuda", "quant_gemv.py", "QUANT_GEMV_CONFIGS"),
                               ("tc", "quant_gemv_tc.py", "QUANT_GEMV_TC_CONFIGS"),
-                              ("packed", "quant_gemv_packed.py", "QUANT_GEMV_PACKED_CONFIGS")):
+                              ("packed", "quant_packed_configs.py", "QUANT_GEMV_PACKED_CONFIGS")):
         if kind in kernels:
             print(f"\n# paste into engine/kernels/{name} (merging entries of other shapes):")
             print(f"{table}.update({{")

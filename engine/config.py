@@ -33,6 +33,13 @@ class EngineConfig:
     #                                     takes it; int8 too, fp8 where QUANT_GEMV_PACKED_CONFIGS lists the shape,
     #                                     unless the tensor-core GEMV has the shape. None: on with
     #                                     triton on cuda >= sm90; False: the earlier kernels (ablation)
+    quant_int8_pairs: bool = False      # packed GEMV, int8 at one token: two words a step decoded into f16x2 pairs
+    #                                     (kernels/quant_packed_decode.py), every int8 shape; off: it measured
+    #                                     slower on an H200 at the 8B shape (with the next switch: 3.30 vs 3.23 ms)
+    quant_qkv_split_rope: bool = False  # packed GEMV, int8 / int4 q/k/v at one token: the split-K GEMV, then the
+    #                                     RoPE + KV-store kernel; off: RoPE in the GEMV's epilogue (int4 step: same)
+    quant_gemm_group_dots: bool = True  # packed, int4 (groups of 128) prefill GEMM: 8 dots a group on the raw codes
+    #                                     of each nibble slice; False: the slices interleaved into one dequantized tile
     fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
     #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
     # KV cache
@@ -211,6 +218,9 @@ class EngineConfig:
         need(self.quant_gemv_tensor_cores in (None, True, False), "quant_gemv_tensor_cores",
              "must be None, True or False")
         need(self.quant_gemv_packed in (None, True, False), "quant_gemv_packed", "must be None, True or False")
+        need(isinstance(self.quant_int8_pairs, bool), "quant_int8_pairs", "must be a bool")
+        need(isinstance(self.quant_qkv_split_rope, bool), "quant_qkv_split_rope", "must be a bool")
+        need(isinstance(self.quant_gemm_group_dots, bool), "quant_gemm_group_dots", "must be a bool")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")

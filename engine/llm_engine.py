@@ -119,7 +119,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
                 and torch.cuda.get_device_capability(self.device) >= (9, 0)
         self.quant_packed = bool(pk) and self.kernels == "triton"
         if self.model.quantization:
-            set_packed(self.model, self.quant_packed)
+            set_packed(self.model, self.quant_packed, config)
         set_tensor_cores(self.model, tc)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl

@@ -9,8 +9,8 @@ import triton
 
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
 from engine.kernels.quant_gemv import quant_fused_linear_ref
-from engine.kernels.quant_gemv_packed import (QUANT_GEMV_PACKED_CONFIGS, quant_fused_linear_packed,
-                                              quant_gemv_packed_config)
+from engine.kernels.quant_gemv_packed import quant_fused_linear_packed
+from engine.kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS, quant_gemv_packed_config, rows_on_grid_default
 from engine.quant.formats import dequantize, int4_codes, int4_group, int4_to_words, quantize
 from helpers import every_code_weights
 
@@ -201,7 +201,7 @@ def test_packed_routing_by_format_and_rows(monkeypatch):
     from engine.kernels import quant_qkv_rope
     from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store_ref
     from engine.quant.linear import QuantLinear
-    assert q.rows_on_grid_default("int4") and not q.rows_on_grid_default("int8") and not q.rows_on_grid_default("fp8")
+    assert rows_on_grid_default("int4") and not rows_on_grid_default("int8") and not rows_on_grid_default("fp8")
     for M in (2, 4, 16):
         assert quant_gemv_packed_config("int4", M, 4096, 14336) == quant_gemv_packed_config("int4", 1, 4096, 14336)
     spy = _GridSpy(q._pk_gemv_kernel)

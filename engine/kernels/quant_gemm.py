@@ -70,11 +70,19 @@ def _join8(t0, t1, t2, t3, t4, t5, t6, t7):
 
 
 @triton.jit
+def _dq(b, SH: tl.constexpr, s, z, a):
+    """The nibbles at bit SH of words b, times the scale plus the min, in a's dtype."""
+    return (((b >> SH) & 15).to(tl.float32) * s + z).to(a.dtype)
+
+
+@triton.jit
 def _gemm_w4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, stride_wn, stride_sn,
                           stride_om, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, S: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOTS: tl.constexpr = False):
     """int4 in the words layout (formats.int4_to_words): a group's S words hold nibble j = k slice j; the 8
-    dequantized slices are interleaved into one [BN, 8 S] tile, the activation gathered in the same order."""
+    dequantized slices are interleaved into one [BN, 8 S] tile, the activation gathered in the same order.
+    DOTS (S >= 16): no interleave; per group 8 dots of a contiguous [BM, S] activation slice with nibble j's raw
+    codes (exact in 16 bits), then sum(q a) * scale + sum(a) * min."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, nm = offs_m < M, offs_n < N
@@ -84,17 +92,26 @@ def _gemm_w4_words_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g in range(0, G):
         b = tl.load(w_rows + g * S + offs_i[None, :], mask=nm[:, None], other=0)                 # [BN, S]
-        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)[:, None]
-        kb = g * 8 * S + offs_i[None, :]                                                          # [1, S]
-        ks = _join8(kb, kb + S, kb + 2 * S, kb + 3 * S, kb + 4 * S, kb + 5 * S, kb + 6 * S, kb + 7 * S)
-        a = tl.load(x_rows + ks, mask=mm[:, None] & (ks < K), other=0.0)                        # [BM, 8 S]
-        dt = a.dtype
-        w = _join8(((b & 15).to(tl.float32) * s + z).to(dt), (((b >> 4) & 15).to(tl.float32) * s + z).to(dt),
-                   (((b >> 8) & 15).to(tl.float32) * s + z).to(dt), (((b >> 12) & 15).to(tl.float32) * s + z).to(dt),
-                   (((b >> 16) & 15).to(tl.float32) * s + z).to(dt), (((b >> 20) & 15).to(tl.float32) * s + z).to(dt),
-                   (((b >> 24) & 15).to(tl.float32) * s + z).to(dt), (((b >> 28) & 15).to(tl.float32) * s + z).to(dt))
-        acc += _dot(a, tl.trans(w), IEEE)
+        if DOTS:
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            asum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(8):
+                kj = g * 8 * S + j * S + offs_i
+                a = tl.load(x_rows + kj[None, :], mask=mm[:, None] & (kj < K)[None, :], other=0.0)    # [BM, S]
+                part += _dot(a, tl.trans(((b >> (4 * j)) & 15).to(a.dtype)), IEEE)
+                asum += tl.sum(a.to(tl.float32), axis=1)
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)
+            acc += part * s[None, :] + asum[:, None] * z[None, :]
+        else:
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=nm, other=0.0).to(tl.float32)[:, None]
+            kb = g * 8 * S + offs_i[None, :]                                                          # [1, S]
+            ks = _join8(kb, kb + S, kb + 2 * S, kb + 3 * S, kb + 4 * S, kb + 5 * S, kb + 6 * S, kb + 7 * S)
+            a = tl.load(x_rows + ks, mask=mm[:, None] & (ks < K), other=0.0)                        # [BM, 8 S]
+            w = _join8(_dq(b, 0, s, z, a), _dq(b, 4, s, z, a), _dq(b, 8, s, z, a), _dq(b, 12, s, z, a),
+                       _dq(b, 16, s, z, a), _dq(b, 20, s, z, a), _dq(b, 24, s, z, a), _dq(b, 28, s, z, a))
+            acc += _dot(a, tl.trans(w), IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
@@ -142,9 +159,10 @@ def quant_gemm_config(M: int) -> tuple[int, int, int, int]:
 
 def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: tuple[int, int],
                  bias: torch.Tensor | None = None, act_fp8: bool = False,
-                 config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, int, int, int] | None = None, group_dots: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, N] = x @ W.T (+ bias), W the [N, K] weight the format's tensors qt stand for.
-    act_fp8 (fp8 only): quantize activations per token and 128-group and multiply on FP8 tensor cores."""
+    act_fp8 (fp8 only): quantize activations per token and 128-group and multiply on FP8 tensor cores.
+    group_dots (int4 words, groups of 128): 8 dots a group on raw codes (EngineConfig.quant_gemm_group_dots)."""
     M, K = x.shape
     N = shape[0]
     assert K == shape[1] and x.stride(-1) == 1
@@ -160,7 +178,8 @@ def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: 
             _gemm_w4_words_kernel[grid](x, w, s, z, bias if bias is not None else w, out, M, N, K, s.shape[1],
                                         x.stride(0), w.stride(0), s.stride(0), out.stride(0),
                                         HAS_BIAS=bias is not None, IEEE=ieee, S=int4_group(qt) // 8, BLOCK_M=bm,
-                                        BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                                        BLOCK_N=bn, DOTS=group_dots and int4_group(qt) >= 128, num_warps=warps,
+                                        num_stages=stages)
             return out
         _gemm_w4_kernel[grid](x, w, s, z, bias if bias is not None else w, out, M, N, K, s.shape[1],
                               x.stride(0), w.stride(0), s.stride(0), out.stride(0), HAS_BIAS=bias is not None,

@@ -4,30 +4,24 @@ weights read as int32 words and decoded with a few integer / packed-float instru
 Why: the CUDA-core GEMV spent ~8 instructions per weight per thread (README, "Quantized weights"), so int4 (half
 of int8's bytes) ran as slowly as int8: issue-bound, not HBM-bound. Here:
 - int4, words layout (formats.int4_to_words, repacked on load): word i of group g holds k = G g + j S + i in its
-  nibble j (S = G / 8), so a [BN, NG, S] tile of words pairs with 8 contiguous [NG, S] activation slices. Plain
-  decode (ASM 0, any device and the interpreter): (w >> 4j) & 15 | 0x4B000000 is the fp32 2^23 + q, minus 2^23
-  (shift, lop3, fadd, ffma a weight). ASM 1 (compiled, bf16 activations): one inline-PTX block per word: lop3
-  puts nibbles j and j + 4 into the mantissas of a bf16 pair 128 + q (0x4300 | q), a bf16x2 fma makes it the
-  centred q - 8 exactly, four bf16x2 fmas accumulate the products and a widening add ends: ~18 instructions for
-  8 weights. Per group the partial sum(q a) gets the scale and sum(a) the min (+ 8 scale when centred).
-- int8 / fp8: [BN, BK / 4] words, four codes each; activation slices a_c at k = 4 i + c. Plain decode: int8
-  ((w >> 8c) & 255) ^ 128 | 0x4B000000 minus 2^23 + 128; fp8 by conversion. ASM 1: int8 by one xor a word, a
-  prmt (bytes into 0x4B0000uu) and a fadd a code; fp8 by two paired e4m3 -> f16x2 conversions a word. The row
-  scale (int8) once after the loop; fp8's block scale on the activation (a program's rows lie in one 128-row
-  block).
+  nibble j (S = G / 8), so a [BN, NG, S] tile of words pairs with 8 contiguous [NG, S] activation slices. Per
+  group the partial sum(q a) gets the scale and sum(a) the min (+ 8 scale when centred).
+- int8 / fp8: [BN, BK / 4] words, four codes each; activation slices a_c at k = 4 i + c. The row scale (int8)
+  once after the loop; fp8's block scale on the activation (a program's rows lie in one 128-row block).
+- int8 pairs (PAIRS, M = 1): [BN, BK / 8] int64 (two words), activation slices a_c at k = 8 i + c, the f16x2
+  decode and products; the 1/128 of its codes is undone with the row scale.
 - At M = 1 the [BN, columns] products accumulate elementwise and are reduced once after the loop (int4: per
   group, as its scale needs).
 - SPLIT > 1: a grid of (row blocks, K chunks); each program atomically adds its fp32 partial (and its rows'
   sum of squares for the rms_norm prologue) into a workspace; the last program of a row block (an acq_rel
   counter) reads the sums back, zeroes the workspace and counter for the next call (CUDA-graph safe), and runs
   the epilogue. For the 4096-row projections, whose row blocks are few against 132 SMs.
-Prologues (rms_norm, silu_mul), bias, residual epilogue and PDL are gemv.py's / quant_gemv.py's.
-Config (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS): FLAGS bit 0 ASM, bit 1 PRE (the next tile's load issued
-before this one's arithmetic). BLOCK_K counts weights (int4: a multiple of the group).
+The decodes (inline PTX, plain Triton for the interpreter) are quant_packed_decode.py's, the launch configs
+quant_packed_configs.py's. Prologues (rms_norm, silu_mul), bias, residual epilogue and PDL are gemv.py's /
+quant_gemv.py's. Config (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS): FLAGS bit 0 ASM, bit 1 PRE (the next tile's
+load issued before this one's arithmetic). BLOCK_K counts weights (int4: a multiple of the group).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -36,115 +30,11 @@ import triton.language as tl
 from ..quant.formats import BLOCK, int4_group
 from .gemv import PROLOGUES, _epilogue, check_gemv_args
 from .quant_gemv import _row_activation, _x_row
+from .quant_packed_configs import _interpreted, packed_supported, quant_gemv_packed_config, rows_on_grid_default
+from .quant_packed_decode import _W4_ASM, _bf16_pairs, _w8_codes, _w8_pairs_dot
 
 PK_FMT_IDS = {"int8": 0, "fp8": 1, "int4": 2}
 WS_ROWS: tl.constexpr = tl.constexpr(16)        # workspace rows (M <= 16)
-
-# int4 word -> sum over its 8 nibbles of (q_j - 8) a_j. $1 the word, $2..$5 bf16 pairs (a_p, a_p+4);
-# (w >> 4p) & 0x000F000F | 0x43004300 holds nibbles p, p + 4 as the bf16 pair 128 + q; minus 136 is q - 8 exactly
-# (centred codes: the partial sums stay small, so their bf16 rounding is small beside the result); the products
-# accumulate in bf16x2 fmas, the two halves are added in fp32.
-_W4_ASM = tl.constexpr("""{
-    .reg .b32 w, t, q, acc, one, msk, ex, off, z;
-    .reg .f32 lo, hi;
-    mov.b32 one, 0x3F803F80;
-    mov.b32 msk, 0x000F000F;
-    mov.b32 ex, 0x43004300;
-    mov.b32 off, 0xC308C308;
-    mov.b32 z, 0x80008000;
-    lop3.b32 t, $1, msk, ex, 0xEA;
-    fma.rn.bf16x2 q, t, one, off;
-    fma.rn.bf16x2 acc, q, $2, z;
-    shr.u32 w, $1, 4;
-    lop3.b32 t, w, msk, ex, 0xEA;
-    fma.rn.bf16x2 q, t, one, off;
-    fma.rn.bf16x2 acc, q, $3, acc;
-    shr.u32 w, $1, 8;
-    lop3.b32 t, w, msk, ex, 0xEA;
-    fma.rn.bf16x2 q, t, one, off;
-    fma.rn.bf16x2 acc, q, $4, acc;
-    shr.u32 w, $1, 12;
-    lop3.b32 t, w, msk, ex, 0xEA;
-    fma.rn.bf16x2 q, t, one, off;
-    fma.rn.bf16x2 acc, q, $5, acc;
-    shl.b32 t, acc, 16;
-    and.b32 w, acc, 0xFFFF0000;
-    mov.b32 lo, t;
-    mov.b32 hi, w;
-    add.f32 $0, lo, hi;
-}""")
-
-# int8 word (4 codes, k order) -> 4 fp32 codes: u = w ^ 0x80808080 (q + 128 per byte), prmt puts byte c into
-# 0x4B0000uu (2^23 + u), minus 2^23 + 128
-_W8_ASM = tl.constexpr("""{
-    .reg .b32 u, c, t0, t1, t2, t3;
-    .reg .f32 f0, f1, f2, f3;
-    xor.b32 u, $4, 0x80808080;
-    mov.b32 c, 0x4B000000;
-    prmt.b32 t0, u, c, 0x7650;
-    prmt.b32 t1, u, c, 0x7651;
-    prmt.b32 t2, u, c, 0x7652;
-    prmt.b32 t3, u, c, 0x7653;
-    mov.b32 f0, t0;
-    mov.b32 f1, t1;
-    mov.b32 f2, t2;
-    mov.b32 f3, t3;
-    sub.f32 $0, f0, 0f4B000080;
-    sub.f32 $1, f1, 0f4B000080;
-    sub.f32 $2, f2, 0f4B000080;
-    sub.f32 $3, f3, 0f4B000080;
-}""")
-
-# fp8 e4m3 word (4 codes) -> 4 fp32 values: two paired conversions into f16x2, then widening
-_F8_ASM = tl.constexpr("""{
-    .reg .b16 b0, b1, h0, h1, h2, h3;
-    .reg .b32 x01, x23;
-    mov.b32 {b0, b1}, $4;
-    cvt.rn.f16x2.e4m3x2 x01, b0;
-    cvt.rn.f16x2.e4m3x2 x23, b1;
-    mov.b32 {h0, h1}, x01;
-    mov.b32 {h2, h3}, x23;
-    cvt.f32.f16 $0, h0;
-    cvt.f32.f16 $1, h1;
-    cvt.f32.f16 $2, h2;
-    cvt.f32.f16 $3, h3;
-}""")
-
-
-# two fp32 -> the bf16 pair (lo, hi), rounded
-_PAIR_ASM = tl.constexpr("{ cvt.rn.bf16x2.f32 $0, $2, $1; }")
-
-
-@triton.jit
-def _bf16_pairs(lo, hi):
-    """fp32 tensors lo, hi -> int32 bf16 pairs (lo in the low half): one instruction (compiled only)."""
-    return tl.inline_asm_elementwise(_PAIR_ASM, "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _w8_codes(w, FMT: tl.constexpr, ASM: tl.constexpr):
-    """int32 words [BN, NW] (4 codes each, k order) -> 4 fp32 tensors of code values (scales not applied)."""
-    if ASM:
-        if FMT == 0:
-            q0, q1, q2, q3 = tl.inline_asm_elementwise(_W8_ASM, "=f,=f,=f,=f,r", [w],
-                                                       dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                                                       is_pure=True, pack=1)
-        else:
-            q0, q1, q2, q3 = tl.inline_asm_elementwise(_F8_ASM, "=f,=f,=f,=f,r", [w],
-                                                       dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                                                       is_pure=True, pack=1)
-    else:
-        if FMT == 0:
-            q0 = (((w & 255) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-            q1 = ((((w >> 8) & 255) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-            q2 = ((((w >> 16) & 255) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-            q3 = ((((w >> 24) & 255) ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-        else:
-            q0 = (w & 255).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            q1 = ((w >> 8) & 255).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            q2 = ((w >> 16) & 255).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            q3 = ((w >> 24) & 255).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return q0, q1, q2, q3
 
 
 @triton.jit
@@ -208,6 +98,56 @@ def _pk_w8_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, s_row, c_lo, c_hi, M, K,
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]   # per-channel scale
     return acc, ss
+
+
+@triton.jit
+def _pk_w8_pairs_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, c_lo, c_hi, K, stride_wn, stride_sn,
+                     PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int8 at M = 1 over word columns [c_lo, c_hi) (even: K % 8 == 0) read two words at a time -> ([1, BN] dot with
+    the row scales applied, [1] sum of squares)."""
+    NW2: tl.constexpr = BLOCK_K // 8
+    d_lo, d_hi = c_lo // 2, c_hi // 2
+    w_rows = w_ptr.to(tl.pointer_type(tl.int64)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)   # [BN, 1]
+    w = _pk_w8_load(w_rows, d_lo, nm, d_hi, NW2)                              # [BN, NW2] int64
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc2 = tl.zeros([BLOCK_N, NW2], dtype=tl.float32)
+    sq = tl.zeros([NW2], dtype=tl.float32)
+    for d0 in range(d_lo, d_hi, NW2):
+        if PRE:
+            w_next = _pk_w8_load(w_rows, d0 + NW2, nm, d_hi, NW2)
+        offs_d = d0 + tl.arange(0, NW2)
+        kk = tl.where(offs_d < d_hi, 8 * offs_d, K)                            # past the chunk: masked (k >= K)
+        a0, q0 = _pair_activation(x_ptr, nw_ptr, kk, K, PROLOGUE)
+        a1, q1 = _pair_activation(x_ptr, nw_ptr, kk + 1, K, PROLOGUE)
+        a2, q2 = _pair_activation(x_ptr, nw_ptr, kk + 2, K, PROLOGUE)
+        a3, q3 = _pair_activation(x_ptr, nw_ptr, kk + 3, K, PROLOGUE)
+        a4, q4 = _pair_activation(x_ptr, nw_ptr, kk + 4, K, PROLOGUE)
+        a5, q5 = _pair_activation(x_ptr, nw_ptr, kk + 5, K, PROLOGUE)
+        a6, q6 = _pair_activation(x_ptr, nw_ptr, kk + 6, K, PROLOGUE)
+        a7, q7 = _pair_activation(x_ptr, nw_ptr, kk + 7, K, PROLOGUE)
+        acc2 += _w8_pairs_dot(w, a0, a1, a2, a3, a4, a5, a6, a7, ASM)           # [BN, NW2]: sum (q / 128) a
+        if PROLOGUE == 1:       # squares elementwise, reduced once after the loop
+            sq += q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
+        if PRE:
+            w = w_next
+        else:
+            w = _pk_w8_load(w_rows, d0 + NW2, nm, d_hi, NW2)
+    scale = tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0) * 128.0    # the codes' 1/128 undone
+    return (tl.sum(acc2, axis=1) * scale)[None, :], tl.sum(sq, axis=0)[None]
+
+
+@triton.jit
+def _pair_activation(x_row, nw_ptr, offs_k, K, PROLOGUE: tl.constexpr):
+    """_row_activation with the squares (rms_norm) left elementwise: -> (prologue(x), x * x) at offs_k."""
+    if PROLOGUE == 1:
+        km = offs_k < K
+        x = tl.load(x_row + offs_k, mask=km, other=0.0).to(tl.float32)
+        return x * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32), x * x
+    a, _ = _row_activation(x_row, nw_ptr, offs_k, K, PROLOGUE)
+    return a, a
 
 
 @triton.jit
@@ -305,7 +245,7 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
                     FMT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                     USE_PDL: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ROWS: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, ROWS: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """C: the weight's columns in split units (int4: groups; else words), per: a K chunk's units (SPLIT > 1).
     ROWS: the activation rows on grid axis 0 (launched with M = 1, BLOCK_M = 1): each program runs the M = 1 dot
     for its row r (x, residual and out offset by r; workspace row r, counter r of its row block); the programs of
@@ -332,6 +272,9 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
     if FMT == 2:
         acc, ss = _pk_w4_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, c_lo, c_hi, M, K, stride_xm, stride_wn,
                              stride_sn, PROLOGUE, USE_PDL, ASM, PRE, S, BLOCK_M, BLOCK_N, BLOCK_K // (8 * S))
+    elif PAIRS:
+        acc, ss = _pk_w8_pairs_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, c_lo, c_hi, K, stride_wn, stride_sn,
+                                   PROLOGUE, USE_PDL, ASM, PRE, BLOCK_N, BLOCK_K)
     else:
         s_row = s_ptr + ((pid * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn    # fp8: the rows' block of scales
         acc, ss = _pk_w8_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, s_row, c_lo, c_hi, M, K, stride_xm, stride_wn,
@@ -367,45 +310,6 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
                       PROLOGUE, HAS_BIAS, HAS_RES)
 
 
-# (format, N, K) -> (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS) at M = 1 (FLAGS bit 0 ASM, bit 1 PRE):
-# benchmarks/sweep_quant_gemv.py --quick --kernels packed on an H200 (us at M = 1 in the comments; the earlier
-# kernels' best, CUDA / tensor cores, from the README in brackets; int4 from a second sweep, after the centred
-# decode)
-QUANT_GEMV_PACKED_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
-    # Llama-3.1-8B: qkv, o, gate_up, down
-    ("fp8", 6144, 4096): (16, 256, 1, 4, 1),        # 12.6 (13.1)
-    ("int8", 6144, 4096): (16, 256, 1, 4, 1),       # 13.1 (12.9 tensor cores: kept there)
-    ("int4", 6144, 4096): (16, 512, 1, 4, 1),       # 11.2 (14.0)
-    ("fp8", 4096, 4096): (32, 512, 2, 4, 1),        # 8.2 (8.9)
-    ("int8", 4096, 4096): (32, 512, 2, 4, 1),       # 8.5 (9.4)
-    ("int4", 4096, 4096): (32, 512, 2, 4, 3),       # 7.4 (9.3)
-    ("fp8", 28672, 4096): (16, 512, 1, 1, 1),       # 36.5 (34.9 tensor cores: kept there)
-    ("int8", 28672, 4096): (16, 512, 1, 1, 3),      # 40.5 (40.1 tensor cores: kept there)
-    ("int4", 28672, 4096): (16, 512, 1, 1, 3),      # 31.7 (54.4)
-    ("fp8", 4096, 14336): (64, 512, 4, 4, 1),       # 19.5 (26.6)
-    ("int8", 4096, 14336): (32, 512, 2, 4, 1),      # 21.1 (28.3)
-    ("int4", 4096, 14336): (32, 512, 2, 4, 3),      # 18.1 (31.6)
-}
-
-
-def packed_supported(fmt: str, K: int) -> bool:
-    """int8 / fp8 words need K % 4 == 0 (rows of whole words); int4 takes any K (the words layout pads to G)."""
-    return fmt == "int4" or (fmt in ("int8", "fp8") and K % 4 == 0)
-
-
-def quant_gemv_packed_config(fmt: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS): the swept entry, else the 8B winners' pattern: 512 weights a
-    step; N > 8192 (qkv, gate_up): 16 rows a one-warp program, no split; else (o, down) 32 rows on two warps and
-    4-way split-K; the packed (ASM) decode where compiled (int4 with the early load)."""
-    cfg = QUANT_GEMV_PACKED_CONFIGS.get((fmt, N, K))
-    if cfg is None:
-        flags = 0 if _interpreted() else (3 if fmt == "int4" else 1)
-        cfg = (16, 512, 1, 1, flags) if N > 8192 else (32, 512, 2, 4, flags)
-    bn, bk, warps, split, flags = cfg
-    if M > 1 and not rows_on_grid_default(fmt):     # activation rows live beside the weights (int4: the rows on
-        bk = max(256, bk // triton.next_power_of_2(M))   # the grid, each program the M = 1 dot at its M = 1 tiles)
-    return bn, bk, warps, split, flags
-
 
 _WS: dict = {}
 
@@ -437,11 +341,12 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
                               norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                               residual: torch.Tensor | None = None, pdl: bool = False,
                               config: tuple[int, int, int, int, int] | None = None,
-                              rows_on_grid: bool | None = None) -> torch.Tensor:
+                              rows_on_grid: bool | None = None, pairs: bool = False) -> torch.Tensor:
     """quant_fused_linear's contract (kernels/quant_gemv.py) on this file's kernel: x [M <= 16, K] (or [M, 2K] for
     silu_mul) -> [M, N]. config: (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS), else quant_gemv_packed_config.
     rows_on_grid (M > 1): each row its own programs running the M = 1 dot (the kernel's ROWS); None: rows_on_grid's
-    default for the format (int4 on, int8 / fp8 off: their M rows share a program)."""
+    default for the format (int4 on, int8 / fp8 off: their M rows share a program). pairs: int8 at M = 1 (K % 8 ==
+    0) two words a step, decoded into f16x2 pairs (EngineConfig.quant_int8_pairs; with ASM)."""
     M = x.shape[0]
     N, K = shape
     check_gemv_args(x, N, K, prologue, norm_weight, residual)
@@ -465,6 +370,7 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
     per = triton.cdiv(triton.cdiv(units, split), tile) * tile
     split = triton.cdiv(units, per)
     nb = triton.cdiv(N, bn)
+    pairs = pairs and fmt == "int8" and M == 1 and K % 8 == 0 and bk % 8 == 0
     rows = M > 1 and (rows_on_grid if rows_on_grid is not None else rows_on_grid_default(fmt))
     ws, cnt = _workspace(x.device, N, bn) if split > 1 else (out, out)
     _pk_gemv_kernel[(M, nb, split) if rows else (nb, split)](
@@ -474,17 +380,6 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
         FMT=PK_FMT_IDS[fmt], PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         USE_PDL=pdl, ASM=asm, PRE=pre, SPLIT=split, BLOCK=BLOCK, S=S,
         BLOCK_M=1 if rows else max(1, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows,
-        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        PAIRS=pairs, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return out
 
-
-def rows_on_grid_default(fmt: str) -> bool:
-    """int4 at M > 1: the rows on the grid, each program the M = 1 dot (verified on the H200 at M = 4 on every 8B
-    projection at the engine's configs, both decodes), not the shared-row int4 dot (BLOCK_M > 1), which has not
-    run on a GPU since the split-K zeroing race was fixed (tests/test_gpu_quant_packed.py's xfail diagnostic
-    says when it does). int8 / fp8 keep their rows in one program (decoded once for all rows; M = 4 verified)."""
-    return fmt == "int4"
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -11,7 +11,8 @@ from ..quant.formats import BLOCK, dequantize, int4_group
 from . import torch_ops
 from .qkv_rope import _rope_store
 from .quant_gemv import FMT_IDS, _w4_dot, _w8_dot, quant_gemv_config
-from .quant_gemv_packed import _pk_w4_dot, _pk_w8_dot, pk_tensors, quant_gemv_packed_config
+from .quant_gemv_packed import _pk_w4_dot, _pk_w8_dot, pk_tensors
+from .quant_packed_configs import quant_gemv_packed_config
 from .quant_gemv_tc import DM, _tc_dot, code_offset, quant_gemv_tc_config, tc_dtype
 
 

@@ -26,6 +26,9 @@ class QuantLinear(nn.Module):
         self.act_fp8 = False             # fp8 GEMM: activations quantized per token-group, FP8 tensor cores
         self.tensor_cores = False        # fused GEMVs: kernels/quant_gemv_tc.py (EngineConfig.quant_gemv_tensor_cores)
         self.packed = False              # fused GEMVs: kernels/quant_gemv_packed.py (EngineConfig.quant_gemv_packed)
+        self.pairs = False               # packed int8, one token: f16x2 pair decode (EngineConfig.quant_int8_pairs)
+        self.split_rope = False          # packed q/k/v, one token: GEMV then RoPE (EngineConfig.quant_qkv_split_rope)
+        self.group_dots = False          # int4 words GEMM: 8 dots a group (EngineConfig.quant_gemm_group_dots)
         tensors = tensors if tensors is not None else formats.empty(fmt, out_features, in_features, device)
         for name, t in tensors.items():
             self.register_parameter(name, nn.Parameter(t, requires_grad=False))
@@ -47,7 +50,8 @@ class QuantLinear(nn.Module):
         if self.kernels != "triton":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         from ..kernels.quant_gemm import quant_matmul
-        return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, act_fp8=self.act_fp8)
+        return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, act_fp8=self.act_fp8,
+                            group_dots=self.group_dots)
 
     def fused(self, x: torch.Tensor, *, prologue: str | None = None, norm_weight: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
@@ -56,10 +60,11 @@ class QuantLinear(nn.Module):
             from ..kernels import torch_ops
             return torch_ops.fused_linear(x, self.dequantize(x.dtype), self.bias, prologue=prologue,
                                           norm_weight=norm_weight, eps=eps, residual=residual)
-        if self.packed and x.shape[0] <= 16 and not self.tensor_cores:
+        one = x.shape[0] == 1 and self.pairs       # int8 pairs: every shape at one token, tensor cores or not
+        if self.packed and x.shape[0] <= 16 and (one or not self.tensor_cores):
             from ..kernels.quant_gemv_packed import quant_fused_linear_packed
             return quant_fused_linear_packed(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
-                                             norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl)
+                                             norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl, pairs=one)
         from ..kernels.quant_gemv import quant_fused_linear
         return quant_fused_linear(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
                                   norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl,
@@ -75,14 +80,17 @@ class QuantLinear(nn.Module):
             return torch_ops.fused_qkv_rope_store(x, self.dequantize(x.dtype), self.bias, *args)
         from ..kernels.quant_qkv_rope import quant_fused_qkv_rope_store
         head_dim = self.out_features // (num_heads + 2 * num_kv_heads)
-        if self.packed and self.fmt == "int4" and 1 < x.shape[0] <= 16 and not self.tensor_cores:
+        M = x.shape[0]
+        split = self.split_rope and M == 1 and (self.fmt == "int4" or self.pairs)
+        if split or (self.packed and self.fmt == "int4" and 1 < M <= 16 and not self.tensor_cores):
             # int4 words at M > 1: the packed GEMV with the rows on the grid (each program the M = 1 dot), then the
             # RoPE + KV-store kernel. The RoPE kernel's packed dot keeps M rows in one program (BLOCK_M > 1): the
-            # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV (not verified on a GPU)
-            from ..kernels.quant_gemv_packed import rows_on_grid_default
-            if rows_on_grid_default(self.fmt):
+            # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV (not verified on a GPU).
+            # split (M = 1): the GEMV's split-K fills the GPU, which the RoPE kernel's 16-row programs do not
+            from ..kernels.quant_packed_configs import rows_on_grid_default
+            if split or rows_on_grid_default(self.fmt):
                 from ..kernels.rope import rope_and_store
-                M, D = x.shape[0], head_dim
+                D = head_dim
                 qkv = self.fused(x, prologue="rms_norm", norm_weight=norm_weight, eps=eps, pdl=pdl)
                 q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
                 q, k, v = q.view(M, num_heads, D), k.view(M, num_kv_heads, D), v.view(M, num_kv_heads, D)
@@ -92,7 +100,7 @@ class QuantLinear(nn.Module):
         # with it fp8's 8B decode step measured 3.12 ms against 3.09 on the earlier q/k/v kernel
         tc = self.tensor_cores and x.shape[0] <= 16 and head_dim % 32 == 0
         return quant_fused_qkv_rope_store(x, self.fmt, self.tensors(), self.shape, self.bias, *args, pdl=pdl,
-                                          tensor_cores=tc, packed=self.packed and self.fmt == "int4" and x.shape[0] <= 16)
+                                          tensor_cores=tc, packed=self.packed and self.fmt == "int4" and M <= 16)
 
     def extra_repr(self) -> str:
         return f"fmt={self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
@@ -148,11 +156,15 @@ def set_tensor_cores(model, on: bool | None) -> None:
 
 
 @torch.no_grad()
-def set_packed(model, on: bool) -> None:
+def set_packed(model, on: bool, switches=None) -> None:
     """The packed-word decode GEMV (kernels/quant_gemv_packed.py) for the quantized layers: int4 repacked to the
     words layout (and back when off) and always on it; int8 too (K % 4 == 0); fp8 where QUANT_GEMV_PACKED_CONFIGS
-    lists the shape. A layer set_tensor_cores puts on tensor cores stays there. Call before set_tensor_cores."""
-    from ..kernels.quant_gemv_packed import QUANT_GEMV_PACKED_CONFIGS, packed_supported
+    lists the shape. A layer set_tensor_cores puts on tensor cores stays there, except int8 at one token with
+    switches.quant_int8_pairs (K % 8 == 0: every int8 shape on the f16x2 pair decode). switches (an EngineConfig;
+    None: all off): quant_int8_pairs, quant_qkv_split_rope (int4 / int8-pairs q/k/v at one token as the split-K
+    GEMV, then the RoPE + store kernel), quant_gemm_group_dots (the int4 words GEMM's 8 dots a group). Call before
+    set_tensor_cores."""
+    from ..kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS, packed_supported
     for _, _, lin in _layer_linears(model):
         if not isinstance(lin, QuantLinear):
             continue
@@ -170,6 +182,10 @@ def set_packed(model, on: bool) -> None:
         else:
             lin.packed = on and packed_supported(lin.fmt, lin.in_features) and \
                 (lin.fmt == "int8" or (lin.fmt, *lin.shape) in QUANT_GEMV_PACKED_CONFIGS)
+        lin.pairs = lin.packed and bool(getattr(switches, "quant_int8_pairs", False)) and lin.fmt == "int8" \
+            and lin.in_features % 8 == 0
+        lin.split_rope = lin.packed and bool(getattr(switches, "quant_qkv_split_rope", False))
+        lin.group_dots = lin.packed and bool(getattr(switches, "quant_gemm_group_dots", False))
 
 
 @torch.no_grad()
