@@ -12,7 +12,7 @@ stamp() { echo "=== $1 at +$(( $(date +%s) - T0 )) s"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 stamp latency1b
 timeout 80 python benchmarks/bench_gpu.py --shape llama-3.2-1b --sections latency --latency-configs \
-  "1B before (4-launch sampler; no fused merge),cuda graphs,decode_fused_merge=True,sampler_one_launch=False" \
+  "1B before (4-launch sampler; no fused merge),cuda graphs,decode_fused_merge=True" \
   2>&1 | grep -v Warn | tail -6
 cp benchmarks/results/gpu_*llama-3.2-1b.json "$OUT/latency_1b.json" 2>/dev/null
 stamp latency8b
