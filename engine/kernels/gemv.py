@@ -222,10 +222,9 @@ def resolve_config(M: int, N: int, K: int, variant: str, device: torch.device) -
 def persistent_linears(mcfg, variant: str, device: torch.device) -> list[tuple[int, int]]:
     """(N, K) of the decode linears (o, gate_up, down, and q/k/v where it is a plain fused linear) that take the
     persistent variant at M = 1 (but those of PERSISTENT_PDL_OK). EngineConfig.enable_pdl=None turns PDL off for
-    such a model: the persistent
-    grid assumes its programs spread evenly over the SMs, and at the 8B shape on an H200 the step was 4.87 ms
-    with PDL, 4.44 without (our reading, not profiled: programs launched early land where the previous
-    kernel left room)."""
+    such a model: the persistent grid assumes its programs spread evenly over the SMs, and at the 8B shape on
+    an H200 the step was 4.87 ms with PDL, 4.44 without (our reading, not profiled: programs launched early
+    land where the previous kernel left room)."""
     h, i, d = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
     shapes = [(h, mcfg.num_heads * d), (2 * i, h), (h, i)]
     if mcfg.qk_norm:
