@@ -324,7 +324,7 @@ def test_paged_attention_decode_split(dtype, splits, fused_merge):
         ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
         assert rel_err(out, ref) < TOL[dtype]
     if fused_merge:
-        from engine.kernels.paged_attention import merge_counters
+        from engine.kernels.decode_attention import merge_counters
         assert int(merge_counters(DEV, 1).abs().sum()) == 0   # every launch leaves its counters zero
 
 

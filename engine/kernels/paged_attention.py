@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from .attention_core import LOG2E, _attn_range, _dot_prec
-from .decode_attention import (DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_TOKENS, _decode_config,  # noqa: F401 (re-exported)
-                               _launch_decode, decode_num_splits, merge_counters, paged_attention_decode)
+from .decode_attention import _decode_config, _launch_decode, decode_num_splits, paged_attention_decode
 from .metadata import AttentionMetadata
 
 
