@@ -93,6 +93,9 @@ LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enab
                    "gemv_variant=tiled": dict(gemv_variant="tiled"),
                    "gemv_variant=persistent": dict(gemv_variant="persistent"),
                    "decode_fused_merge=False": dict(decode_fused_merge=False),
+                   "sampler_one_launch=False": dict(sampler_one_launch=False),
+                   "1B before (4-launch sampler; no fused merge)": dict(sampler_one_launch=False,
+                                                                        decode_fused_merge=False),
                    "previous kernels (tiled; no fused merge)": dict(gemv_variant="tiled", decode_fused_merge=False,
                                                                     enable_pdl=True)}
 

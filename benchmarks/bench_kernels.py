@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from engine.kernels import torch_ops  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
 from engine.kernels.metadata import AttentionMetadata  # noqa: E402
-from engine.kernels.paged_attention import decode_num_splits  # noqa: E402
+from engine.kernels.decode_attention import decode_num_splits  # noqa: E402
 from engine.models.presets import preset_config  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -101,6 +101,9 @@ class EngineConfig:
     #                                     of a sequence and kv head to finish; splits past the context exit at
     #                                     once): one launch per layer instead of decode + reduce (triton kernels);
     #                                     off: measured slower at the 8B shape's batch 1 (4.87 vs 4.75 ms/token)
+    sampler_one_launch: bool = True     # the Triton Gumbel-max sampler sizes its grid to the chip (batch 1: 251
+    #                                     programs of 512 logits, not 16 of 8192) and its last program per row
+    #                                     reduces the chunk winners: one launch per iteration instead of four
     # speculative decoding
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
@@ -203,6 +206,7 @@ class EngineConfig:
              "gemv_max_tokens", "must be None or an int in [0, 16]")
         need(self.gemv_variant in _GEMV_VARIANTS, "gemv_variant", f"must be one of {_GEMV_VARIANTS}")
         need(isinstance(self.decode_fused_merge, bool), "decode_fused_merge", "must be a bool")
+        need(isinstance(self.sampler_one_launch, bool), "sampler_one_launch", "must be a bool")
         need(self.enable_pdl in (None, True, False), "enable_pdl", "must be None, True or False")
         need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
              "tensor_parallel_size", "must be an int in [1, 64]")

@@ -63,7 +63,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.kernels = config.kernels if config.kernels != "auto" else \
             ("triton" if self.device.type == "cuda" else "torch")
         self.ops = get_ops(self.kernels)
-        self.fused_sampling = self.kernels == "triton"             # the Triton Gumbel-max sampler on CUDA
+        self.fused_sampling = self.kernels == "triton" and ("one_launch" if config.sampler_one_launch else True)
         self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
         self._inflight: multi_step.InFlight | None = None      # a launched multi-step block
         self.structured_overlap = config.structured_overlap if config.structured_overlap is not None \

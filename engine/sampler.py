@@ -91,12 +91,13 @@ def _seeded_generator(seed: int, position: int, device: torch.device) -> torch.G
 def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool],
                   generator: torch.Generator | None, fused: bool = False) -> torch.Tensor:
     """Temperature only, no seeds: one batched draw from softmax(logits / T) per row, argmax for greedy rows.
-    fused (Triton on CUDA): one Gumbel-max pass over the logits; else an exponential race (same law)."""
+    fused (Triton on CUDA): one Gumbel-max pass over the logits, True: its chunk winners reduced in torch,
+    "one_launch": in the kernel (EngineConfig.sampler_one_launch); else an exponential race (same law)."""
     dev = logits.device
     if fused and dev.type == "cuda":
         from .kernels.sampling import gumbel_sample
         temp = _to_dev([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)], dev, torch.float32)
-        return gumbel_sample(logits, temp, _philox_seed(generator))
+        return gumbel_sample(logits, temp, _philox_seed(generator), one_launch=fused == "one_launch")
     temp = _to_dev([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], dev, torch.float32)
     probs = (logits / temp[:, None]).softmax(-1)                       # [B, V]
     if dev.type == "cpu":                                              # cheaper than an exponential per entry

@@ -61,6 +61,7 @@ def test_request_larger_than_pool():
     (dict(enable_kv_cache=False, speculative_method="ngram"), r"EngineConfig.speculative_method: needs the KV cache"),
     (dict(gemv_variant="wide"), r"EngineConfig.gemv_variant: must be one of \('auto', 'tiled', 'persistent'\)"),
     (dict(decode_fused_merge=1), r"EngineConfig.decode_fused_merge: must be a bool"),
+    (dict(sampler_one_launch=None), r"EngineConfig.sampler_one_launch: must be a bool"),
     (dict(enable_pdl="yes"), r"EngineConfig.enable_pdl: must be None, True or False"),
 ])
 def test_bad_configs(cfg, match):

@@ -181,7 +181,7 @@ def test_gemv_resolve_config():
 
 def test_persistent_linears_turn_auto_pdl_off():
     """enable_pdl=None: PDL stays on unless a decode linear takes the persistent GEMV (8B shape on CUDA)."""
-    from engine.kernels.gemv import persistent_linears
+    from engine.kernels.gemv import persistent_linears, resolve_config
     from engine.models.config import ModelConfig
     from engine.models.presets import preset_config
     cuda = torch.device("cuda")
@@ -189,6 +189,7 @@ def test_persistent_linears_turn_auto_pdl_off():
     assert (4096, 4096) in persistent_linears(big, "auto", cuda) and not persistent_linears(big, "tiled", cuda)
     assert not persistent_linears(big, "auto", torch.device("cpu"))
     assert not persistent_linears(ModelConfig.from_hf(preset_config("llama-3.2-1b")), "auto", cuda)
+    assert resolve_config(1, 2048, 8192, "auto", cuda)[0] == "persistent"   # 1B down: persistent, PDL kept on
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -323,7 +324,7 @@ def test_paged_attention_decode_split(dtype, splits, fused_merge):
         ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
         assert rel_err(out, ref) < TOL[dtype]
     if fused_merge:
-        from engine.kernels.paged_attention import merge_counters
+        from engine.kernels.decode_attention import merge_counters
         assert int(merge_counters(DEV, 1).abs().sum()) == 0   # every launch leaves its counters zero
 
 

@@ -180,14 +180,14 @@ def check_bf16_decode(block_m):
 
 
 def check_paged_attention():
-    from engine.kernels import paged_attention
+    from engine.kernels import decode_attention, paged_attention
     compile_sm90(paged_attention._prefill_kernel,
                  dict(G=4, GP=4, BQ=32, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, SKIP_DECODES=True,
                       DOT_PREC="tf32"))
     for merge in (False, True):
-        compile_sm90(paged_attention._decode_kernel,
+        compile_sm90(decode_attention._decode_kernel,
                      dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,
-                          DOT_PREC="tf32", USE_PDL=True, FUSED_MERGE=merge, MIN_CHUNK=64),
+                          DOT_PREC="tf32", USE_PDL=True, FUSED_MERGE=merge, MIN_CHUNK=64, GP=4, MERGE_S=4),
                      {"out_ptr": "*bf16", "cnt_ptr": "*i32"})
 
 

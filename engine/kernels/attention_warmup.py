@@ -6,7 +6,8 @@ import itertools
 import torch
 
 from .metadata import AttentionMetadata
-from .paged_attention import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_TOKENS, paged_attention, paged_attention_decode
+from .decode_attention import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_TOKENS, paged_attention_decode
+from .paged_attention import paged_attention
 
 
 def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_seqlen_k: int,

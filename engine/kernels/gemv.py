@@ -176,7 +176,12 @@ GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
     (4096, 4096): ("persistent", 2, 8, 3, 1),
     (28672, 4096): ("persistent", 2, 4, 3, 1),
     (4096, 14336): ("tiled", 8, 2048, 4, 0),
+    # Llama-3.2-1B down (sweep: 12.2 us, 65% [13.2, 60%]); batch 1 with PDL on: 0.92 ms/token vs 0.94 tiled
+    (2048, 8192): ("persistent", 1, 8, 2, 1),
 }
+# persistent table entries measured faster with PDL on than off (1B down: 0.92 vs 0.96 ms/token on an H200):
+# they leave enable_pdl=None's PDL on (persistent_linears skips them)
+PERSISTENT_PDL_OK = {(2048, 8192)}
 GEMV_VARIANTS = ("auto", "tiled", "persistent")
 PERSISTENT_MAX_ELEMS = 16384             # BLOCK_M * next_pow2(K) held in registers by the persistent variant
 
@@ -216,15 +221,16 @@ def resolve_config(M: int, N: int, K: int, variant: str, device: torch.device) -
 
 def persistent_linears(mcfg, variant: str, device: torch.device) -> list[tuple[int, int]]:
     """(N, K) of the decode linears (o, gate_up, down, and q/k/v where it is a plain fused linear) that take the
-    persistent variant at M = 1. EngineConfig.enable_pdl=None turns PDL off for such a model: the persistent
-    grid assumes its programs spread evenly over the SMs, and at the 8B shape on an H200 the step was 4.87 ms
-    with PDL, 4.44 without (our reading, not profiled: programs launched early land where the previous
-    kernel left room)."""
+    persistent variant at M = 1 (but those of PERSISTENT_PDL_OK). EngineConfig.enable_pdl=None turns PDL off for
+    such a model: the persistent grid assumes its programs spread evenly over the SMs, and at the 8B shape on
+    an H200 the step was 4.87 ms with PDL, 4.44 without (our reading, not profiled: programs launched early
+    land where the previous kernel left room)."""
     h, i, d = mcfg.hidden_size, mcfg.intermediate_size, mcfg.head_dim
     shapes = [(h, mcfg.num_heads * d), (2 * i, h), (h, i)]
     if mcfg.qk_norm:
         shapes.append(((mcfg.num_heads + 2 * mcfg.num_kv_heads) * d, h))
-    return [(N, K) for N, K in shapes if resolve_config(1, N, K, variant, torch.device(device))[0] == "persistent"]
+    return [(N, K) for N, K in shapes if (N, K) not in PERSISTENT_PDL_OK
+            and resolve_config(1, N, K, variant, torch.device(device))[0] == "persistent"]
 
 
 def _normalize(cfg: tuple, M: int, K: int) -> tuple:

@@ -2,7 +2,8 @@
 from .activation import silu_and_mul
 from .gemv import fused_linear
 from .kv_store import store_kvcache
-from .paged_attention import decode_num_splits, paged_attention, paged_attention_decode
+from .decode_attention import decode_num_splits, paged_attention_decode
+from .paged_attention import paged_attention
 from .qkv_rope import fused_qkv_rope_store
 from .rmsnorm import rms_norm
 from .rope import apply_rope, rope_and_store

@@ -1,0 +1,262 @@
+"""Split-K decode attention (q_len == 1) over the paged KV cache: a program owns (sequence, kv head, split);
+splits partition each sequence's run-time length (flash-decoding), then a small kernel merges them by
+log-sum-exp, or (fused merge) the last split to finish merges them. The grid depends only on (B, Hk,
+num_splits): CUDA-graph capturable with a fixed split count. In a mixed batch the decodes run here too
+(VARLEN: rows found through cu_seqlens_q)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_core import LOG2E, _attn_range, _dot_prec
+from .counters import zeroed_counters
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, qk_scale,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+                   out_ptr=None, cnt_ptr=None, stride_fb=0, stride_fh=0, FUSED_MERGE: tl.constexpr = False,
+                   MIN_CHUNK: tl.constexpr = 256, GP: tl.constexpr = 1, MERGE_S: tl.constexpr = 1):
+    if USE_PDL:                                              # launched early: wait for q and the new KV
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if VARLEN:                                               # mixed batch: only sequences with q_len == 1
+        r = tl.load(cu_q_ptr + b).to(tl.int64)
+        if tl.load(cu_q_ptr + b + 1) - r != 1:
+            return
+    else:
+        r = b                                                # packed query row of this sequence
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_act = NUM_SPLITS
+    if FUSED_MERGE:                                          # at least MIN_CHUNK keys a split: short contexts
+        chunk = tl.maximum(chunk, MIN_CHUNK)                 # use few splits (one: no merge at all), and splits
+        n_act = tl.maximum(tl.cdiv(seq_len, chunk), 1)       # past the context exit at once (split 0 always runs)
+        if split >= n_act:
+            return
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+
+    hh = tl.arange(0, BLOCK_M)                               # rows = heads of the group (padded)
+    row_ok = hh < G
+    head = kvh * G + hh
+    offs_d = tl.arange(0, BD)
+    q_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(q_ptr + r * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)                      # [M, BD]
+
+    bt = bt_ptr + b * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BD], tl.float32)
+    acc, m_i, l_i = _attn_range(acc, m_i, l_i, q, k_base, v_base, bt, lo, full, seq_len, hh, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                BLOCK_N, BLOCK_SIZE, D, BD, False, False, DOT_PREC)
+    acc, m_i, l_i = _attn_range(acc, m_i, l_i, q, k_base, v_base, bt, full, hi, seq_len, hh, qk_scale,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                BLOCK_N, BLOCK_SIZE, D, BD, True, False, DOT_PREC)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]      # empty split or padded sequence: zeros
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + r * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    else:                                                    # partials [B, H, S, D] fp32, lse [B, H, S]
+        part = (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -1e30)
+        if FUSED_MERGE:
+            if n_act == 1:                                   # the whole context in split 0: the output itself
+                tl.store(out_ptr + r * stride_fb + head[:, None] * stride_fh + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=q_mask)
+            else:
+                tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+                tl.store(lse_ptr + part, lse, mask=row_ok)
+                # the last of the n_act splits of (sequence, kv head) to finish merges them all (no reduce
+                # launch): every thread's partial is stored before one release-acquire add on the pair's counter
+                tl.debug_barrier()
+                cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+                if tl.atomic_add(cnt, 1, sem="acq_rel") == n_act - 1:
+                    _merge_splits(o_ptr, lse_ptr, out_ptr, r, kvh * G, n_act, stride_fb, stride_fh,
+                                  (b * (G * tl.num_programs(1)) + kvh * G) * NUM_SPLITS,
+                                  G, GP, MERGE_S, NUM_SPLITS, D, BD)
+                    tl.atomic_xchg(cnt, 0)                   # zero again for the next launch (graph replays)
+        else:
+            tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+            tl.store(lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(part_ptr, lse_ptr, o_ptr, r, head0, n_act, stride_ob, stride_oh, base,
+                  G: tl.constexpr, GP: tl.constexpr, MERGE_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  D: tl.constexpr, BD: tl.constexpr):
+    """Log-sum-exp merge of splits [0, n_act) of heads head0 + [0, G) -> o row r. Partial (head hh, split s) is
+    row base + hh * NUM_SPLITS + s of part [., D] / lse. MERGE_S splits of every head are loaded at once (one
+    round trip for n_act <= MERGE_S, not one per split); partials come from L2 (.cg): other programs wrote
+    them during this launch."""
+    j = tl.arange(0, GP * MERGE_S)                           # flat (head, split) of one round
+    hh, sl = j // MERGE_S, j % MERGE_S
+    offs_d = tl.arange(0, BD)
+    m_run = tl.full([GP], -1e30, tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BD], tl.float32)
+    for s0 in range(0, n_act, MERGE_S):
+        ok = (hh < G) & (s0 + sl < n_act)
+        row = base + hh * NUM_SPLITS + s0 + sl
+        lse = tl.reshape(tl.load(lse_ptr + row, mask=ok, other=-1e30, cache_modifier=".cg"), [GP, MERGE_S])
+        o = tl.load(part_ptr + row[:, None] * D + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :],
+                    other=0.0, cache_modifier=".cg")         # [GP * MERGE_S, BD]
+        m_new = tl.maximum(m_run, tl.max(lse, 1))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.where(tl.reshape(ok, [GP, MERGE_S]), tl.exp2(lse - m_new[:, None]), 0.0)   # [GP, MERGE_S]
+        den = den * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(tl.reshape(o, [GP, MERGE_S, BD]) * w[:, :, None], 1)
+        m_run = m_new
+    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    g = tl.arange(0, GP)
+    tl.store(o_ptr + r * stride_ob + (head0 + g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, lse_ptr, o_ptr, cu_q_ptr, stride_ob, stride_oh,
+                   NUM_SPLITS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if VARLEN:
+        r = tl.load(cu_q_ptr + b).to(tl.int64)
+        if tl.load(cu_q_ptr + b + 1) - r != 1:
+            return
+    else:
+        r = b
+    row = b * tl.num_programs(1) + h
+    s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + s)            # [S]
+    w = tl.exp2(lse - tl.max(lse, 0))
+    d = tl.arange(0, BD)
+    o = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=d[None, :] < D)  # [S, BD]
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptr + r * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+# ---------------------------------------------------------------- launch configuration
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4                                                 # interpreter: small, still exercises splits
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Split count (a power of two) for a decode batch; depends only on host sizes, never on tensors.
+    Under CUDA graphs pass the same fixed max_seqlen_k (e.g. max_model_len) at capture and replay."""
+    sms = _num_sms(torch.device(device))
+    progs = max(1, batch * num_kv_heads)
+    if progs >= DECODE_NO_SPLIT_PROGRAMS_PER_SM * sms:      # enough (seq, head) programs to fill the chip
+        return 1
+    want = triton.cdiv(DECODE_TARGET_PROGRAMS_PER_SM * sms, progs)
+    cap = min(DECODE_MAX_SPLITS, max(1, max_seqlen_k // DECODE_MIN_SPLIT_TOKENS))
+    s = max(1, min(want, cap))
+    return 1 << (s.bit_length() - 1)                         # round down to a power of two
+
+
+DECODE_NO_SPLIT_PROGRAMS_PER_SM = 2
+DECODE_TARGET_PROGRAMS_PER_SM = 4
+DECODE_MAX_SPLITS = 32
+DECODE_MIN_SPLIT_TOKENS = 128
+
+
+def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Decode tiles; MIN_CHUNK: the fused merge's fewest keys per split (CPU: small, so tests reach the merge)."""
+    if device.type != "cuda":
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1, MIN_CHUNK=32)
+    if dtype == torch.float32 or d > 128:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
+    return dict(BLOCK_N=64, num_warps=2, num_stages=3, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
+
+
+DECODE_MERGE_SPLITS = 8                                      # splits per round of the fused merge's loads
+DECODE_FUSED_MIN_CHUNK = 64                                  # 256 measured slower at the 8B shape's batch 1
+#                                                              (one split per kv head at <= 256 keys: 306 vs 262 us)
+
+
+# ---------------------------------------------------------------- launchers
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, one per (sequence, kv head), that the fused merge counts split arrivals on (each launch
+    leaves them zero again)."""
+    return zeroed_counters("decode_merge", device, n)
+
+
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out, pdl=False,
+                   fused_merge=False):
+    """Grid (B, Hk, S). cu_q None: sequence b's query is row b; else rows come from cu_q and
+    sequences with q_len != 1 are skipped. pdl: both kernels launch as programmatic dependents.
+    fused_merge (S > 1): no reduce kernel; the last split of each (sequence, kv head) to finish merges them."""
+    launch = {"launch_pdl": True} if pdl else {}
+    H, D = q.shape[1], q.shape[2]
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    G = H // Hk
+    BD = triton.next_power_of_2(D)
+    varlen = cu_q is not None
+    cu_q = cu_q if varlen else seq_lens                      # unused when not varlen
+    if S > 1:
+        part = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+        dst, sob, soh = part, 0, 0
+    else:
+        lse, dst, sob, soh = out, out, out.stride(0), out.stride(1)
+    fused = fused_merge and S > 1
+    merge = dict(out_ptr=out, cnt_ptr=merge_counters(q.device, B * Hk), stride_fb=out.stride(0),
+                 stride_fh=out.stride(1), FUSED_MERGE=True, MIN_CHUNK=cfg.get("MIN_CHUNK", 256),
+                 GP=triton.next_power_of_2(G),
+                 MERGE_S=min(triton.next_power_of_2(S), DECODE_MERGE_SPLITS)) if fused else {}
+    _decode_kernel[(B, Hk, S)](
+        q, k_cache, v_cache, dst, lse, block_tables, seq_lens, cu_q, scale * LOG2E,
+        q.stride(0), q.stride(1), sob, soh, block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
+        NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype), USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **merge, **launch)
+    if S > 1 and not fused:
+        _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),
+                               NUM_SPLITS=S, D=D, BD=BD, VARLEN=varlen, USE_PDL=pdl,
+                               num_warps=1 if BD * S <= 1024 else 4, **launch)
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seqlen_k_hint: int, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, config: dict | None = None,
+                           pdl: bool = False, fused_merge: bool = False) -> torch.Tensor:
+    """One query per sequence. q [B, H, D] (any strides, D contiguous); block_tables [B, W] int32;
+    seq_lens [B] int32 (0 allowed: padded rows give zeros). Returns [B, H, D].
+    No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits. fused_merge: the splits
+    are merged inside the decode kernel by the last one to finish (one launch instead of two; splits past a
+    sequence's context exit at once), EngineConfig.decode_fused_merge."""
+    B, H, D = q.shape
+    Hk = k_cache.shape[2]
+    assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    if B:
+        cfg = dict(_decode_config(H // Hk, D, q.dtype, q.device), **(config or {}))
+        S = num_splits or decode_num_splits(B, Hk, max_seqlen_k_hint, q.device)
+        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out, pdl, fused_merge)
+    return out

@@ -1,0 +1,50 @@
+"""The fused split merge of decode attention over several rounds of loads, and the one-launch Gumbel-max sampler
+against the torch-reduced one (same noise, so the same tokens) on random inputs at odd sizes."""
+import pytest
+import torch
+
+from engine.kernels import decode_attention
+from engine.kernels import triton_ops as tk
+from engine.kernels.paged_attention_ref import paged_attention_decode_ref
+from engine.kernels.sampling import gumbel_sample
+from tests.test_kernels import DEV, GPU, TOL, make_batch, rand, rel_err
+
+
+@pytest.mark.parametrize("merge_splits", [2, 8])
+def test_fused_merge_rounds(monkeypatch, merge_splits):
+    """n_act above MERGE_S: the merge's online combine over rounds; G = 3 (padded heads), D = 24."""
+    monkeypatch.setattr(decode_attention, "DECODE_MERGE_SPLITS", merge_splits)
+    H, Hk, D = (12, 4, 24)
+    seq_lens = [1, 131, 37, 250] + ([3001, 4095] if GPU else [])
+    dtype = torch.bfloat16 if GPU else torch.float32
+    q, kc, vc, md = make_batch([1] * len(seq_lens), seq_lens, H, Hk, D, 16, dtype)
+    scale = D ** -0.5
+    for _ in range(2):                                       # the second launch reuses the re-zeroed counters
+        out = tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, md.max_seqlen_k,
+                                        num_splits=8, fused_merge=True)
+        ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
+        assert rel_err(out, ref) < TOL[dtype]
+    assert int(decode_attention.merge_counters(DEV, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("B,V", [(1, 3001), (5, 2047)])
+def test_gumbel_one_launch_matches_torch_reduce(B, V):
+    from engine.kernels.counters import zeroed_counters
+    logits = rand(B, V) * 2
+    logits[0, 5] = logits[0, V - 3] = logits[0].max() + 1   # a tie across chunks: the first index wins
+    temp = torch.tensor([0.0, 0.9, 0.0, 1.7, 0.4][:B], device=DEV)
+    for seed in (3, 12345):
+        for chunk in (None, 512):
+            one = gumbel_sample(logits, temp, seed, chunk=chunk, one_launch=True)
+            two = gumbel_sample(logits, temp, seed, chunk=chunk, one_launch=False)
+            assert one.dtype == torch.int64 and torch.equal(one, two)
+        greedy = temp <= 0
+        assert torch.equal(one[greedy], logits.argmax(-1)[greedy])
+        assert one[0] == 5
+    assert int(zeroed_counters("gumbel_rows", DEV, 1).abs().sum()) == 0
+
+
+def test_gumbel_chunk_fills_the_chip():
+    from engine.kernels.sampling import _chunk_for
+    assert _chunk_for(1, 128256, DEV) == (512 if GPU else 8192)   # H200 (132 SMs): 251 programs
+    assert _chunk_for(1, 3001, DEV) == 512 and _chunk_for(256, 128256, DEV) == 8192
