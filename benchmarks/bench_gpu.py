@@ -100,6 +100,17 @@ LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enab
                                                                     enable_pdl=True)}
 
 
+ABLATIONS = {"kernels=torch": dict(kernels="torch"), "no cuda graphs": dict(enable_cuda_graphs=False),
+             "no mixed-step cuda graphs": dict(mixed_cuda_graphs=False),
+             "no chunked prefill": dict(enable_chunked_prefill=False), "static batching": dict(scheduling="static"),
+             "num_scheduler_steps=1": dict(num_scheduler_steps=1),
+             "multi_step_max_ms=4 (the server's default)": dict(multi_step_max_ms=4.0),
+             "multi_step_admit_min=1": dict(multi_step_admit_min=1),
+             "no prefix caching": dict(enable_prefix_caching=False),
+             "decode_fused_merge=True": dict(decode_fused_merge=True), "gemv_variant=tiled": dict(gemv_variant="tiled"),
+             "fused_qk_norm=False": dict(fused_qk_norm=False)}           # Qwen3 (q/k norm) shapes only
+
+
 def bench_latency(bw: float, cfg: dict, configs: list[str]) -> list[dict]:
     weights, kv = model_bytes(cfg)
     rows = []
@@ -201,6 +212,7 @@ def main():
                     "eager,previous kernels (tiled; no fused merge)",
                     help=f"comma-separated, of {list(LATENCY_CONFIGS)}")
     ap.add_argument("--ablations", default="", help="comma-separated ablation names to run (default: all)")
+    ap.add_argument("--prefill-ablations", default="", help="ablation names also run on the prefill-heavy workload")
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
@@ -259,17 +271,12 @@ def main():
         if "prefill_total_tok_s" in peer:
             rows.append(dict(bench="prefill-heavy", config=f"vLLM {peer['version']}", tok_s=peer["prefill_total_tok_s"],
                              seconds=peer["prefill_seconds"], ratio=total / peer["prefill_total_tok_s"]))
+        for name in filter(None, args.prefill_ablations.split(",")):
+            dt, n = run_engine(pp, po, max_model_len=4200, **ABLATIONS[name])
+            rows.append(dict(bench="prefill-heavy", config=name, seconds=dt, out_tokens=n,
+                             tok_s=(sum(map(len, pp)) + n) / dt, ratio=(sum(map(len, pp)) + n) / dt / total))
     if "ablation" in sections:
-        for name, sw in [("kernels=torch", dict(kernels="torch")), ("no cuda graphs", dict(enable_cuda_graphs=False)),
-                         ("no mixed-step cuda graphs", dict(mixed_cuda_graphs=False)),
-                         ("no chunked prefill", dict(enable_chunked_prefill=False)),
-                         ("static batching", dict(scheduling="static")),
-                         ("num_scheduler_steps=1", dict(num_scheduler_steps=1)),
-                         ("multi_step_max_ms=4 (the server's default)", dict(multi_step_max_ms=4.0)),
-                         ("multi_step_admit_min=1", dict(multi_step_admit_min=1)),
-                         ("no prefix caching", dict(enable_prefix_caching=False)),
-                         ("decode_fused_merge=True", dict(decode_fused_merge=True)),
-                         ("gemv_variant=tiled", dict(gemv_variant="tiled"))]:
+        for name, sw in ABLATIONS.items():
             if args.ablations and name not in args.ablations.split(","):
                 continue
             try:

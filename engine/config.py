@@ -97,6 +97,8 @@ class EngineConfig:
     #                                     per projection shape on an H200; the rule elsewhere), "tiled" (the rule:
     #                                     programs of BLOCK_N rows walking K), "persistent" (a few programs per SM,
     #                                     the prologue once per program, whole-K rows streamed a tile or two ahead)
+    fused_qk_norm: bool = True          # q/k RMSNorm (Qwen3) in place on the qkv views, a tile of tokens a program;
+    #                                     False: q/k copied contiguous, then one program per (token, head) row
     decode_fused_merge: bool = False    # split-K decode attention merges its splits in the kernel (the last split
     #                                     of a sequence and kv head to finish; splits past the context exit at
     #                                     once): one launch per layer instead of decode + reduce (triton kernels);
@@ -206,6 +208,7 @@ class EngineConfig:
              "gemv_max_tokens", "must be None or an int in [0, 16]")
         need(self.gemv_variant in _GEMV_VARIANTS, "gemv_variant", f"must be one of {_GEMV_VARIANTS}")
         need(isinstance(self.decode_fused_merge, bool), "decode_fused_merge", "must be a bool")
+        need(isinstance(self.fused_qk_norm, bool), "fused_qk_norm", "must be a bool")
         need(isinstance(self.sampler_one_launch, bool), "sampler_one_launch", "must be a bool")
         need(self.enable_pdl in (None, True, False), "enable_pdl", "must be None, True or False")
         need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,

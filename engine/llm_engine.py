@@ -123,7 +123,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         set_tensor_cores(self.model, tc)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
-        self.model.set_decode_kernels(config.gemv_variant, config.decode_fused_merge)
+        self.model.set_kernel_options(config)
         if ex is not None:
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)

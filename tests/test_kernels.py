@@ -66,6 +66,24 @@ def _qkv(T, H, Hk, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hk,D", [(1, 9, 3, 32), (37, 5, 3, 24)] + ([(257, 16, 8, 128), (4099, 32, 8, 128)] if GPU else []))
+def test_head_rms_norm_in_place(dtype, T, H, Hk, D):
+    """Qwen3's q/k norm on the strided views of a qkv output, in place: q and k match the reference, v is untouched."""
+    q, k, v = _qkv(T, H, Hk, D, dtype)
+    wq, wk = rand(D, dtype=dtype), rand(D, dtype=dtype)
+    q_ref = torch_ops.rms_norm(q.double(), wq.double(), 1e-6)[0]
+    k_ref = torch_ops.rms_norm(k.double(), wk.double(), 1e-6)[0]
+    v_before = v.clone()
+    assert tk.head_rms_norm_(q, wq, 1e-6) is q and tk.head_rms_norm_(k, wk, 1e-6) is k
+    assert rel_err(q, q_ref) < TOL[dtype] and rel_err(k, k_ref) < TOL[dtype]
+    assert torch.equal(v, v_before)
+    q2, _, _ = _qkv(T, H, Hk, D, dtype)                     # the torch backend's in-place op: same contract
+    q2_ref = torch_ops.rms_norm(q2, wq, 1e-6)[0]
+    torch_ops.head_rms_norm_(q2, wq, 1e-6)
+    assert torch.equal(q2, q2_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,H,Hk,D", [(1, 9, 3, 32), (6, 9, 3, 64)] + ([(257, 32, 8, 64), (31, 12, 4, 128)] if GPU else []))
 def test_apply_rope(dtype, T, H, Hk, D):
     q, k, _ = _qkv(T, H, Hk, D, dtype)

@@ -106,3 +106,24 @@ def test_bundled_smollm2_greedy_matches_hf_generate(smollm2_engine_factory):
             ref = hf.generate(ids, max_new_tokens=40, do_sample=False, min_new_tokens=40)[0, ids.shape[1]:]
         assert o.token_ids == ref.tolist(), (o.text, tok.decode(ref))
     assert "Paris" in ours[0].text
+
+
+@pytest.mark.parametrize("fused_qk_norm", [True, False])
+def test_qwen3_qk_norm_triton_matches_hf(fused_qk_norm, tmp_path):
+    """Qwen3's q/k norm on the Triton path (interpreter here): in place on the qkv views (EngineConfig.fused_qk_norm)
+    or copied and normalized row by row; both give HF's greedy tokens, batched and chunked."""
+    hf = _hf_model("qwen3", tmp_path)
+    eng = LLMEngine(model=str(tmp_path), device="cpu", kernels="triton", block_size=4, max_num_batched_tokens=16,
+                    num_kv_blocks=64, enable_prefix_caching=False, fused_qk_norm=fused_qk_norm)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 21)]
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    ours = [outs[k] for k in sorted(outs, key=lambda r: int(r.split("-")[1]))]
+    with torch.no_grad():
+        for p, toks in zip(prompts, ours):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p):]
+            assert toks == ref.tolist()

@@ -79,7 +79,7 @@ def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
     model = build_model(args["hf_config"], weights, ops, device, dtype, max_pos=args["max_pos"],
                         seed=config.seed, tp=tp)
     model.gemv_max_tokens, model.gemv_pdl = args["gemv_max_tokens"], args["gemv_pdl"]
-    model.set_decode_kernels(config.gemv_variant, config.decode_fused_merge)
+    model.set_kernel_options(config)
     conn.send(("loaded",))
     mcfg = ModelConfig.from_hf(args["hf_config"])
     runner = None

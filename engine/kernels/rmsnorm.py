@@ -48,5 +48,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.view(shape), (res.view(shape) if residual is not None else x)
 
 
+@triton.jit
+def _head_rms_norm_kernel(x_ptr, w_ptr, T, stride_t, stride_h, eps,
+                          D: tl.constexpr, BD: tl.constexpr, BLOCK_T: tl.constexpr):
+    # x [T, nH, D] (a strided view, D contiguous), normalized in place; program (token block, head)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs = tl.arange(0, BD)
+    mask = (rows < T)[:, None] & (offs < D)[None, :]
+    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_t + tl.program_id(1) * stride_h + offs[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)                # [BLOCK_T, BD]
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    y = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm (Qwen3's q/k norm) of x [T, nH, D] in place, on the q/k views of the packed qkv output
+    (no copy to make them contiguous; a tile of tokens per program, not one short row per program)."""
+    T, nH, D = x.shape
+    assert x.stride(2) == 1 and weight.is_contiguous()
+    if T:
+        BD = triton.next_power_of_2(D)
+        BLOCK_T = max(1, min(32, 4096 // BD, triton.next_power_of_2(T)))
+        _head_rms_norm_kernel[(triton.cdiv(T, BLOCK_T), nH)](x, weight, T, x.stride(0), x.stride(1), eps,
+                                                             D=D, BD=BD, BLOCK_T=BLOCK_T, num_warps=4)
+    return x
+
+
 def rms_norm_ref(x, weight, eps, residual=None):
     return torch_ops.rms_norm(x, weight, eps, residual)

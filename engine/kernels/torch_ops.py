@@ -18,6 +18,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * out.to(x.dtype), residual
 
 
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, nH, D] (a view) <- RMSNorm over D * weight, in place; returns x."""
+    return x.copy_(rms_norm(x, weight, eps)[0])
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)

@@ -57,7 +57,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hk) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
-        self.decode_fused_merge = False                       # see LlamaForCausalLM.set_decode_kernels
+        self.decode_fused_merge = False                       # see LlamaForCausalLM.set_kernel_options
+        self.fused_qk_norm = True
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -91,7 +92,10 @@ class Attention(nn.Module):
         q = q.view(T, self.h, self.d)                          # [T, H, D]
         k = k.view(T, self.hk, self.d)                         # [T, Hk, D]
         v = v.view(T, self.hk, self.d)
-        if self.qk_norm:
+        if self.qk_norm and self.fused_qk_norm:                 # in place on the qkv views
+            self.ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
+            self.ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
+        elif self.qk_norm:
             q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0].view(T, self.h, self.d)
             k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0].view(T, self.hk, self.d)
         self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping,
@@ -147,11 +151,13 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
         self.gemv_variant = "auto"         # their launch (EngineConfig.gemv_variant)
 
-    def set_decode_kernels(self, gemv_variant: str = "auto", fused_merge: bool = False) -> None:
-        """EngineConfig.gemv_variant and decode_fused_merge (Triton launch options; the torch ops ignore them)."""
-        self.gemv_variant = gemv_variant
+    def set_kernel_options(self, config) -> None:
+        """EngineConfig.gemv_variant, decode_fused_merge (Triton launch options; the torch ops ignore them) and
+        fused_qk_norm."""
+        self.gemv_variant = config.gemv_variant
         for layer in self.model.layers:
-            layer.self_attn.decode_fused_merge = fused_merge
+            layer.self_attn.decode_fused_merge = config.decode_fused_merge
+            layer.self_attn.fused_qk_norm = config.fused_qk_norm
 
 
     def forward(self, input_ids: torch.Tensor, md: AttentionMetadata,

@@ -61,7 +61,7 @@ def load_draft_model(engine):
     model = build_model(hf_cfg, weights, engine.ops, engine.device, engine.dtype,
                         max_pos=engine.max_model_len + cfg.num_speculative_tokens + 1, seed=seed)
     model.gemv_max_tokens, model.gemv_pdl = engine.model.gemv_max_tokens, engine.model.gemv_pdl
-    model.set_decode_kernels(engine.config.gemv_variant, engine.config.decode_fused_merge)
+    model.set_kernel_options(engine.config)
     kv = torch.zeros(2, dcfg.num_layers, engine.num_blocks, cfg.block_size, dcfg.num_kv_heads, dcfg.head_dim,
                      dtype=engine.dtype, device=engine.device)
     for i, layer in enumerate(model.model.layers):
