@@ -29,9 +29,9 @@ from benchmarks.common import device_name, print_table, slug, write_json  # noqa
 # first match wins; names of cuBLAS / CUTLASS / FlashAttention / Triton / torch.compile kernels on Hopper
 CLASSES = [
     ("sampling", r"gumbel|sampl|argmax|topk|top_k|exponential|softmax|log_softmax|multinomial"),
+    ("RoPE + KV store", r"rope|rotary|kv_store|store_kv|reshape_and_cache|kvcache"),
     ("attention", r"paged_|flash|fwd_kernel|attn|attention|splitkv|combine|_merge|prefill|decode"),
     ("GEMM / GEMV", r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|fused_linear|_linear|Kernel2|splitKreduce"),
-    ("RoPE + KV store", r"rope|rotary|kv_store|store_kv|reshape_and_cache|kvcache"),
     ("RMSNorm (+ add)", r"rms|norm|rsqrt"),
     ("SiLU-and-mul", r"silu|act_and_mul|swiglu"),
     ("embedding / gather", r"embedding|index_select|gather|indexSelect"),
