@@ -1,9 +1,9 @@
 """One dispatch layer between the model and its kernels: `get_ops("torch" | "triton")`.
 
 Both backends expose the same functions with the same signatures (see torch_ops.py for the contract):
-rms_norm, head_rms_norm_ (Qwen3's q/k norm, in place), silu_and_mul, apply_rope, store_kvcache, rope_and_store, paged_attention, fused_linear
-(a small-batch linear with RMSNorm / SiLU-mul prologue and residual epilogue), fused_qkv_rope_store (the
-small-batch q/k/v linear with RoPE and the KV store in its epilogue).
+rms_norm, head_rms_norm_ (Qwen3's q/k norm, in place), silu_and_mul, apply_rope, store_kvcache, rope_and_store,
+paged_attention, fused_linear (a small-batch linear with RMSNorm / SiLU-mul prologue and residual epilogue),
+fused_qkv_rope_store (the small-batch q/k/v linear with RoPE and the KV store in its epilogue).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 from . import torch_ops
 
-_NAMES = ("rms_norm", "head_rms_norm_", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store", "paged_attention",
-          "fused_linear", "fused_qkv_rope_store")
+_NAMES = ("rms_norm", "head_rms_norm_", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store",
+          "paged_attention", "fused_linear", "fused_qkv_rope_store")
 
 
 def pdl_supported(device) -> bool:

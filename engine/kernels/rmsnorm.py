@@ -48,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.view(shape), (res.view(shape) if residual is not None else x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])                        # run-time size: no recompile per token count
 def _head_rms_norm_kernel(x_ptr, w_ptr, T, stride_t, stride_h, eps,
                           D: tl.constexpr, BD: tl.constexpr, BLOCK_T: tl.constexpr):
     # x [T, nH, D] (a strided view, D contiguous), normalized in place; program (token block, head)
@@ -70,7 +70,7 @@ def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     assert x.stride(2) == 1 and weight.is_contiguous()
     if T:
         BD = triton.next_power_of_2(D)
-        BLOCK_T = max(1, min(32, 4096 // BD, triton.next_power_of_2(T)))
+        BLOCK_T = max(1, min(32, 4096 // BD))                 # fixed per head size: one compile
         _head_rms_norm_kernel[(triton.cdiv(T, BLOCK_T), nH)](x, weight, T, x.stride(0), x.stride(1), eps,
                                                              D=D, BD=BD, BLOCK_T=BLOCK_T, num_warps=4)
     return x

@@ -8,5 +8,6 @@ from .qkv_rope import fused_qkv_rope_store
 from .rmsnorm import head_rms_norm_, rms_norm
 from .rope import apply_rope, rope_and_store
 
-__all__ = ["rms_norm", "head_rms_norm_", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store", "paged_attention",
+__all__ = ["rms_norm", "head_rms_norm_", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store",
+           "paged_attention",
            "fused_linear", "fused_qkv_rope_store", "paged_attention_decode", "decode_num_splits"]

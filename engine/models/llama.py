@@ -95,9 +95,10 @@ class Attention(nn.Module):
         if self.qk_norm and self.fused_qk_norm:                 # in place on the qkv views
             self.ops.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
             self.ops.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
-        elif self.qk_norm:
-            q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0].view(T, self.h, self.d)
-            k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0].view(T, self.hk, self.d)
+        elif self.qk_norm:                                      # copies of the views, one row a program
+            q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0]
+            k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0]
+            q, k = q.view(T, self.h, self.d), k.view(T, self.hk, self.d)
         self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping,
                                 pdl=pdl)
         return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl,
