@@ -10,7 +10,8 @@ self-drafting steps in CUDA graphs on a GPU (spec_cuda_graphs); "+noauto" turns 
 "+eager" runs its verify / draft steps eagerly (spec_cuda_graphs=False, a separate engine), "+general" verifies
 through the general path instead of the plain-greedy fast path (EngineConfig.spec_fast_verify, same engine),
 "+noshadow" probes auto-off by verify steps (EngineConfig.spec_shadow_probes off, same engine), "+long" lets
-n-gram drafts grow to --k-long after a draft accepted whole (num_speculative_tokens_max, same engine).
+n-gram drafts grow to --k-long after a draft accepted whole (num_speculative_tokens_max, same engine),
+"+everyblock" / "+confirm" turn spec_shadow_every_block / spec_shadow_confirm on (same engine).
 Methods: none; ngram (prompt lookup); self (SmolLM2's first L layers + final norm + LM head); draft (a
 separate model: SmolLM2 truncated to its first layers, saved as its own folder, own KV pool: no training).
 
@@ -216,16 +217,21 @@ def main():
                 eng.drafter.shadow_probes = eng.config.spec_shadow_probes and eng.drafter.supports_shadow \
                     and "noshadow" not in flags
                 eng.drafter.k = eng.config.max_speculative_tokens if "long" in flags else eng.drafter.k_base
+                eng.drafter.every_block = eng.config.spec_shadow_every_block or "everyblock" in flags
+                eng.drafter.confirm = eng.config.spec_shadow_confirm or "confirm" in flags
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
             ntok = sum(len(o.token_ids) for o in outs)
             label = labels[base] + (" adaptive" if adaptive else "") + (" no-auto-off" if noauto else "") + \
                 (" eager-verify" if eager else "") + (" general-verify" if "general" in method.split("+") else "") + \
                 (" no-shadow-probes" if "noshadow" in method.split("+") else "") + \
-                (f" long<={args.k_long}" if "long" in method.split("+") else "")
+                (f" long<={args.k_long}" if "long" in method.split("+") else "") + \
+                (" every-block" if "everyblock" in method.split("+") else "") + \
+                (" confirm" if "confirm" in method.split("+") else "")
             row = dict(workload=wl, mode=mode, method=label, out_tokens=ntok, wall_s=wall,
                        tok_s=ntok / wall,
                        tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs),
+                       ttft_ms=1e3 * sum(o.ttft or 0 for o in outs) / len(outs),
                        loadavg_1m=os.getloadavg()[0])
             key = (wl, mode)
             toks = [o.token_ids for o in outs]
@@ -263,7 +269,7 @@ def main():
     path = write_json(f"spec_{slug(dev)}{args.tag}", payload)
     print()
     print_table(rows, ["workload", "mode", "method", "out_tokens", "tok_s", "speedup", "accept_rate",
-                       "mean_len", "draft_tokens", "tpot_ms", "identical"])
+                       "mean_len", "draft_tokens", "tpot_ms", "ttft_ms", "identical"])
     print(f"\nwrote {path}")
 
 
