@@ -25,7 +25,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.bench_spec import WORKLOADS, run_mode  # noqa: E402
+from benchmarks.bench_spec import WORKLOADS, run_mode, set_shadow_flags  # noqa: E402
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLM, SamplingParams, multi_step  # noqa: E402
 
@@ -92,8 +92,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--methods", default="none,ngram", help="'ngram+FIELD' sets a drafter attribute on "
-                    "(every_block, confirm) or 'ngram+noshadow'")
+    ap.add_argument("--methods", default="none,ngram", help="flags as bench_spec.py's: +noshadow, +main, "
+                    "+everyblock / +noeveryblock, +confirm / +noconfirm, +prefetch / +noprefetch")
     ap.add_argument("--modes", default="b1,b8")
     ap.add_argument("--workloads", default="rewrite,chat")
     ap.add_argument("--reps", type=int, default=3)
@@ -119,8 +119,7 @@ def main():
                     d = llm.engine.drafter
                     if d is not None:
                         d.shadow_probes = d.supports_shadow and "noshadow" not in flags
-                        d.every_block = "everyblock" in flags
-                        d.confirm = "confirm" in flags
+                        set_shadow_flags(d, flags)
                     clock.reset()
                     outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
                     ntok = sum(len(o.token_ids) for o in outs)

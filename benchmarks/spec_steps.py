@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from benchmarks.bench_spec import WORKLOADS  # noqa: E402
+from benchmarks.bench_spec import WORKLOADS, set_shadow_flags  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from engine import LLM, SamplingParams, multi_step  # noqa: E402
 
@@ -106,8 +106,7 @@ def main():
         d = eng.drafter
         if d is not None:
             d.shadow_probes = eng.config.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
-            d.every_block = eng.config.spec_shadow_every_block or "everyblock" in flags
-            d.confirm = eng.config.spec_shadow_confirm or "confirm" in flags
+            set_shadow_flags(d, flags)
             d.k = eng.config.max_speculative_tokens if "long" in flags or over.get("num_speculative_tokens_max") \
                 else d.k_base
         for wl in args.workloads.split(","):

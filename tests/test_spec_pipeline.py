@@ -26,6 +26,8 @@ def test_config_validation():
         EngineConfig(spec_shadow_every_block=1)
     with pytest.raises(ValueError, match="spec_shadow_confirm"):
         EngineConfig(spec_shadow_confirm=0)
+    with pytest.raises(ValueError, match="spec_prefetch"):
+        EngineConfig(spec_prefetch=None)
     with pytest.raises(ValueError, match="num_speculative_tokens_max"):
         EngineConfig(speculative_method="ngram", num_speculative_tokens=4, num_speculative_tokens_max=3)
     with pytest.raises(ValueError, match="num_speculative_tokens_max"):

@@ -53,8 +53,7 @@ class _Accept:
 
     def __init__(self, klen: int = 0):
         self.num, self.den, self.idle = 1.0, 2.0, 0     # prior: a = 0.5
-        # auto-off: a request's first draft is a probe, so its own acceptance decides (a failed one doubles
-        # the gap to _PROBE_FIRST)
+        # auto-off: a request's first draft is a probe, its own acceptance decides (failed: gap to _PROBE_FIRST)
         self.off, self.next_probe, self.gap = True, 0, _PROBE_FIRST // 2
         self.verified = False
         self.first = True           # shadow probes: the first probe is still a real one (drafted and verified)
@@ -96,9 +95,8 @@ class Drafter(ShadowProbes):
         self.adaptive = engine.config.speculative_adaptive
         self.auto_off = engine.config.speculative_auto_off
         self.shadow_probes = engine.config.spec_shadow_probes and self.supports_shadow
-        # EngineConfig.spec_shadow_every_block: a request in the shadow is replayed after every block (no probe gap)
-        self.every_block = engine.config.spec_shadow_every_block
-        self.confirm = engine.config.spec_shadow_confirm       # (EngineConfig.spec_shadow_confirm)
+        self.every_block = cfg.spec_shadow_every_block      # shadow replays after every block (no probe gap)
+        self.confirm = cfg.spec_shadow_confirm              # a replay's switch on waits for the next one's
         self.shadow = SpecStats(self.k)         # shadow probes' drafts and how many would have been accepted
         self._accept: dict[str, _Accept] = {}
         self._t_plain: dict[int, float] = {}               # batch bucket -> s per plain decode iteration
@@ -224,8 +222,7 @@ class Drafter(ShadowProbes):
         return cands
 
     def _switch_off(self, seq: Sequence, st: _Accept) -> None:
-        if self.every_block and self._shadowing and not st.first:
-            # shadow probes cost nothing: no gap, no backoff; the shadow replays from here after each block
+        if self.every_block and self._shadowing and not st.first:      # shadow probes are free: no gap, backoff
             st.off, st.next_probe = True, seq.num_output_tokens
             return
         if st.off:                                      # a failed probe: wait longer next time
@@ -255,6 +252,9 @@ class Drafter(ShadowProbes):
                     ((st.first or not shadow) and seq.num_output_tokens >= st.next_probe):
                 return True
         return False
+
+    def prefetch(self, sched) -> None:
+        """Host work a first proposal needs, done while a prefill's forward runs (n-gram: the prompt's index)."""
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
         """Set seq.spec_token_ids (at most k tokens) for each (seq, k); optionally self._q[rid]."""

@@ -61,14 +61,8 @@ class ShadowProbes:
                 on = [self._accept.get(s.request_id) for s in running]
                 gain_on = sum(expected_tokens(a.rate, k) - 1 for a in on if a is not None and not a.off)
             self._after_verify(seq, st, batch)
-            if self.confirm and not st.off:
-                if not pending:
-                    # on only if the replay of the block now in flight agrees: that block returns before any
-                    # draft could run, so waiting for it costs no lag, and a chance run of matches no verify step
-                    st.off, st.pending, st.next_probe = True, True, pos
-                    continue
-                if expected_tokens(num / den, k) - 1 < self.cost_ratio(batch, k) - 1:
-                    self._switch_off(seq, st)           # this block's replays alone would not pay: stay off
+            if pending and not st.off and expected_tokens(num / den, k) - 1 < self.cost_ratio(batch, k) - 1:
+                self._switch_off(seq, st)               # this block's replays alone would not pay: stay off
             if self.every_block and st.off:        # replay again after the next block, from where this one ended
                 st.next_probe, st.gap = pos, PROBE_FIRST
             if not st.off:
@@ -80,6 +74,11 @@ class ShadowProbes:
                     self._switch_off(seq, st)
                 else:
                     gain_on += gain
+                    if self.confirm and not pending:
+                        # on only if the replay of the block now in flight agrees: that block returns before any
+                        # draft could run, so waiting for it adds no lag, and a chance run of matches costs a
+                        # pipeline restart instead of verify steps
+                        st.off, st.pending, st.next_probe = True, True, pos
 
     def shadow_draft(self, seq: Sequence, lo: int, hi: int, k: int) -> tuple[int, list[int]] | None:
         """(L, draft): the first history length L in [lo, hi] at which this drafter would have drafted, and that
