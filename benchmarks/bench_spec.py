@@ -10,7 +10,9 @@ self-drafting steps in CUDA graphs on a GPU (spec_cuda_graphs); "+noauto" turns 
 "+eager" runs its verify / draft steps eagerly (spec_cuda_graphs=False, a separate engine), "+general" verifies
 through the general path instead of the plain-greedy fast path (EngineConfig.spec_fast_verify, same engine),
 "+noshadow" probes auto-off by verify steps (EngineConfig.spec_shadow_probes off, same engine), "+long" lets
-n-gram drafts grow to --k-long after a draft accepted whole (num_speculative_tokens_max, same engine).
+n-gram drafts grow to --k-long after a draft accepted whole (num_speculative_tokens_max, same engine),
+"+everyblock" / "+confirm" / "+prefetch" turn spec_shadow_every_block / spec_shadow_confirm / spec_prefetch on,
+"+noeveryblock" / "+noconfirm" / "+noprefetch" off, "+main" all three off (the settings before them) (same engine).
 Methods: none; ngram (prompt lookup); self (SmolLM2's first L layers + final norm + LM head); draft (a
 separate model: SmolLM2 truncated to its first layers, saved as its own folder, own KV pool: no training).
 
@@ -120,6 +122,19 @@ def token_prompts(workload: str, vocab: int, n: int = 4) -> list[list[int]]:
     return out
 
 
+SHADOW_FLAGS = ("main", "everyblock", "noeveryblock", "confirm", "noconfirm", "prefetch", "noprefetch")
+
+
+def set_shadow_flags(d, flags: list[str]) -> None:
+    """Per-run switches of one engine's drafter: '+main' = every_block, confirm and prefetch off, '+X' / '+noX'."""
+    cfg = d.engine.config
+    for attr, name, default in (("every_block", "everyblock", cfg.spec_shadow_every_block),
+                                ("confirm", "confirm", cfg.spec_shadow_confirm),
+                                ("prefetch_prompts", "prefetch", cfg.spec_prefetch)):
+        on = False if "main" in flags else default
+        setattr(d, attr, (on or name in flags) and f"no{name}" not in flags)
+
+
 def run_mode(llm: LLM, prompts: list[str], mode: str, sp: SamplingParams):
     eng = llm.engine
     if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
@@ -216,16 +231,19 @@ def main():
                 eng.drafter.shadow_probes = eng.config.spec_shadow_probes and eng.drafter.supports_shadow \
                     and "noshadow" not in flags
                 eng.drafter.k = eng.config.max_speculative_tokens if "long" in flags else eng.drafter.k_base
+                set_shadow_flags(eng.drafter, flags)
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
             ntok = sum(len(o.token_ids) for o in outs)
             label = labels[base] + (" adaptive" if adaptive else "") + (" no-auto-off" if noauto else "") + \
                 (" eager-verify" if eager else "") + (" general-verify" if "general" in method.split("+") else "") + \
                 (" no-shadow-probes" if "noshadow" in method.split("+") else "") + \
-                (f" long<={args.k_long}" if "long" in method.split("+") else "")
+                (f" long<={args.k_long}" if "long" in method.split("+") else "") + \
+                "".join(f" {f}" for f in method.split("+")[1:] if f in SHADOW_FLAGS)
             row = dict(workload=wl, mode=mode, method=label, out_tokens=ntok, wall_s=wall,
                        tok_s=ntok / wall,
                        tpot_ms=1e3 * sum(o.tpot or 0 for o in outs) / len(outs),
+                       ttft_ms=1e3 * sum(o.ttft or 0 for o in outs) / len(outs),
                        loadavg_1m=os.getloadavg()[0])
             key = (wl, mode)
             toks = [o.token_ids for o in outs]
@@ -263,7 +281,7 @@ def main():
     path = write_json(f"spec_{slug(dev)}{args.tag}", payload)
     print()
     print_table(rows, ["workload", "mode", "method", "out_tokens", "tok_s", "speedup", "accept_rate",
-                       "mean_len", "draft_tokens", "tpot_ms", "identical"])
+                       "mean_len", "draft_tokens", "tpot_ms", "ttft_ms", "identical"])
     print(f"\nwrote {path}")
 
 

@@ -13,6 +13,10 @@ workloads on the CPU with num_scheduler_steps as on the GPU and counts, per meth
   identical     greedy output equal to plain decoding's
 
     python benchmarks/spec_steps.py [--methods none,ngram] [--workloads chat,rewrite] [--modes b1,b8]
+
+Method flags (one engine per base method, switched per run as bench_spec.py does): "ngram+noshadow" probes by
+verify steps (spec_shadow_probes off), "ngram+long" lets drafts grow to --k-long (num_speculative_tokens_max),
+"ngram+everyblock" turns spec_shadow_every_block on (shadow replays after every block, no probe gap).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from benchmarks.bench_spec import WORKLOADS  # noqa: E402
+from benchmarks.bench_spec import WORKLOADS, set_shadow_flags  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
 from engine import LLM, SamplingParams, multi_step  # noqa: E402
 
@@ -74,6 +78,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cost-ratio", type=float, default=None,
                     help="fix auto-off's verify/plain cost ratio (the CPU's own measured ratio is far above a GPU's)")
+    ap.add_argument("--k-long", type=int, default=8, help="'+long': num_speculative_tokens_max")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.cost_ratio is not None:
@@ -85,13 +90,25 @@ def main():
         k, v = kv.split("=", 1)
         over[k] = json.loads(v) if v not in ("None",) else None
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    rows, base = [], {}
+    rows, base_toks = [], {}
+    engines = {}
     for method in args.methods.split(","):
-        cfg = {} if method == "none" else dict(NGRAM, **over)
-        llm = LLM(model=args.model, device="cpu", cpu_kv_cache_gib=0.25, max_model_len=2048, max_num_seqs=16,
-                  num_scheduler_steps=args.num_scheduler_steps, **cfg)
+        base, flags = method.split("+")[0], method.split("+")[1:]
+        if base not in engines:
+            cfg = {} if base == "none" else dict(NGRAM, **over)
+            if base != "none" and any("long" in m.split("+")[1:] for m in args.methods.split(",")):
+                cfg.setdefault("num_speculative_tokens_max", args.k_long)
+            llm = LLM(model=args.model, device="cpu", cpu_kv_cache_gib=0.25, max_model_len=2048, max_num_seqs=16,
+                      num_scheduler_steps=args.num_scheduler_steps, **cfg)
+            engines[base] = (llm, Counter(llm.engine))
+        llm, cnt = engines[base]
         eng = llm.engine
-        cnt = Counter(eng)
+        d = eng.drafter
+        if d is not None:
+            d.shadow_probes = eng.config.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
+            set_shadow_flags(d, flags)
+            d.k = eng.config.max_speculative_tokens if "long" in flags or over.get("num_speculative_tokens_max") \
+                else d.k_base
         for wl in args.workloads.split(","):
             texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in WORKLOADS[wl]]
             for mode in args.modes.split(","):
@@ -104,12 +121,13 @@ def main():
                     outs = llm.generate([texts[i % len(texts)] for i in range(n)], sp, use_tqdm=False)
                 toks = [o.token_ids for o in outs]
                 if method == "none":
-                    base[(wl, mode)] = toks
+                    base_toks[(wl, mode)] = toks
                 row = dict(workload=wl, mode=mode, method=method, out_tokens=sum(map(len, toks)), **cnt.c,
-                           identical=toks == base.get((wl, mode)))
+                           identical=toks == base_toks.get((wl, mode)))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        eng.close()
+    for llm, _ in engines.values():
+        llm.engine.close()
     print_table(rows, ["workload", "mode", "method", "out_tokens", "blocks", "block_iters", "cold_blocks",
                        "plain_steps", "verify_steps", "draft_tokens", "accepted", "identical"])
     write_json(f"spec_steps{args.tag}", dict(args=vars(args), rows=rows))

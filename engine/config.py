@@ -125,6 +125,14 @@ class EngineConfig:
     spec_fast_verify: bool = True       # a verify step whose requests all decode plain-greedy is packed straight
     #                                     into the padded graph layout and verified from the device argmax (one
     #                                     small copy back); False: the general path (packed, gathered logits)
+    spec_shadow_every_block: bool = True  # shadow probes: a request whose drafting is off is replayed after every
+    #                                     multi-step block from where the last replay ended (no 16-token gap, no
+    #                                     doubling); False: after the gap (README)
+    spec_shadow_confirm: bool = True    # shadow probes: a replay that would turn drafting on holds the pipeline
+    #                                     after the block in flight, whose replay must agree before drafting resumes
+    #                                     (no extra lag: that block returns before any draft could run anyway)
+    spec_prefetch: bool = True          # n-gram: a prompt is indexed while its prefill's forward runs, not at the
+    #                                     first proposal (a pipeline start, with the device idle)
     spec_shadow_probes: bool = True     # auto-off: a request whose drafting is off is probed from its own output
     #                                     (the draft the proposer would have made earlier, compared with the
     #                                     tokens produced since), not by a verify step, so probes never leave the
@@ -222,6 +230,9 @@ class EngineConfig:
         need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
              "spec_cuda_graph_max_batch", "must be an int in [1, 256]")
         need(isinstance(self.spec_shadow_probes, bool), "spec_shadow_probes", "must be a bool")
+        need(isinstance(self.spec_shadow_every_block, bool), "spec_shadow_every_block", "must be a bool")
+        need(isinstance(self.spec_shadow_confirm, bool), "spec_shadow_confirm", "must be a bool")
+        need(isinstance(self.spec_prefetch, bool), "spec_prefetch", "must be a bool")
         need(self.quant_gemv_tensor_cores in (None, True, False), "quant_gemv_tensor_cores",
              "must be None, True or False")
         need(self.quant_gemv_packed in (None, True, False), "quant_gemv_packed", "must be None, True or False")

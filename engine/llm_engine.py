@@ -279,8 +279,9 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             input_ids, md = self.runner.prepare(sched, sample_mask, extra)
             t_prep = time.perf_counter()
             logits = self.runner.execute(input_ids, md)
-            t_fwd = time.perf_counter()
-            graphed = md.graphed
+            if self.drafter is not None and not decode_only:    # while the prefill runs on the device
+                self.drafter.prefetch(sched)
+            t_fwd, graphed = time.perf_counter(), md.graphed
         constrained = self.num_constrained > 0
         if constrained:             # on CUDA the host fills the masks while the forward runs
             rows = []                                   # the sequence whose next token each logits row samples
@@ -306,8 +307,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.step_index += 1
         if self.config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
             multi_step.observe_iteration(self, t_end - t0)        # a decode-only step: one iteration
-        if decode_only and (num_spec or self.num_scheduler_steps == 1):
-            # (with multi-step, the plain decode iteration auto-off compares against is a block's)
+        if decode_only and (num_spec or self.num_scheduler_steps == 1):     # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
         if observe:
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,

@@ -127,3 +127,34 @@ def test_long_histories_are_scanned_with_the_same_drafts(spec_models, monkeypatc
     assert [o.token_ids for o in _requests(eng, 5)] == indexed
     assert [eng.stats()[c] for c in COUNTERS] == counters
     assert scans
+
+
+def test_prompts_are_indexed_during_their_prefill_with_the_same_drafts(spec_models):
+    """NgramDrafter.prefetch (EngineConfig.spec_prefetch): a step that computes a prompt's last chunk indexes the prompt while the forward
+    runs (a chunked prompt: at its last chunk), so the first proposal only extends the index by the sampled token;
+    every draft still equals the scan's, and the tokens and counters equal those without prefetching."""
+    target = spec_models["target"]
+    eng, _ = _engine(target, **SPEC)
+    seen, drafts = [], []
+    prefetch, draft = eng.drafter.prefetch, eng.drafter.draft
+
+    def watched(sched):
+        prefetch(sched)
+        for seq, n, start in zip(sched.seqs, sched.num_new_tokens, sched.computed_before):
+            ix = eng.drafter._index.get(seq.request_id)
+            last = start < seq.num_prompt_tokens <= start + n
+            if last:
+                assert ix is not None and ix.ends == seq.num_prompt_tokens
+            seen.append(last)
+
+    def checked(cands):
+        draft(cands)
+        for seq, k in cands:
+            drafts.append(seq.spec_token_ids == ngram_propose(seq.token_ids, 1, 3, k))
+    eng.drafter.prefetch, eng.drafter.draft = watched, checked
+    outs = [o.token_ids for o in _requests(eng, 6)]
+    counters = [eng.stats()[c] for c in COUNTERS]
+    assert sum(seen) == 6 and drafts and all(drafts)
+    eng, _ = _engine(target, spec_prefetch=False, **SPEC)
+    assert [o.token_ids for o in _requests(eng, 6)] == outs
+    assert [eng.stats()[c] for c in COUNTERS] == counters

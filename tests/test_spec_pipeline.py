@@ -22,6 +22,12 @@ NGRAM = dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, 
 def test_config_validation():
     with pytest.raises(ValueError, match="spec_shadow_probes"):
         EngineConfig(spec_shadow_probes="yes")
+    with pytest.raises(ValueError, match="spec_shadow_every_block"):
+        EngineConfig(spec_shadow_every_block=1)
+    with pytest.raises(ValueError, match="spec_shadow_confirm"):
+        EngineConfig(spec_shadow_confirm=0)
+    with pytest.raises(ValueError, match="spec_prefetch"):
+        EngineConfig(spec_prefetch=None)
     with pytest.raises(ValueError, match="num_speculative_tokens_max"):
         EngineConfig(speculative_method="ngram", num_speculative_tokens=4, num_speculative_tokens_max=3)
     with pytest.raises(ValueError, match="num_speculative_tokens_max"):
@@ -100,6 +106,75 @@ def test_shadow_probes_turn_drafting_back_on_and_stay_lossless(spec_models, monk
                 back_on += 1
                 assert st["spec_shadow_accepted_tokens"] > 0
     assert back_on > 0
+
+
+def test_shadow_every_block_replays_without_gap_and_stays_lossless(spec_models, monkeypatch):
+    """spec_shadow_every_block: a request in the shadow is replayed after every block (no 16-token gap, no
+    doubling), so over the same greedy runs it gets more shadow probes than with the gap, its probe position never
+    falls more than a block (+ the replay window) behind its output, and the output still equals plain decoding's."""
+    rng = random.Random(9)
+    sp = SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True)
+    probes = {False: 0, True: 0}
+    for _ in range(3):
+        prompt = [rng.randrange(2, SPEC_VOCAB) for _ in range(rng.randrange(6, 16))]
+        ref, _, _, _ = _run(spec_models["target"], [prompt], sp, num_scheduler_steps=4)
+        for every in (False, True):
+            lag = []
+            shadow = Drafter.shadow_probe
+
+            def watched(self, seqs, shadow=shadow, lag=lag):
+                shadow(self, seqs)
+                for s in seqs:
+                    st = self._accept.get(s.request_id)
+                    if st is not None and st.off and not st.first and not s.is_finished:
+                        lag.append(s.num_output_tokens - st.next_probe)
+            monkeypatch.setattr(Drafter, "shadow_probe", watched)
+            got, st, _, _ = _run(spec_models["target"], [prompt], sp, monkeypatch, num_scheduler_steps=4,
+                                 spec_shadow_every_block=every, **NGRAM)
+            monkeypatch.setattr(Drafter, "shadow_probe", shadow)
+            assert got == ref
+            probes[every] += st["spec_shadow_probes"]
+            if every:
+                assert all(x <= 4 + 3 for x in lag)          # one block (4) + the replay window (min(k, 4) - 1)
+    assert probes[True] > probes[False]
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_shadow_confirm_turns_drafting_on_only_after_two_replays_agree(spec_models, monkeypatch, every):
+    """spec_shadow_confirm: a replay that would turn drafting back on only marks the request pending, which holds
+    the pipeline after the block in flight; drafting comes back on only from the next replay, and only if that
+    replay's own drafts would pay. Over greedy runs that do come back on, every switch back on was pending before,
+    not every pending request comes back on, pending ones never draft, and the output equals plain decoding's."""
+    rng = random.Random(9)
+    sp = SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True)
+    seen = dict(pending=0, on=0, on_unpending=0)
+    shadow, slots = Drafter.shadow_probe, Drafter.num_draft_slots
+
+    def watched(self, seqs):
+        before = {s.request_id: (st.off, st.pending) for s in seqs if (st := self._accept.get(s.request_id))}
+        shadow(self, seqs)
+        for rid, (off, pending) in before.items():
+            st = self._accept[rid]
+            seen["pending"] += st.pending and not pending
+            if off and not st.off:
+                seen["on"] += 1
+                seen["on_unpending"] += not pending
+
+    def drafts(self, seq):
+        st = self._accept.get(seq.request_id)
+        k = slots(self, seq)
+        assert not (st is not None and st.pending and k)
+        return k
+    monkeypatch.setattr(Drafter, "shadow_probe", watched)
+    monkeypatch.setattr(Drafter, "num_draft_slots", drafts)
+    for _ in range(3):
+        prompt = [rng.randrange(2, SPEC_VOCAB) for _ in range(rng.randrange(6, 16))]
+        ref, _, _, _ = _run(spec_models["target"], [prompt], sp, num_scheduler_steps=4)
+        got, _, _, _ = _run(spec_models["target"], [prompt], sp, monkeypatch, num_scheduler_steps=4,
+                            spec_shadow_every_block=every, spec_shadow_confirm=True, **NGRAM)
+        assert got == ref
+    assert seen["on"] > 0 and seen["on_unpending"] == 0
+    assert seen["pending"] > seen["on"]                  # (not every pending request was confirmed)
 
 
 def _run_graphs(prompts, sp, **cfg):

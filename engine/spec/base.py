@@ -37,28 +37,28 @@ from ..sampler import _apply_penalties, _seeded_generator, filtered_probs
 from ..sequence import Sequence
 from .rejection import greedy_accept, rejection_sample
 from .shadow import ShadowProbes
-from .stats import SpecStats, acceptance_rate, best_draft_len, expected_tokens, mean_acceptance_length
+from .stats import PROBE_FIRST, SpecStats, acceptance_rate, best_draft_len, expected_tokens, mean_acceptance_length
 
 _MAX_REQUEST_STATS = 4096
 _DECAY = 0.8                 # adaptive: weight of the past in the acceptance estimate
 _PROBE_EVERY = 8             # adaptive: steps without drafts before a one-token probe
-_PROBE_FIRST = 16            # auto-off: output tokens before a request whose drafting is off is probed
+_PROBE_FIRST = PROBE_FIRST  # auto-off: output tokens before a request whose drafting is off is probed
 _PROBE_MAX = 256             # auto-off: the probe gap doubles after each failed probe, up to this
 _COST_DECAY = 0.7            # auto-off: weight of the past in the measured step times
 
 
 class _Accept:
     """Decayed truncated-geometric estimate of a request's per-token acceptance probability."""
-    __slots__ = ("num", "den", "idle", "off", "next_probe", "gap", "verified", "first", "klen")
+    __slots__ = ("num", "den", "idle", "off", "next_probe", "gap", "verified", "first", "klen", "pending")
 
     def __init__(self, klen: int = 0):
         self.num, self.den, self.idle = 1.0, 2.0, 0     # prior: a = 0.5
-        # auto-off: a request's first draft is a probe, so its own acceptance decides (a failed one doubles
-        # the gap to _PROBE_FIRST)
+        # auto-off: a request's first draft is a probe, its own acceptance decides (failed: gap to _PROBE_FIRST)
         self.off, self.next_probe, self.gap = True, 0, _PROBE_FIRST // 2
         self.verified = False
         self.first = True           # shadow probes: the first probe is still a real one (drafted and verified)
         self.klen = klen            # long drafts: this request's current draft length cap
+        self.pending = False        # shadow confirm: a replay turned drafting on, the next block's must agree
 
     @property
     def rate(self) -> float:
@@ -95,6 +95,8 @@ class Drafter(ShadowProbes):
         self.adaptive = engine.config.speculative_adaptive
         self.auto_off = engine.config.speculative_auto_off
         self.shadow_probes = engine.config.spec_shadow_probes and self.supports_shadow
+        self.every_block = cfg.spec_shadow_every_block      # shadow replays after every block (no probe gap)
+        self.confirm = cfg.spec_shadow_confirm              # a replay's switch on waits for the next one's
         self.shadow = SpecStats(self.k)         # shadow probes' drafts and how many would have been accepted
         self._accept: dict[str, _Accept] = {}
         self._t_plain: dict[int, float] = {}               # batch bucket -> s per plain decode iteration
@@ -220,6 +222,9 @@ class Drafter(ShadowProbes):
         return cands
 
     def _switch_off(self, seq: Sequence, st: _Accept) -> None:
+        if self.every_block and self._shadowing and not st.first:      # shadow probes are free: no gap, backoff
+            st.off, st.next_probe = True, seq.num_output_tokens
+            return
         if st.off:                                      # a failed probe: wait longer next time
             st.gap = min(2 * st.gap, _PROBE_MAX)
         st.off, st.next_probe = True, seq.num_output_tokens + st.gap
@@ -243,9 +248,13 @@ class Drafter(ShadowProbes):
         shadow = self._shadowing           # (probes after the first run in the shadow: never due here)
         for seq in running:
             st = self._accept.get(seq.request_id)
-            if st is None or not st.off or ((st.first or not shadow) and seq.num_output_tokens >= st.next_probe):
+            if st is None or not st.off or st.pending or \
+                    ((st.first or not shadow) and seq.num_output_tokens >= st.next_probe):
                 return True
         return False
+
+    def prefetch(self, sched) -> None:
+        """Host work a first proposal needs, done while a prefill's forward runs (n-gram: the prompt's index)."""
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
         """Set seq.spec_token_ids (at most k tokens) for each (seq, k); optionally self._q[rid]."""

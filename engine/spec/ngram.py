@@ -126,6 +126,7 @@ class NgramDrafter(Drafter):
         cfg = engine.config
         self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
         self._index: dict[str, NgramIndex | _History] = {}      # _History: too long to index, scanned instead
+        self.prefetch_prompts = cfg.spec_prefetch
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
         if len(self._index) > 2 * len(cands) + 256:
@@ -143,6 +144,20 @@ class NgramDrafter(Drafter):
             if not isinstance(ix, NgramIndex):
                 ix = index[seq.request_id] = NgramIndex(self.n_min, self.n_max)
             seq.spec_token_ids = ix.propose(toks, k)
+
+    def prefetch(self, sched) -> None:
+        """Index each prompt whose last chunk this step computes, so the first proposal after it (a pipeline
+        start, with the device idle) is a few lookups (EngineConfig.spec_prefetch)."""
+        if not self.prefetch_prompts:
+            return
+        for seq, n, start in zip(sched.seqs, sched.num_new_tokens, sched.computed_before):
+            P = seq.num_prompt_tokens
+            if start < P <= start + n and P <= INDEX_MAX_TOKENS:
+                ix = self._index.get(seq.request_id)
+                if not isinstance(ix, NgramIndex):
+                    ix = self._index[seq.request_id] = NgramIndex(self.n_min, self.n_max)
+                if ix.ends < P:
+                    ix._extend(seq.token_ids, P)
 
     def shadow_draft(self, seq: Sequence, lo: int, hi: int, k: int) -> tuple[int, list[int]] | None:
         """The first history length L in [lo, hi] at which the proposer finds a draft (of at most k tokens), as it

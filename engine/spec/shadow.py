@@ -3,7 +3,7 @@ off is probed from its own output, inside multi-step blocks, instead of by a ver
 from __future__ import annotations
 
 from ..sequence import Sequence
-from .stats import expected_tokens
+from .stats import PROBE_FIRST, expected_tokens
 
 
 class ShadowProbes:
@@ -36,6 +36,7 @@ class ShadowProbes:
             # replay drafting over the tokens since: a draft at each position the previous verify would have
             # reached (a rejected or absent draft: one token on), counted as if verified
             P, toks, pos, seen = seq.num_prompt_tokens, seq.token_ids, lo, 0
+            num = den = 0                               # this replay's own acceptance (spec_shadow_confirm)
             while pos < n_out:
                 found = self.shadow_draft(seq, P + pos, P + n_out - 1, k)
                 if found is None:
@@ -47,17 +48,23 @@ class ShadowProbes:
                     a += 1
                 self.shadow.add(len(drafts), a)
                 st.update(len(drafts), a)
+                num, den = num + a, den + a + (a < len(drafts))
                 seen += 1
                 pos = L - P + a + 1
+            pending, st.pending = st.pending, False
             if not seen:
                 st.next_probe = n_out                   # nothing to compare yet: continue from there
-                continue
+                continue                                # (pending: the proposer found nothing, not confirmed)
             if batch is None:
                 running = [s for s in self.engine.scheduler.running if s.num_output_tokens]
                 batch = max(1, len(running))
                 on = [self._accept.get(s.request_id) for s in running]
                 gain_on = sum(expected_tokens(a.rate, k) - 1 for a in on if a is not None and not a.off)
             self._after_verify(seq, st, batch)
+            if pending and not st.off and expected_tokens(num / den, k) - 1 < self.cost_ratio(batch, k) - 1:
+                self._switch_off(seq, st)               # this block's replays alone would not pay: stay off
+            if self.every_block and st.off:        # replay again after the next block, from where this one ended
+                st.next_probe, st.gap = pos, PROBE_FIRST
             if not st.off:
                 # as the step's check (_pays) would: drafting only pays if the drafting requests' summed gain
                 # beats the extra cost every decoding request pays; otherwise stay off (no pipeline break)
@@ -67,6 +74,11 @@ class ShadowProbes:
                     self._switch_off(seq, st)
                 else:
                     gain_on += gain
+                    if self.confirm and not pending:
+                        # on only if the replay of the block now in flight agrees: that block returns before any
+                        # draft could run, so waiting for it adds no lag, and a chance run of matches costs a
+                        # pipeline restart instead of verify steps
+                        st.off, st.pending, st.next_probe = True, True, pos
 
     def shadow_draft(self, seq: Sequence, lo: int, hi: int, k: int) -> tuple[int, list[int]] | None:
         """(L, draft): the first history length L in [lo, hi] at which this drafter would have drafted, and that

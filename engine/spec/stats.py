@@ -2,6 +2,8 @@
 acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts)."""
 from __future__ import annotations
 
+PROBE_FIRST = 16             # auto-off: output tokens before a request whose drafting is off is probed
+
 
 class SpecStats:
     def __init__(self, k: int):
