@@ -4,6 +4,7 @@
 #   bash benchmarks/device_vllm_lease.sh table <shape>     bench_gpu.py: batch 1, nano, prefill-heavy, vLLM beside
 #   bash benchmarks/device_vllm_lease.sh profile <shape> <workload>   profile_kernels.py for both engines
 #   bash benchmarks/device_vllm_lease.sh fp8                nano workload, 8B shape, fp8 weights, both engines
+#   bash benchmarks/device_vllm_lease.sh check              the attention GPU tests, fp32 token identity under graphs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/kvscope_out}"
@@ -12,7 +13,7 @@ export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_
 VSITE="$HOME/vsite"
 T0=$(date +%s)
 stamp() { echo "=== $1 at +$(( $(date +%s) - T0 )) s"; }
-[ -d "$VSITE" ] || { echo "no $VSITE: run the peer's setup calls first"; exit 3; }
+[ -d "$VSITE" ] || [ "${1:-}" = check ] || { echo "no $VSITE: run the peer's setup calls first"; exit 3; }
 case "${1:-}" in
   table)
     stamp "table ${2}"
@@ -32,7 +33,12 @@ case "${1:-}" in
     stamp "vllm fp8"
     PYTHONPATH="$VSITE" timeout 330 python benchmarks/profile_kernels.py --engine vllm --shape llama-3.1-8b \
       --workload nano --quantization fp8 2>&1 | grep -v "^\(INFO\|WARNING\|DEBUG\)" | tail -14 ;;
-  *) echo "usage: $0 table <shape> | profile <shape> <nano|prefill> | fp8"; exit 2 ;;
+  check)
+    stamp "GPU tests"
+    timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "head_rms_norm or decode or paged" 2>&1 | tail -2
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py -k "triton_and_graphs_match_torch and float32" \
+      2>&1 | tail -2 ;;
+  *) echo "usage: $0 table <shape> | profile <shape> <nano|prefill> | fp8 | check"; exit 2 ;;
 esac
 stamp done
 cp benchmarks/results/kernels_profile_*.json "$OUT"/ 2>/dev/null
