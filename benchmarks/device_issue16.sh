@@ -6,12 +6,7 @@
 #   call 2: bash benchmarks/device_issue16.sh confirm  the committed tables: 8B and 1B batch 1, the fp32
 #           token-identity GPU tests
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/kvscope_out}"
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-T0=$(date +%s)
-stamp() { echo "=== $1 at +$(( $(date +%s) - T0 )) s"; }
+source "$(dirname "$0")/device_env.sh"
 case "${1:-}" in
   sweep)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv

@@ -3,12 +3,7 @@
 # batch-1 latency before/after (the one-launch sampler, the fused split merge), the GPU kernel tests of the
 # changed kernels, the fp32 token identity under graphs, and a 1B decode profile.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/kvscope_out}"
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-T0=$(date +%s)
-stamp() { echo "=== $1 at +$(( $(date +%s) - T0 )) s"; }
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader
 stamp latency1b
 timeout 80 python benchmarks/bench_gpu.py --shape llama-3.2-1b --sections latency --latency-configs \

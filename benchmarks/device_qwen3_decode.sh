@@ -2,10 +2,7 @@
 # One `run` call: the q/k-norm and decode-attention GPU tests, Qwen3-0.6B prefill-heavy and nano with
 # fused_qk_norm on / off, and the decode-attention launch sweep at the Qwen3 and Llama-3.1-8B heads.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/kvscope_out}"; mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-T0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - T0 )) s"; }
+source "$(dirname "$0")/device_env.sh"
 stamp tests
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "head_rms_norm or decode_split" 2>&1 | tail -2
 stamp qwen3

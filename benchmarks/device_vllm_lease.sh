@@ -6,13 +6,9 @@
 #   bash benchmarks/device_vllm_lease.sh fp8                nano workload, 8B shape, fp8 weights, both engines
 #   bash benchmarks/device_vllm_lease.sh check              the attention GPU tests, fp32 token identity under graphs
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/kvscope_out}"
-mkdir -p "$OUT"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
+source "$(dirname "$0")/device_env.sh"
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
 VSITE="$HOME/vsite"
-T0=$(date +%s)
-stamp() { echo "=== $1 at +$(( $(date +%s) - T0 )) s"; }
 [ -d "$VSITE" ] || [ "${1:-}" = check ] || { echo "no $VSITE: run the peer's setup calls first"; exit 3; }
 case "${1:-}" in
   table)

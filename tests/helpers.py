@@ -119,3 +119,20 @@ def every_code_weights(fmt: str, K: int = 256) -> dict:
     b = torch.arange(256, dtype=torch.int16).to(torch.uint8)
     b[(b & 127) == 127] = 0
     return {"weight": b.view(torch.float8_e4m3fn).view(1, K).repeat(2, 1), "weight_scale_inv": torch.ones(1, 2)}
+
+
+PACKED_IDS = [5, 9, 13, 200, 7, 11, 3]
+
+
+def packed_model_and_ref(fmt: str):
+    """(one-layer quantized model on the Triton ops, the torch path's prefill-then-decode logits for PACKED_IDS), both
+    from the same seed: the packed-GEMV model checks."""
+    from engine.kernels.ops import get_ops
+    from engine.models.loader import build_model
+    from tests.test_quant import TINY, _prefill_then_decode
+    cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}
+
+    def build(ops):
+        return build_model(cfg, None, get_ops(ops), torch.device("cpu"), torch.float32, max_pos=64, seed=5,
+                           quantization=fmt)
+    return build("triton"), _prefill_then_decode(build("torch"), PACKED_IDS)

@@ -127,16 +127,10 @@ def test_quantized_model_packed_matches_torch(fmt):
     """Inside the model with quant/linear.py's set_packed on (int4 repacked to words: the GEMM for the prefill,
     the packed GEMVs and q/k/v + RoPE for the decode step) the logits are the torch path's; off again restores the
     byte layout exactly."""
-    from engine.kernels.ops import get_ops
-    from engine.models.loader import build_model
     from engine.quant.linear import set_packed, set_tensor_cores
-    from tests.test_quant import TINY, _prefill_then_decode
-    cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}
-    ids = [5, 9, 13, 200, 7, 11, 3]
-    ref = _prefill_then_decode(build_model(cfg, None, get_ops("torch"), torch.device("cpu"), torch.float32,
-                                           max_pos=64, seed=5, quantization=fmt), ids)
-    model = build_model(cfg, None, get_ops("triton"), torch.device("cpu"), torch.float32, max_pos=64, seed=5,
-                        quantization=fmt)
+    from tests.helpers import PACKED_IDS as ids, packed_model_and_ref
+    from tests.test_quant import _prefill_then_decode
+    model, ref = packed_model_and_ref(fmt)
     lin = model.model.layers[0].mlp.down_proj
     before = {k: v.clone() for k, v in lin.tensors().items()}
     set_packed(model, True)

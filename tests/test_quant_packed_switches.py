@@ -81,19 +81,13 @@ def test_model_with_switches_matches_torch(fmt, monkeypatch):
     """set_packed with every switch on: the prefill on the group-dots GEMM (int4), the decode step's q/k/v as the
     GEMV then RoPE + store, int8 on the pair decode; logits as the torch path's."""
     from engine.kernels import rope
-    from engine.kernels.ops import get_ops
-    from engine.models.loader import build_model
     from engine.quant.linear import set_packed, set_tensor_cores
-    from tests.test_quant import TINY, _prefill_then_decode
+    from tests.helpers import PACKED_IDS as ids, packed_model_and_ref
+    from tests.test_quant import _prefill_then_decode
     calls = []
     real = rope.rope_and_store
     monkeypatch.setattr(rope, "rope_and_store", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
-    cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}
-    ids = [5, 9, 13, 200, 7, 11, 3]
-    ref = _prefill_then_decode(build_model(cfg, None, get_ops("torch"), torch.device("cpu"), torch.float32,
-                                           max_pos=64, seed=5, quantization=fmt), ids)
-    model = build_model(cfg, None, get_ops("triton"), torch.device("cpu"), torch.float32, max_pos=64, seed=5,
-                        quantization=fmt)
+    model, ref = packed_model_and_ref(fmt)
     set_packed(model, True, ON)
     set_tensor_cores(model, None)
     qkv = model.model.layers[0].self_attn.qkv_proj
