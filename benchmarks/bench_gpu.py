@@ -108,7 +108,8 @@ ABLATIONS = {"kernels=torch": dict(kernels="torch"), "no cuda graphs": dict(enab
              "multi_step_admit_min=1": dict(multi_step_admit_min=1),
              "no prefix caching": dict(enable_prefix_caching=False),
              "decode_fused_merge=True": dict(decode_fused_merge=True), "gemv_variant=tiled": dict(gemv_variant="tiled"),
-             "fused_qk_norm=False": dict(fused_qk_norm=False)}           # Qwen3 (q/k norm) shapes only
+             "fused_qk_norm=False": dict(fused_qk_norm=False),           # Qwen3 (q/k norm) shapes only
+             "multi_step_trim=False": dict(multi_step_trim=False)}
 
 
 def bench_latency(bw: float, cfg: dict, configs: list[str]) -> list[dict]:

@@ -79,6 +79,9 @@ class EngineConfig:
     multi_step_max_ms: float | None = None  # a multi-step block runs at most about this long (from the
     #                                         measured time per iteration, never below 2 iterations), so streamed
     #                                         tokens reach clients this often; None: num_scheduler_steps always
+    multi_step_trim: bool = True        # a multi-step block leaves out the requests that reach max_tokens within the
+    #                                     block in flight and runs no iteration past its longest request's
+    #                                     max_tokens; False: every running request, num_scheduler_steps iterations
     multi_step_admit_min: int | None = None  # while multi-step decode runs and the batch is full, newcomers
     #                                         wait until this many slots are free (or all of them fit);
     #                                         None: max_num_seqs // 32; 1: a prefill step at every free slot
@@ -217,6 +220,7 @@ class EngineConfig:
         need(self.gemv_variant in _GEMV_VARIANTS, "gemv_variant", f"must be one of {_GEMV_VARIANTS}")
         need(isinstance(self.decode_fused_merge, bool), "decode_fused_merge", "must be a bool")
         need(isinstance(self.fused_qk_norm, bool), "fused_qk_norm", "must be a bool")
+        need(isinstance(self.multi_step_trim, bool), "multi_step_trim", "must be a bool")
         need(isinstance(self.sampler_one_launch, bool), "sampler_one_launch", "must be a bool")
         need(self.enable_pdl in (None, True, False), "enable_pdl", "must be None, True or False")
         need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,

@@ -90,7 +90,7 @@ def plan(engine, ahead: InFlight | None = None) -> int:
         return 0
     extra = ahead.K if ahead else 0
     inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
-    room = engine.max_model_len
+    room, longest = engine.max_model_len, 0
     for seq in sch.running:
         if inflight is not None:
             if id(seq) not in inflight:
@@ -102,9 +102,12 @@ def plan(engine, ahead: InFlight | None = None) -> int:
         if grammar and not _in_grammar_block(seq):
             K = 1
         room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
+        longest = max(longest, _left(seq, extra))
+    if engine.config.multi_step_trim:               # no iteration that every request would discard
+        K = min(K, longest)
     K = min(K, room, _time_cap(engine)) if K > 1 else min(K, room)
     bm = engine.block_manager
-    need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in sch.running)
+    need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in _block_seqs(engine, extra))
     return K if K >= (1 if grammar else 2) and need <= bm.pool.num_free else 0
 
 
@@ -144,11 +147,26 @@ def observe_iteration(engine, seconds: float) -> None:
     engine.decode_iter_s = seconds if est is None else 0.5 * est + 0.5 * seconds
 
 
+def _left(seq: Sequence, extra: int) -> int:
+    """Tokens seq may still produce after the `extra` in flight (max_tokens: a request with none left certainly
+    finishes within the block in flight)."""
+    return seq.params.max_tokens - seq.num_output_tokens - extra
+
+
+def _block_seqs(engine, extra: int) -> list[Sequence]:
+    """The running requests a block computes: with EngineConfig.multi_step_trim, not those that reach max_tokens
+    within the block in flight (the block would only compute tokens that are discarded)."""
+    running = engine.scheduler.running
+    if not (extra and engine.config.multi_step_trim):
+        return list(running)
+    return [s for s in running if _left(s, extra) > 0]
+
+
 def schedule(engine, K: int, extra: int = 0) -> SchedulerOutput:
-    """Every running request computes K tokens (1 known + K - 1 sampled on the way), after `extra` tokens
+    """Every request of the block computes K tokens (1 known + K - 1 sampled on the way), after `extra` tokens
     still in flight; blocks for all of them are taken now."""
     out = SchedulerOutput()
-    for seq in engine.scheduler.running:
+    for seq in _block_seqs(engine, extra):
         engine.block_manager.allocate(seq, extra + K)
         out.seqs.append(seq)
         out.num_new_tokens.append(K)

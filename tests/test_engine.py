@@ -135,6 +135,24 @@ def test_multi_step_decode_matches_single_step(smollm2_engine_factory, prompts):
         assert all(rc == 0 for rc in eng.block_manager.pool.ref_counts[1:])
 
 
+def test_multi_step_trim_skips_discarded_iterations(smollm2_engine_factory, prompts):
+    """EngineConfig.multi_step_trim: a block behind the one in flight leaves out the requests that reach max_tokens
+    in that block, and no block runs past its longest request's max_tokens: the same tokens with fewer decode
+    rows computed, every block back."""
+    lens = [3, 11, 6, 20]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    rows, outs = {}, {}
+    for trim in (False, True):
+        eng = smollm2_engine_factory(num_scheduler_steps=4, multi_step_trim=trim)
+        steps = []
+        eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        outs[trim] = [o.token_ids for o in run_requests(eng, prompts, params)]
+        rows[trim] = sum(e.num_decode_tokens for e in steps if e.num_decode_steps > 1)
+        assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+    assert outs[True] == outs[False] and [len(t) for t in outs[True]] == lens
+    assert 0 < rows[True] < rows[False]
+
+
 def _staggered(eng, prompts, params, arrive_at: dict[int, int]):
     """Requests i not in `arrive_at` first; request i is added before engine step arrive_at[i]."""
     ids = {i: eng.add_request(p, sp) for i, (p, sp) in enumerate(zip(prompts, params)) if i not in arrive_at}
