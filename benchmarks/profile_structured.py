@@ -79,7 +79,7 @@ def main():
     eng = LLMEngine(model=args.model, device=args.device, max_num_seqs=args.batch, enable_prefix_caching=False,
                     **(dict(structured_overlap=True, num_scheduler_steps=4, cpu_kv_cache_gib=0.25) if cpu else {}))
     spent: dict[str, float] = defaultdict(float)
-    feed_seq, mode = multi_step._feed_grammars, {"feed": "seq"}
+    feed_seq, mode = multi_step.feed_grammars, {"feed": "seq"}
 
     def feed_par(seqs, tokens):
         live = [(s, t) for s, t in zip(seqs, tokens) if s.matcher is not None and not s.is_finished
@@ -90,7 +90,7 @@ def main():
             s.grammar_ahead.append((("stop" if m.is_stopped() else None), None) if ok
                                    else ("stop", f"grammar error: {m.get_error()}"))
     feed = {"seq": feed_seq, "par": feed_par}
-    multi_step._feed_grammars = timed(spent, "feed grammars", lambda *a: feed[mode["feed"]](*a))
+    multi_step.feed_grammars = timed(spent, "feed grammars", lambda *a: feed[mode["feed"]](*a))
     multi_step.sample_on_device = timed(spent, "sample (launch)", multi_step.sample_on_device)
     eng._apply_grammars = timed(spent, "fill + apply masks", eng._apply_grammars)
     eng.runner.execute = timed(spent, "forward (launch)", eng.runner.execute)

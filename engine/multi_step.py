@@ -7,22 +7,21 @@ K more tokens are allocated up front. Sampling stays on the device, so the host 
 (CUDA-graph replays on GPU) without a sync and then post-processes K tokens per request like a step
 that accepted K speculative tokens: a request that stops early discards the rest.
 
-It applies only where it cannot change results: no drafter (or one whose auto-off has every request's
-drafting off, with no probe due within the block), KV cache on, every running request decoding,
-nothing waiting that could be admitted, and every request sampling on the device alone (greedy, or
-unseeded temperature / top-k / top-p / min-p; no penalties, logprobs or min_tokens ban). Otherwise the
-engine takes a normal step.
+It applies only where it cannot change results: no drafter (or one with every request's drafting off and no
+probe due within the block), KV cache on, every running request decoding, nothing waiting that could be
+admitted, and every request sampling on the device alone (greedy, or unseeded temperature / top-k / top-p /
+min-p; no penalties, logprobs or min_tokens ban). Otherwise the engine takes a normal step.
 
 A batch with a constrained request (structured output) runs grammar blocks instead
 (EngineConfig.structured_overlap): each token's mask needs the previous token on the host, but the next
 forward does not. A block's first forward is launched from the in-flight block's tokens still on the
 device; then the host waits for those tokens, advances the grammars (post-processing) and only then fills
 the masks, masks and samples the launched logits, while the GPU runs that forward. Each later iteration
-(EngineConfig.structured_multi_step: up to num_scheduler_steps of them) is launched from the tokens just
-sampled, and the host feeds those tokens to the grammars and fills the next masks while it runs, without a
-scheduler or post-processing round trip per token. Sampling happens with every earlier token known on the
-host, so the tokens are those of one synced step per token; a block of one iteration allows any sampling
-parameter but logprobs, a longer one none that needs the history on the host (penalties, min_tokens).
+(EngineConfig.structured_multi_step) is launched from the tokens just sampled, while the host feeds those
+tokens to the grammars and fills the next masks, with no scheduler or post-processing round trip per token.
+Every earlier token is known on the host at sampling, so the tokens are those of one synced step per token;
+a one-iteration block allows any sampling parameter but logprobs, a longer one none that needs the history
+on the host (penalties, min_tokens).
 """
 from __future__ import annotations
 
@@ -36,10 +35,10 @@ import torch
 from . import overlap_prefill
 from .host_copy import HostCopy
 from .kernels.metadata import AttentionMetadata
-from .output_processor import consume_grammar
 from .sampler import SampleRow, sample_on_device, sample_unseeded
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+from .structured.block import feed_grammars, fill_grammar_slots
 
 
 @dataclass
@@ -148,18 +147,14 @@ def observe_iteration(engine, seconds: float) -> None:
 
 
 def _left(seq: Sequence, extra: int) -> int:
-    """Tokens seq may still produce after the `extra` in flight (max_tokens: a request with none left certainly
-    finishes within the block in flight)."""
+    """Tokens seq may still produce after the `extra` in flight (none: it ends within the block in flight)."""
     return seq.params.max_tokens - seq.num_output_tokens - extra
 
 
 def _block_seqs(engine, extra: int) -> list[Sequence]:
-    """The running requests a block computes: with EngineConfig.multi_step_trim, not those that reach max_tokens
-    within the block in flight (the block would only compute tokens that are discarded)."""
-    running = engine.scheduler.running
-    if not (extra and engine.config.multi_step_trim):
-        return list(running)
-    return [s for s in running if _left(s, extra) > 0]
+    """The requests a block computes: with EngineConfig.multi_step_trim, not those ending in the block in flight."""
+    trim = extra and engine.config.multi_step_trim
+    return [s for s in engine.scheduler.running if not trim or _left(s, extra) > 0]
 
 
 def schedule(engine, K: int, extra: int = 0) -> SchedulerOutput:
@@ -254,7 +249,7 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
     for j in range(blk.K):
         if copy is not None:
             host = copy.tolist()                                                          # [B]
-            _feed_grammars([seqs[i] for i in alive], [host[i] for i in alive])
+            feed_grammars([seqs[i] for i in alive], [host[i] for i in alive])
         logits = blk.logits if idx is None else blk.logits.index_select(0, idx)          # [B', V]
         t = time.perf_counter()
         engine._apply_grammars([seqs[i] for i in alive], logits)
@@ -295,7 +290,7 @@ def _gated_grammar_block(engine, blk: InFlight, alive: list[int], idx: torch.Ten
     base = gate.value
     gate.value += blk.K
     copies: queue.SimpleQueue = queue.SimpleQueue()
-    work = engine.grammar_worker.submit(_fill_grammar_slots, gate, tb, alive, live,
+    work = engine.grammar_worker.submit(fill_grammar_slots, gate, tb, alive, live,
                                         [live[k].matcher for k in cons], slots, base, copies)
     rows = [engine._sample_row(s) for s in live]
     first = [r.position for r in rows]
@@ -321,37 +316,6 @@ def _gated_grammar_block(engine, blk: InFlight, alive: list[int], idx: torch.Ten
     blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
     blk.host = HostCopy(blk.tokens)
     return blk
-
-
-def _fill_grammar_slots(gate, tb, alive: list[int], live: list[Sequence], matchers: list, slots: torch.Tensor,
-                        base: int, copies: queue.SimpleQueue) -> float:
-    """The grammar thread of a gated block: slot j's masks once tokens j - 1 are fed -> seconds filling."""
-    spent = 0.0
-    try:
-        for j in range(slots.shape[0]):
-            if j:
-                copy = copies.get()
-                if copy is None:
-                    break
-                host = copy.tolist()                                                      # [B]
-                _feed_grammars(live, [host[i] for i in alive])
-            t = time.perf_counter()
-            tb.fill_slot(matchers, slots[j])
-            spent += time.perf_counter() - t
-            gate.open(base + j + 1)
-    finally:
-        gate.open(base + slots.shape[0])            # never leave the stream waiting
-    return spent
-
-
-def _feed_grammars(seqs: list[Sequence], tokens: list[int]) -> None:
-    """Inside a grammar block: feed each constrained request's last sampled token to its matcher, keeping the
-    outcome for post-processing. A request whose grammar ended earlier in the block ignores the rest
-    (post-processing stops it at that token)."""
-    for seq, tok in zip(seqs, tokens):
-        m = seq.matcher
-        if m is not None and not seq.is_finished and not (m.is_stopped() or m.is_error()):
-            seq.grammar_ahead.append(consume_grammar(seq, tok))
 
 
 def step(engine, K: int, observe: bool, timer) -> list:
