@@ -149,8 +149,9 @@ def test_tiny_tp2_multi_step_and_rank_timings():
         eng.close()
     assert out == ref
     steps = rec.snapshot().steps
-    assert any(s.num_decode_steps > 1 for s in steps)
-    assert all(s.timings.get("all_reduce", 0) > 0 for s in steps)
+    launched = [s for s in steps if "attention" in s.timings]    # (the last block's step launches no forward)
+    assert any(s.num_decode_steps > 1 for s in launched)
+    assert all(s.timings.get("all_reduce", 0) > 0 for s in launched)
     assert all(s.rank_timings and s.rank_timings[1].get("all_reduce", 0) > 0 for s in steps)
     fig = timings_spec(rec.snapshot())
     names = {t.get("name") for t in fig["data"]}
