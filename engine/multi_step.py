@@ -90,6 +90,8 @@ def plan(engine, ahead: InFlight | None = None) -> int:
     extra = ahead.K if ahead else 0
     inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
     room, longest = engine.max_model_len, 0
+    kept = _block_seqs(engine, extra)
+    kept_ids = {id(s) for s in kept}
     for seq in sch.running:
         if inflight is not None:
             if id(seq) not in inflight:
@@ -98,6 +100,8 @@ def plan(engine, ahead: InFlight | None = None) -> int:
             return 0
         if not (seq.params.logprobs is None if grammar else _plain(seq)):
             return 0                                # (a grammar block samples with the host up to date)
+        if id(seq) not in kept_ids:
+            continue                                # ends in the block in flight: it bounds nothing here
         if grammar and not _in_grammar_block(seq):
             K = 1
         room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
@@ -106,7 +110,7 @@ def plan(engine, ahead: InFlight | None = None) -> int:
         K = min(K, longest)
     K = min(K, room, _time_cap(engine)) if K > 1 else min(K, room)
     bm = engine.block_manager
-    need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in _block_seqs(engine, extra))
+    need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in kept)
     return K if K >= (1 if grammar else 2) and need <= bm.pool.num_free else 0
 
 
