@@ -42,6 +42,10 @@ class EngineConfig:
     #                                     of each nibble slice; False: the slices interleaved into one dequantized tile
     fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
     #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
+    fp8_gemm: str = "auto"              # that FP8 GEMM (kernels/quant_gemm_fp8.py): "triton" (activations
+    #                                     quantized once, then FP8 dots), "cublas" (torch's block-wise scaled_mm;
+    #                                     sm90, CUDA >= 12.9), "fused" (quantized inside the GEMM, once per N
+    #                                     tile: the ablation); auto: cublas where torch has it, else triton
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: derived from the memory budget below
@@ -243,6 +247,8 @@ class EngineConfig:
         need(isinstance(self.quant_int8_pairs, bool), "quant_int8_pairs", "must be a bool")
         need(isinstance(self.quant_qkv_split_rope, bool), "quant_qkv_split_rope", "must be a bool")
         need(isinstance(self.quant_gemm_group_dots, bool), "quant_gemm_group_dots", "must be a bool")
+        need(self.fp8_gemm in ("auto", "triton", "cublas", "fused"), "fp8_gemm",
+             "must be 'auto', 'triton', 'cublas' or 'fused'")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")

@@ -22,7 +22,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.config import ModelConfig
 from .models.loader import build_model, load_tokenizer, resolve
 from .output_processor import OutputProcessor
-from .quant.linear import set_packed, set_tensor_cores, weight_bytes
+from .quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weight_bytes
 from .outputs import RequestOutput
 from .sampler import SampleRow, sample
 from .sampling_params import SamplingParams
@@ -121,6 +121,8 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         if self.model.quantization:
             set_packed(self.model, self.quant_packed, config)
         set_tensor_cores(self.model, tc)
+        if fp8_act and self.model.quantization == "fp8":
+            set_fp8_gemm(self.model, config.fp8_gemm)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
         self.model.set_kernel_options(config)

@@ -7,8 +7,9 @@ import torch
 
 from engine import LLMEngine
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
+from engine.kernels.quant_gemm_fp8 import cublas_supported, fp8_matmul, quantize_activations_fp8
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref, quant_gemv_config
-from engine.quant.formats import dequantize, quantize
+from engine.quant.formats import activation_scales_fp8, dequantize, quantize, quantize_activations_fp8_ref
 from helpers import add_random_requests, drain, every_code_weight
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -42,6 +43,16 @@ def test_quant_kernels_full_size(fmt):
                 y = quant_matmul(x, fmt, t, (N, K), act_fp8=True)
                 assert _rel(y, quant_matmul_ref(x.float(), fmt, t, (N, K), act_fp8=True)) < 1e-2, (name, M)
                 assert _rel(y, ref) < 0.06, (name, M)            # fp8 activations: ~2^-4 per element
+                q, sc = quantize_activations_fp8(x)
+                step = sc.repeat_interleave(128, 1)[:, :K]
+                deq, want = q.float() * step, quantize_activations_fp8_ref(x)
+                # the same scales; Triton's cast may round a rare code one step off torch's (via fp16)
+                assert torch.equal(sc, activation_scales_fp8(x)), (name, M)
+                assert float((deq != want).float().mean()) < 0.02, (name, M)
+                assert bool(((deq - want).abs() <= want.abs() / 8 + step / 512).all()), (name, M)
+                for gemm in ("triton", "cublas") if cublas_supported(N, K) else ("triton",):
+                    y2 = fp8_matmul(x, t, None, gemm)
+                    assert _rel(y2, quant_matmul_ref(x.float(), fmt, t, (N, K), act_fp8=True)) < 1e-2, (name, M, gemm)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
@@ -158,13 +169,15 @@ def test_quant_qkv_rope_store_tc_full_size(fmt):
         assert _rel(q, q_ref) < 1e-2 and _rel(kc, kc_ref) < 1e-2 and _rel(vc, vc_ref) < 1e-2, M
 
 
-def _run(**cfg):
-    eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", max_model_len=512, max_num_seqs=8,
+def _run(model="dummy:qwen2-0.5b", check=None, **cfg):
+    eng = LLMEngine(model=model, device="cuda", max_model_len=512, max_num_seqs=8,
                     max_num_batched_tokens=256, num_kv_blocks=256, **cfg)
-    ids = add_random_requests(eng, (5, 300, 37, 1), max_tokens=16, vocab=150000)
+    seen = check(eng) if check else None
+    ids = add_random_requests(eng, (5, 300, 37, 1), max_tokens=16, vocab=min(150000, eng.model_config.vocab_size))
     outs = drain(eng)
     eng.close()
-    return [outs[i].token_ids for i in ids]
+    toks = [outs[i].token_ids for i in ids]
+    return (seen, toks) if check else toks
 
 
 @pytest.mark.parametrize("tc", [True, False])
@@ -178,6 +191,23 @@ def test_quantized_triton_graphs_match_torch_fp32(fmt, tc):
     # the first token comes from the prefill (GEMM), the second from a graphed decode (fused GEMV); later tokens
     # may part after a near-tie of random weights
     assert [r[:2] for r in ref] == [g[:2] for g in got]
+
+
+@pytest.mark.parametrize("model,base,gemm", [("dummy:qwen2-0.5b", "fused", "triton"),
+                                             ("dummy:llama-3.2-1b", "triton", "auto")])
+def test_fp8_gemm_modes_agree_fp32(model, base, gemm):
+    """fp8 with activations quantized, EngineConfig.fp8_gemm: the two-launch Triton GEMM against the fused one (on
+    qwen2-0.5b, whose K = 896 cuBLAS's block-wise scaled_mm cannot take), and auto (cuBLAS where torch has it)
+    against the Triton one, which quantizes the activations identically. Only the prefill's GEMMs differ (decode
+    at these batches is the GEMV), so the first tokens must agree; later ones may part after a near-tie."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores")
+    modes = lambda eng: {lin.fp8_gemm for lin in eng.model.modules() if getattr(lin, "act_fp8", False)}  # noqa: E731
+    seen_ref, ref = _run(dtype="float32", quantization="fp8", kernels="triton", fp8_gemm=base, model=model, check=modes)
+    seen, got = _run(dtype="float32", quantization="fp8", kernels="triton", fp8_gemm=gemm, model=model, check=modes)
+    assert seen_ref == {base}
+    assert seen == ({"cublas"} if gemm == "auto" and cublas_supported(2048, 2048) else {"triton"}), seen
+    assert [r[:1] for r in ref] == [g[:1] for g in got]
 
 
 def test_kv_pool_grows_with_smaller_weights():

@@ -146,6 +146,20 @@ def check_quant_gemm_int4_group_dots():
                      num_warps=warps, num_stages=stages)
 
 
+def check_fp8_gemm_two_launch():
+    """kernels/quant_gemm_fp8.py: the per-token-group activation quantization and the FP8 GEMM at each row count's
+    rule config, aligned as the 8B shapes launch them (pipelined loads)."""
+    from engine.kernels import quant_gemm_fp8 as q
+    compile_sm90(q._act_quant_fp8_kernel, dict(FMAX=448.0, BLOCK_M=8, BLOCK_K=128), {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                 aligned=("K", "stride_xm", "stride_qm", "stride_sk"), num_warps=4)
+    for M in (16, 64, 256):
+        bm, bn, warps, stages = q.gemm_fp8_config(M)
+        compile_sm90(q._gemm_fp8_kernel, dict(HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
+                     {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"},
+                     aligned=("N", "K", "stride_am", "stride_ask", "stride_wn", "stride_om"), num_warps=warps,
+                     num_stages=stages)
+
+
 def check_quant_qkv_rope_packed(fmt, block_m):
     from engine.kernels import quant_qkv_rope
     import triton.language as tl
@@ -200,7 +214,7 @@ CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4
          [(check_quant_gemv_packed, ("int4", 1, fl, 4, True)) for fl in (0, 3)] + \
          [(check_quant_gemv_packed_workspace_order, a) for a in (("fp8", 4), ("int8", 1), ("int4", 1, True))] + \
          [(check_quant_qkv_rope_packed, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
-         [(check_quant_gemv_int8_pairs, ()), (check_quant_gemm_int4_group_dots, ())] + \
+         [(check_quant_gemv_int8_pairs, ()), (check_quant_gemm_int4_group_dots, ()), (check_fp8_gemm_two_launch, ())] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 
 

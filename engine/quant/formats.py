@@ -133,10 +133,19 @@ def empty(fmt: str, N: int, K: int, device, group: int = BLOCK) -> dict[str, tor
     raise ValueError(f"quantization: unknown format {fmt!r} (known: {FORMATS})")
 
 
+def activation_scales_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> [M, K / 128] fp32 scales: a row's 128-group max |x| / 448, by true division (CUDA torch divides
+    by a Python number as a multiply by its reciprocal, which can differ in the last bit)."""
+    M, K = x.shape
+    kb = -(-K // BLOCK)
+    amax = _pad_to(x.float(), M, kb * BLOCK).view(M, kb, BLOCK).abs().amax(dim=2).clamp(min=1e-12)
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_activations_fp8_ref(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> fp32 values of x quantized to fp8 per row and 128-wide group (dynamic scales), dequantized."""
     M, K = x.shape
     kb = -(-K // BLOCK)
     g = _pad_to(x.float(), M, kb * BLOCK).view(M, kb, BLOCK)
-    s = g.abs().amax(dim=2, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    s = activation_scales_fp8(x)[..., None]
     return ((g / s).to(FP8_DTYPE).float() * s).view(M, -1)[:, :K]

@@ -24,6 +24,7 @@ class QuantLinear(nn.Module):
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.kernels = "torch"           # "triton": the Triton kernels (set by quantize_model / prepare_model)
         self.act_fp8 = False             # fp8 GEMM: activations quantized per token-group, FP8 tensor cores
+        self.fp8_gemm = "fused"          # which FP8 GEMM (EngineConfig.fp8_gemm, resolved by set_fp8_gemm)
         self.tensor_cores = False        # fused GEMVs: kernels/quant_gemv_tc.py (EngineConfig.quant_gemv_tensor_cores)
         self.packed = False              # fused GEMVs: kernels/quant_gemv_packed.py (EngineConfig.quant_gemv_packed)
         self.pairs = False               # packed int8, one token: f16x2 pair decode (EngineConfig.quant_int8_pairs)
@@ -49,6 +50,9 @@ class QuantLinear(nn.Module):
         """x [T, K] -> [T, N]."""
         if self.kernels != "triton":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
+        if self.act_fp8 and self.fp8_gemm != "fused" and x.shape[0] > 0:
+            from ..kernels.quant_gemm_fp8 import fp8_matmul
+            return fp8_matmul(x, self.tensors(), self.bias, self.fp8_gemm)
         from ..kernels.quant_gemm import quant_matmul
         return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, act_fp8=self.act_fp8,
                             group_dots=self.group_dots)
@@ -153,6 +157,21 @@ def set_tensor_cores(model, on: bool | None) -> None:
             lin.tensor_cores = on if on is not None else (lin.fmt, *lin.shape) in QUANT_GEMV_TC_CONFIGS
             if lin.fmt == "int4" and lin.qweight.dtype == torch.int32:
                 lin.tensor_cores = False                    # the words layout: the packed GEMV's
+
+
+def set_fp8_gemm(model, mode: str) -> None:
+    """The FP8 GEMM of the fp8 layers whose activations are quantized (EngineConfig.fp8_gemm): auto -> cublas
+    where torch has cuBLAS's block-wise scaled_mm for the shape, else triton."""
+    from ..kernels.quant_gemm_fp8 import cublas_supported
+    for _, _, lin in _layer_linears(model):
+        if not (isinstance(lin, QuantLinear) and lin.act_fp8):
+            continue
+        ok = cublas_supported(*lin.shape)
+        if mode == "cublas" and not ok:
+            raise ValueError(f"EngineConfig.fp8_gemm: 'cublas' needs torch's block-wise scaled_mm (sm90, CUDA >= "
+                             f"12.9, N and K multiples of 128, K / 128 a multiple of 4); this is torch "
+                             f"{torch.__version__} (CUDA {torch.version.cuda}), weight {tuple(lin.shape)}")
+        lin.fp8_gemm = ("cublas" if ok else "triton") if mode == "auto" else mode
 
 
 @torch.no_grad()
