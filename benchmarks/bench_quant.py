@@ -71,10 +71,11 @@ def bench_kernels() -> list[dict]:
 
 
 def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None, packed: bool | None = None,
-                max_num_seqs: int = 256, switches: bool = True, fp8_gemm: str = "auto") -> dict:
+                max_num_seqs: int = 256, switches: bool = True, fp8_gemm: str = "auto", fusion: bool = True) -> dict:
     llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
               quant_gemv_tensor_cores=tensor_cores, quant_gemv_packed=packed, quant_int8_pairs=switches,
-              quant_qkv_split_rope=switches, quant_gemm_group_dots=switches, fp8_gemm=fp8_gemm)
+              quant_qkv_split_rope=switches, quant_gemm_group_dots=switches, fp8_gemm=fp8_gemm,
+              fp8_act_fusion=fusion)
     eng = llm.engine
     wb = weight_bytes(eng.model)
     embed = eng.model.model.embed_tokens.weight
@@ -91,7 +92,7 @@ def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None,
     floor = (step_bytes + kv_tok * 256) / bw
     row = dict(bench="model", format=fmt or "bf16", gemv={True: "tc", False: "cuda", None: "per shape"}[eng.quant_tensor_cores] if fmt else "-",
                packed=getattr(eng, "quant_packed", None) if fmt else "-", switches=switches if fmt else "-",
-               fp8_gemm=fp8_gemm if fmt == "fp8" else "-",
+               fp8_gemm=fp8_gemm if fmt == "fp8" else "-", fusion=eng.model.fp8_act_align > 0 if fmt == "fp8" else "-",
                prefill_ms=(m.first_token_time - m.arrival_time) * 1e3 if hasattr(m, "arrival_time") else None,
                max_num_seqs=max_num_seqs, weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
                kv_blocks=eng.num_blocks, kv_GB=eng.num_blocks * kv_bytes_per_block(eng.model_config, eng.block_size,
@@ -124,7 +125,10 @@ def main():
                     help="the packed GEMV's quant_int8_pairs, quant_qkv_split_rope and quant_gemm_group_dots together")
     ap.add_argument("--fp8-gemm", default="auto", help="EngineConfig.fp8_gemm values for fp8, comma-separated "
                                                           "(auto, triton, cublas, fused)")
+    ap.add_argument("--fp8-act-fusion", default="on", choices=("on", "off", "both"),
+                    help="EngineConfig.fp8_act_fusion for fp8 (norms and SiLU-and-mul quantize for the GEMMs)")
     args = ap.parse_args()
+    fus = {"on": [True], "off": [False], "both": [True, False]}[args.fp8_act_fusion]
     sws = {"on": [True], "off": [False], "both": [False, True]}[args.switches]
     packs = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[args.packed]
     gemvs = {"auto": [None], "tc": [True], "cuda": [False], "both": [None, True, False]}[args.gemv]
@@ -137,11 +141,11 @@ def main():
     if "model" in args.sections:
         for f in args.formats.split(","):
             fmt = None if f == "none" else f
-            f8s = args.fp8_gemm.split(",") if fmt == "fp8" else ["auto"]
-            for tc, pk, sw, f8 in [(t, p, s, g) for p in packs for t in gemvs for s in sws for g in f8s] if fmt \
-                    else [(None, None, True, "auto")]:
+            f8s = [(g, fu) for g in args.fp8_gemm.split(",") for fu in fus] if fmt == "fp8" else [("auto", True)]
+            for tc, pk, sw, (f8, fu) in [(t, p, s, g) for p in packs for t in gemvs for s in sws for g in f8s] if fmt \
+                    else [(None, None, True, ("auto", True))]:
                 try:
-                    model_rows.append(bench_model(fmt, bw, prompts, outs, tc, pk, args.max_num_seqs, sw, f8))
+                    model_rows.append(bench_model(fmt, bw, prompts, outs, tc, pk, args.max_num_seqs, sw, f8, fu))
                 except Exception as e:  # keep the rest of the table
                     model_rows.append(dict(bench="model", format=f"{f} failed: {type(e).__name__}: {e}"[:160]))
                 print(model_rows[-1], flush=True)
@@ -158,7 +162,7 @@ def main():
                                   "gemm256_us", "gemm256_fp8act_us"])
         print()
     if model_rows:
-        print_table(model_rows, ["format", "gemv", "packed", "switches", "fp8_gemm", "prefill_ms", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
+        print_table(model_rows, ["format", "gemv", "packed", "switches", "fp8_gemm", "fusion", "prefill_ms", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
                                  "pct_floor", "kv_blocks", "kv_GB_freed", "nano_tok_s"])
 
 

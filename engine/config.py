@@ -46,6 +46,9 @@ class EngineConfig:
     #                                     quantized once, then FP8 dots), "cublas" (torch's block-wise scaled_mm;
     #                                     sm90, CUDA >= 12.9), "fused" (quantized inside the GEMM, once per N
     #                                     tile: the ablation); auto: cublas where torch has it, else triton
+    fp8_act_fusion: bool = True         # with a two-launch fp8_gemm, RMSNorm and SiLU-and-mul write the fp8 codes
+    #                                     and scales of the q/k/v, gate/up and down GEMMs' activations (one launch
+    #                                     less per linear; kernels/fp8_act_fusions.py); off: bf16 out, then quantized
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: derived from the memory budget below
@@ -249,6 +252,7 @@ class EngineConfig:
         need(isinstance(self.quant_gemm_group_dots, bool), "quant_gemm_group_dots", "must be a bool")
         need(self.fp8_gemm in ("auto", "triton", "cublas", "fused"), "fp8_gemm",
              "must be 'auto', 'triton', 'cublas' or 'fused'")
+        need(isinstance(self.fp8_act_fusion, bool), "fp8_act_fusion", "must be a bool")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")

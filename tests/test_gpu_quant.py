@@ -210,6 +210,37 @@ def test_fp8_gemm_modes_agree_fp32(model, base, gemm):
     assert [r[:1] for r in ref] == [g[:1] for g in got]
 
 
+def test_fp8_act_fusions_full_size():
+    """The norm and SiLU-and-mul that quantize for the FP8 GEMM, at the 8B widths, against the unfused ops then
+    quantize_activations_fp8: the same codes and scales, bit for bit."""
+    from engine.kernels.activation import silu_and_mul
+    from engine.kernels.fp8_act_fusions import rms_norm_fp8, silu_and_mul_fp8
+    from engine.kernels.rmsnorm import rms_norm
+    torch.manual_seed(0)
+    for M in (17, 300):
+        x, r = (torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+        act, res = rms_norm_fp8(x, w, 1e-5, r, row_align=4)
+        h, res_ref = rms_norm(x, w, 1e-5, r)
+        q, s = quantize_activations_fp8(h)
+        assert torch.equal(act.q[:M].float(), q.float()) and torch.equal(act.s[:M], s) and torch.equal(res, res_ref)
+        gu = torch.randn(M, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+        act = silu_and_mul_fp8(gu, row_align=4)
+        q, s = quantize_activations_fp8(silu_and_mul(gu))
+        assert torch.equal(act.q[:M].float(), q.float()) and torch.equal(act.s[:M], s)
+
+
+def test_fp8_act_fusion_engine_identical():
+    """EngineConfig.fp8_act_fusion on and off: the same codes reach the same GEMMs, so every token is the same."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores")
+    align = lambda eng: eng.model.fp8_act_align  # noqa: E731
+    on_align, on = _run(quantization="fp8", model="dummy:llama-3.2-1b", check=align)
+    off_align, off = _run(quantization="fp8", model="dummy:llama-3.2-1b", fp8_act_fusion=False, check=align)
+    assert on_align > 0 and off_align == 0
+    assert on == off
+
+
 def test_kv_pool_grows_with_smaller_weights():
     blocks = {}
     for fmt in (None, "int4"):

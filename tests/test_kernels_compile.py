@@ -160,6 +160,15 @@ def check_fp8_gemm_two_launch():
                      num_stages=stages)
 
 
+def check_fp8_act_fusions():
+    """kernels/fp8_act_fusions.py at the 8B widths: the RMSNorm (4096) and SiLU-and-mul (14336: 2048-wide blocks)
+    that write fp8 codes and group scales."""
+    from engine.kernels import fp8_act_fusions as f
+    ptrs = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    compile_sm90(f._rms_norm_fp8_kernel, dict(HAS_RES=True, FMAX=448.0, BLOCK_N=4096, GROUP=128), ptrs, num_warps=16)
+    compile_sm90(f._silu_and_mul_fp8_kernel, dict(FMAX=448.0, BLOCK_N=2048, GROUP=128), ptrs, num_warps=8)
+
+
 def check_quant_qkv_rope_packed(fmt, block_m):
     from engine.kernels import quant_qkv_rope
     import triton.language as tl
@@ -214,7 +223,8 @@ CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4
          [(check_quant_gemv_packed, ("int4", 1, fl, 4, True)) for fl in (0, 3)] + \
          [(check_quant_gemv_packed_workspace_order, a) for a in (("fp8", 4), ("int8", 1), ("int4", 1, True))] + \
          [(check_quant_qkv_rope_packed, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
-         [(check_quant_gemv_int8_pairs, ()), (check_quant_gemm_int4_group_dots, ()), (check_fp8_gemm_two_launch, ())] + \
+         [(check_quant_gemv_int8_pairs, ()), (check_quant_gemm_int4_group_dots, ()), (check_fp8_gemm_two_launch, ()),
+          (check_fp8_act_fusions, ())] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 
 

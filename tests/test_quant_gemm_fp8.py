@@ -82,3 +82,102 @@ def test_fp8_gemm_config_checks():
         set_fp8_gemm(model, "cublas")
     set_fp8_gemm(model, "fused")
     assert lin.fp8_gemm == "fused" and model.model.layers[0].self_attn.o_proj.fp8_gemm == "fused"   # act_fp8 off
+
+
+@pytest.mark.parametrize("M,N,residual,align", [(5, 256, True, 1), (13, 512, False, 4), (1, 128, True, 4)])
+def test_rms_norm_fp8_matches_norm_then_quantize(M, N, residual, align):
+    """The fused norm (EngineConfig.fp8_act_fusion) writes the very codes and scales of rms_norm followed by
+    quantize_activations_fp8 (the same interpreter cast on both sides), and the same new residual."""
+    from engine.kernels.fp8_act_fusions import rms_norm_fp8
+    from engine.kernels.rmsnorm import rms_norm
+    g = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, N, generator=g)
+    r = torch.randn(M, N, generator=g) if residual else None
+    w = torch.rand(N, generator=g) + 0.5
+    act, res = rms_norm_fp8(x, w, 1e-5, r, row_align=align)
+    h, res_ref = rms_norm(x, w, 1e-5, r)
+    q, s = quantize_activations_fp8(h)
+    Mp = -(-M // align) * align
+    assert act.rows == M and act.q.shape == (Mp, N) and act.s.shape == (Mp, N // BLOCK) and act.dtype == x.dtype
+    assert torch.equal(act.q[:M].float(), q.float()) and torch.equal(act.s[:M], s)
+    assert not act.q[M:].float().any()
+    assert torch.equal(res, res_ref)
+
+
+@pytest.mark.parametrize("M,I,align", [(3, 384, 1), (9, 512, 4)])
+def test_silu_and_mul_fp8_matches_then_quantize(M, I, align):
+    from engine.kernels.activation import silu_and_mul
+    from engine.kernels.fp8_act_fusions import silu_and_mul_fp8
+    x = torch.randn(M, 2 * I, generator=torch.Generator().manual_seed(I))
+    act = silu_and_mul_fp8(x, row_align=align)
+    q, s = quantize_activations_fp8(silu_and_mul(x))
+    assert act.rows == M and act.q.shape[0] == -(-M // align) * align
+    assert torch.equal(act.q[:M].float(), q.float()) and torch.equal(act.s[:M], s)
+    assert not act.q[M:].float().any()
+    t = quantize(torch.randn(256, I) * 0.02, "fp8")
+    assert torch.equal(fp8_matmul(act, t, None, "triton"), fp8_matmul(silu_and_mul(x), t, None, "triton"))
+
+
+def test_fp8_act_row_align():
+    from engine.kernels.quant_gemm_fp8 import CUBLAS_ROW_ALIGN
+    from engine.quant.linear import fp8_act_row_align
+
+    def model(hidden, inter, mode, quant_down=True):
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        layer.self_attn.qkv_proj = QuantLinear("fp8", hidden, 3 * 128, None, "cpu")
+        layer.mlp.gate_up_proj = QuantLinear("fp8", hidden, 2 * inter, None, "cpu")
+        layer.mlp.down_proj = QuantLinear("fp8", inter, hidden, None, "cpu") if quant_down \
+            else torch.nn.Linear(inter, hidden)
+        for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.act_fp8, lin.fp8_gemm = True, mode
+        m = torch.nn.Module()
+        m.model = torch.nn.Module()
+        m.model.layers = torch.nn.ModuleList([layer])
+        return m
+
+    assert fp8_act_row_align(model(256, 384, "triton")) == 1
+    assert fp8_act_row_align(model(256, 384, "cublas")) == CUBLAS_ROW_ALIGN
+    assert fp8_act_row_align(model(256, 384, "fused")) == 0            # the GEMM quantizes itself
+    assert fp8_act_row_align(model(576, 384, "triton")) == 0           # hidden not a power of two
+    assert fp8_act_row_align(model(256, 200, "triton")) == 0           # intermediate not whole groups
+    assert fp8_act_row_align(model(256, 384, "triton", quant_down=False)) == 0
+
+
+def test_fp8_act_fusion_in_the_model_cpu(tmp_path, monkeypatch):
+    """The model's GEMM path with the norms and SiLU-and-mul quantizing for the FP8 GEMMs gives the tokens of the
+    unfused path (the same codes reach the same GEMMs). Interpreter: the engine turns FP8 activations on only on
+    CUDA, so the test sets the layers as set_fp8_gemm would there."""
+    import transformers
+
+    from engine import LLMEngine, SamplingParams
+    from engine.kernels import fp8_act_fusions
+    from engine.quant.linear import fp8_act_row_align
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=64, vocab_size=300, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    calls = []
+    real = fp8_act_fusions.rms_norm_fp8
+    monkeypatch.setattr(fp8_act_fusions, "rms_norm_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(fuse: bool) -> list[list[int]]:
+        eng = LLMEngine(model=str(tmp_path), device="cpu", kernels="triton", quantization="fp8", block_size=4,
+                        max_num_batched_tokens=16, num_kv_blocks=64, enable_prefix_caching=False)
+        for lin in eng.model.modules():
+            if isinstance(lin, QuantLinear):
+                lin.act_fp8, lin.fp8_gemm = True, "triton"
+        eng.model.fp8_act_align = fp8_act_row_align(eng.model) if fuse else 0
+        assert eng.model.fp8_act_align == (1 if fuse else 0)
+        g = torch.Generator().manual_seed(1)
+        ids = [eng.add_request(torch.randint(0, 300, (n,), generator=g).tolist(),
+                               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) for n in (5, 11, 3)]
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        return [outs[i] for i in ids]
+
+    off = run(False)
+    assert not calls
+    on = run(True)
+    assert calls and on == off

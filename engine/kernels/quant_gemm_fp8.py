@@ -127,12 +127,16 @@ def gemm_fp8_cublas(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, ws: torch
     return y if bias is None else y + bias
 
 
-def fp8_matmul(x: torch.Tensor, qt: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
+def fp8_matmul(x, qt: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
                gemm: str = "triton") -> torch.Tensor:
-    """x [M, K] -> [M, N]: activations quantized per token-group, then the FP8 GEMM (gemm: triton | cublas)."""
+    """x [M, K] -> [M, N] in x's dtype: activations quantized per token-group, then the FP8 GEMM (gemm: triton |
+    cublas). x may be an Fp8Act (kernels/fp8_act_fusions.py: quantized by the op before it, rows padded)."""
     w, ws = qt["weight"], qt["weight_scale_inv"]
+    if isinstance(x, torch.Tensor):
+        M = x.shape[0]
+        q, s = quantize_activations_fp8(x, CUBLAS_ROW_ALIGN if gemm == "cublas" else 1)
+    else:
+        M, q, s = x.rows, x.q, x.s
     if gemm == "cublas":
-        q, s = quantize_activations_fp8(x, CUBLAS_ROW_ALIGN)
-        return gemm_fp8_cublas(q, s, w, ws, x.dtype, bias)[:x.shape[0]]
-    q, s = quantize_activations_fp8(x)
-    return gemm_fp8(q, s, w, ws, x.dtype, bias)
+        return gemm_fp8_cublas(q, s, w, ws, x.dtype, bias)[:M]
+    return gemm_fp8(q, s, w, ws, x.dtype, bias)[:M]

@@ -112,8 +112,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+    def forward(self, x, fp8_align: int = 0) -> torch.Tensor:
+        """x [T, hidden] (or an Fp8Act) -> [T, hidden]; fp8_align: SiLU-and-mul quantizes for down_proj's FP8 GEMM
+        (see LlamaForCausalLM.fp8_act_align)."""
+        gu = self.gate_up_proj(x)                                           # [T, 2I]
+        if fp8_align:
+            from ..kernels.fp8_act_fusions import silu_and_mul_fp8
+            return self.down_proj(silu_and_mul_fp8(gu, fp8_align))
+        return self.down_proj(self.ops.silu_and_mul(gu))                    # [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -151,11 +157,15 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_max_tokens = 0           # steps of at most this many tokens take forward_small_batch
         self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
         self.gemv_variant = "auto"         # their launch (EngineConfig.gemv_variant)
+        self.fp8_act_align = 0             # > 0: RMSNorm and SiLU-and-mul quantize for the FP8 GEMMs after them,
+        #                                    rows padded to this multiple (EngineConfig.fp8_act_fusion)
 
     def set_kernel_options(self, config) -> None:
-        """EngineConfig.gemv_variant, decode_fused_merge (Triton launch options; the torch ops ignore them) and
-        fused_qk_norm."""
+        """EngineConfig.gemv_variant, decode_fused_merge (Triton launch options; the torch ops ignore them),
+        fused_qk_norm and fp8_act_fusion (after the quantized layers' FP8 GEMMs are chosen)."""
+        from ..quant.linear import fp8_act_row_align
         self.gemv_variant = config.gemv_variant
+        self.fp8_act_align = fp8_act_row_align(self) if config.fp8_act_fusion else 0
         for layer in self.model.layers:
             layer.self_attn.decode_fused_merge = config.decode_fused_merge
             layer.self_attn.fused_qk_norm = config.fused_qk_norm
@@ -171,17 +181,22 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed(input_ids)                          # [T, hidden]
         x = self.all_reduce(x)
         residual = None
+        align = self.fp8_act_align
+        norm = ops.rms_norm
+        if align:                                              # norms quantize for the FP8 q/k/v and gate/up GEMMs
+            from ..kernels.fp8_act_fusions import rms_norm_fp8
+            norm = lambda x, w, eps, r: rms_norm_fp8(x, w, eps, r, align)  # noqa: E731
         for layer in m.layers[:num_layers]:
             with t.region("norms"):
-                x, residual = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
+                x, residual = norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
             with t.region("attention"):
                 x = layer.self_attn(x, md, self.cos_sin)
             x = self.all_reduce(x)
             with t.region("norms"):
-                x, residual = ops.rms_norm(x, layer.post_attention_layernorm.weight,
-                                           layer.post_attention_layernorm.eps, residual)
+                x, residual = norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                                   residual)
             with t.region("mlp"):
-                x = layer.mlp(x)
+                x = layer.mlp(x, align)
             x = self.all_reduce(x)
         with t.region("norms"):
             x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)

@@ -46,16 +46,21 @@ class QuantLinear(nn.Module):
         """The [N, K] weight this layer stands for (the reference its kernels are tested against)."""
         return formats.dequantize(self.fmt, self.tensors(), self.shape, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N]."""
+    def forward(self, x) -> torch.Tensor:
+        """x [T, K] -> [T, N]. x may be an Fp8Act (kernels/fp8_act_fusions.py) where takes_fp8_input."""
         if self.kernels != "triton":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         if self.act_fp8 and self.fp8_gemm != "fused" and x.shape[0] > 0:
             from ..kernels.quant_gemm_fp8 import fp8_matmul
-            return fp8_matmul(x, self.tensors(), self.bias, self.fp8_gemm)
+            return fp8_matmul(x, self.tensors(), self.bias, self.fp8_gemm)     # x: a tensor or an Fp8Act
         from ..kernels.quant_gemm import quant_matmul
         return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, act_fp8=self.act_fp8,
                             group_dots=self.group_dots)
+
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether forward() takes activations quantized by the op before it (EngineConfig.fp8_act_fusion)."""
+        return self.act_fp8 and self.fp8_gemm in ("triton", "cublas")
 
     def fused(self, x: torch.Tensor, *, prologue: str | None = None, norm_weight: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
@@ -172,6 +177,26 @@ def set_fp8_gemm(model, mode: str) -> None:
                              f"12.9, N and K multiples of 128, K / 128 a multiple of 4); this is torch "
                              f"{torch.__version__} (CUDA {torch.version.cuda}), weight {tuple(lin.shape)}")
         lin.fp8_gemm = ("cublas" if ok else "triton") if mode == "auto" else mode
+
+
+def fp8_act_row_align(model) -> int:
+    """EngineConfig.fp8_act_fusion: the row padding the FP8 GEMMs after the norms and SiLU-and-mul need (cuBLAS 4,
+    Triton 1), or 0 where those ops cannot quantize for them (a q/k/v, gate/up or down projection not on a
+    two-launch FP8 GEMM, modes that differ, widths kernels/fp8_act_fusions.py cannot take)."""
+    from ..kernels.fp8_act_fusions import rms_norm_fusable, silu_fusable
+    from ..kernels.quant_gemm_fp8 import CUBLAS_ROW_ALIGN
+    modes = set()
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not (isinstance(lin, QuantLinear) and lin.takes_fp8_input):
+                return 0
+            modes.add(lin.fp8_gemm)
+        if not (rms_norm_fusable(layer.self_attn.qkv_proj.in_features)
+                and silu_fusable(layer.mlp.down_proj.in_features)):
+            return 0
+    if len(modes) != 1:
+        return 0
+    return CUBLAS_ROW_ALIGN if modes == {"cublas"} else 1
 
 
 @torch.no_grad()
