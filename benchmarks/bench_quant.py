@@ -71,7 +71,7 @@ def bench_kernels() -> list[dict]:
 
 
 def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None, packed: bool | None = None,
-                max_num_seqs: int = 256, switches: bool = True, fp8_gemm: str = "auto", fusion: bool = True) -> dict:
+                max_num_seqs: int = 256, switches: bool = True, fp8_gemm: str = "auto", fusion: bool = False) -> dict:
     llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
               quant_gemv_tensor_cores=tensor_cores, quant_gemv_packed=packed, quant_int8_pairs=switches,
               quant_qkv_split_rope=switches, quant_gemm_group_dots=switches, fp8_gemm=fp8_gemm,
@@ -125,7 +125,7 @@ def main():
                     help="the packed GEMV's quant_int8_pairs, quant_qkv_split_rope and quant_gemm_group_dots together")
     ap.add_argument("--fp8-gemm", default="auto", help="EngineConfig.fp8_gemm values for fp8, comma-separated "
                                                           "(auto, triton, cublas, fused)")
-    ap.add_argument("--fp8-act-fusion", default="on", choices=("on", "off", "both"),
+    ap.add_argument("--fp8-act-fusion", default="off", choices=("on", "off", "both"),
                     help="EngineConfig.fp8_act_fusion for fp8 (norms and SiLU-and-mul quantize for the GEMMs)")
     args = ap.parse_args()
     fus = {"on": [True], "off": [False], "both": [True, False]}[args.fp8_act_fusion]
@@ -141,9 +141,9 @@ def main():
     if "model" in args.sections:
         for f in args.formats.split(","):
             fmt = None if f == "none" else f
-            f8s = [(g, fu) for g in args.fp8_gemm.split(",") for fu in fus] if fmt == "fp8" else [("auto", True)]
+            f8s = [(g, fu) for g in args.fp8_gemm.split(",") for fu in fus] if fmt == "fp8" else [("auto", False)]
             for tc, pk, sw, (f8, fu) in [(t, p, s, g) for p in packs for t in gemvs for s in sws for g in f8s] if fmt \
-                    else [(None, None, True, ("auto", True))]:
+                    else [(None, None, True, ("auto", False))]:
                 try:
                     model_rows.append(bench_model(fmt, bw, prompts, outs, tc, pk, args.max_num_seqs, sw, f8, fu))
                 except Exception as e:  # keep the rest of the table

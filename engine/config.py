@@ -46,9 +46,10 @@ class EngineConfig:
     #                                     quantized once, then FP8 dots), "cublas" (torch's block-wise scaled_mm;
     #                                     sm90, CUDA >= 12.9), "fused" (quantized inside the GEMM, once per N
     #                                     tile: the ablation); auto: cublas where torch has it, else triton
-    fp8_act_fusion: bool = True         # with a two-launch fp8_gemm, RMSNorm and SiLU-and-mul write the fp8 codes
+    fp8_act_fusion: bool = False        # with a two-launch fp8_gemm, RMSNorm and SiLU-and-mul write the fp8 codes
     #                                     and scales of the q/k/v, gate/up and down GEMMs' activations (one launch
-    #                                     less per linear; kernels/fp8_act_fusions.py); off: bf16 out, then quantized
+    #                                     less per linear; kernels/fp8_act_fusions.py); off: bf16 out, then quantized.
+    #                                     Off by default: its kernels measured slower than the two launches (H200)
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: derived from the memory budget below

@@ -235,7 +235,7 @@ def test_fp8_act_fusion_engine_identical():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores")
     align = lambda eng: eng.model.fp8_act_align  # noqa: E731
-    on_align, on = _run(quantization="fp8", model="dummy:llama-3.2-1b", check=align)
+    on_align, on = _run(quantization="fp8", model="dummy:llama-3.2-1b", fp8_act_fusion=True, check=align)
     off_align, off = _run(quantization="fp8", model="dummy:llama-3.2-1b", fp8_act_fusion=False, check=align)
     assert on_align > 0 and off_align == 0
     assert on == off
