@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ..quant.formats import BLOCK, FP8_DTYPE, FP8_MAX
+from .rmsnorm import add_residual_rstd
 
 
 class Fp8Act:
@@ -42,13 +43,8 @@ def _rms_norm_fp8_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_ptr, M, stride_x
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     live = offs * 0 + row < M                               # [BLOCK_N]; rows M.. pad for cuBLAS: zero codes
-    x = tl.load(x_ptr + row * stride_x + offs, mask=live, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x += tl.load(r_ptr + row * stride_r + offs, mask=live, other=0.0).to(tl.float32)
-        xs = x.to(res_ptr.dtype.element_ty)                  # the new residual, rounded like torch's add
-        tl.store(res_ptr + row * stride_res + offs, xs, mask=live)
-        x = xs.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    x, rstd = add_residual_rstd(x_ptr, r_ptr, res_ptr, row, stride_x, stride_r, stride_res, offs, live, N, eps,
+                                HAS_RES)
     w = tl.load(w_ptr + offs).to(tl.float32)
     y = ((x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w).to(x_ptr.dtype.element_ty).to(tl.float32)
     q, s = _quantize_groups(y, BLOCK_N // GROUP, GROUP, FMAX)

@@ -9,18 +9,26 @@ from . import torch_ops
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r, stride_o, stride_res,
-                     N, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
+def add_residual_rstd(x_ptr, r_ptr, res_ptr, row, stride_x, stride_r, stride_res, offs, mask, N, eps,
+                      HAS_RES: tl.constexpr):
+    """Row `row` of x (+ residual, stored as the new residual) in fp32, and its 1 / RMS."""
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x += tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         xs = x.to(res_ptr.dtype.element_ty)                  # the new residual, rounded like torch's add
         tl.store(res_ptr + row * stride_res + offs, xs, mask=mask)
         x = xs.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    return x, tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r, stride_o, stride_res,
+                     N, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x, rstd = add_residual_rstd(x_ptr, r_ptr, res_ptr, row, stride_x, stride_r, stride_res, offs, mask, N, eps,
+                                HAS_RES)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w   # weight * norm(x).to(dtype), as torch
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
