@@ -121,8 +121,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         if self.model.quantization:
             set_packed(self.model, self.quant_packed, config)
         set_tensor_cores(self.model, tc)
-        if fp8_act and self.model.quantization == "fp8":
-            set_fp8_gemm(self.model, config.fp8_gemm)
+        set_fp8_gemm(self.model, config.fp8_gemm)        # the fp8 layers that quantize activations (fp8_act)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
         self.model.set_kernel_options(config)
