@@ -11,7 +11,7 @@ case "${1:-}" in
   sweep)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     stamp tests
-    timeout 50 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "(decode_split and bfloat16) \
+    timeout 50 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_kernels_attention.py -k "(decode_split and bfloat16) \
       or decode_cuda_graph or padded_rows or (fused_linear_variants and bfloat16 and (persistent or tiled)) \
       or (fused_qkv_rope_store and bfloat16 and config0)" 2>&1 | tail -8
     stamp sweep
@@ -49,7 +49,7 @@ case "${1:-}" in
     stamp tests
     timeout 60 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py -k "triton_and_graphs_match_torch and float32" \
       2>&1 | tail -4
-    timeout 30 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "(decode_split and bfloat16) or decode_cuda_graph or switches" \
+    timeout 30 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_kernels_attention.py -k "(decode_split and bfloat16) or decode_cuda_graph or switches" \
       2>&1 | tail -4
     stamp profile
     timeout 35 python benchmarks/profile_decode.py --shape llama-3.1-8b --pdl 0 2>&1 | grep -v Warn | head -9

@@ -15,7 +15,7 @@ timeout 75 python benchmarks/bench_gpu.py --shape llama-3.1-8b --sections latenc
   "cuda graphs,decode_fused_merge=True,sampler_one_launch=False" 2>&1 | grep -v Warn | tail -5
 cp benchmarks/results/gpu_*llama-3.1-8b.json "$OUT/latency_8b.json" 2>/dev/null
 stamp tests
-timeout 50 python -m pytest -q -x -p no:cacheprovider tests/test_kernels_merge_sample.py tests/test_kernels.py -k \
+timeout 50 python -m pytest -q -x -p no:cacheprovider tests/test_kernels_merge_sample.py tests/test_kernels.py tests/test_kernels_attention.py -k \
   "merge or one_launch or chunk or (decode_split and bfloat16) or decode_cuda_graph or padded_rows or gumbel \
   or switches" 2>&1 | tail -3
 timeout 45 python -m pytest -q -x -p no:cacheprovider tests/test_gpu_engine.py -k \

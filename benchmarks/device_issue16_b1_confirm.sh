@@ -9,5 +9,5 @@ timeout 60 python benchmarks/bench_gpu.py --shape llama-3.2-1b --sections latenc
 cp benchmarks/results/gpu_*llama-3.2-1b.json "$OUT/" 2>/dev/null
 timeout 45 python benchmarks/bench_gpu.py --shape llama-3.1-8b --sections latency --latency-configs "cuda graphs" \
   2>&1 | tail -1
-timeout 40 python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k \
+timeout 40 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_attention.py -k \
   "(fused_linear_variants and bfloat16 and persistent) or persistent_linears or switches" 2>&1 | tail -2

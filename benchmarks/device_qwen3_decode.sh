@@ -4,7 +4,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 stamp tests
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "head_rms_norm or decode_split" 2>&1 | tail -2
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_attention.py -k "head_rms_norm or decode_split" 2>&1 | tail -2
 stamp qwen3
 timeout 200 python benchmarks/bench_gpu.py --shape qwen3-0.6b --sections throughput,prefill,ablation --hf-requests 0 \
   --ablations "fused_qk_norm=False" --prefill-ablations "fused_qk_norm=False" 2>&1 | grep -v "Warn\|warn" | tail -8

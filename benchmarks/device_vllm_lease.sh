@@ -31,7 +31,7 @@ case "${1:-}" in
       --workload nano --quantization fp8 2>&1 | grep -v "^\(INFO\|WARNING\|DEBUG\)" | tail -14 ;;
   check)
     stamp "GPU tests"
-    timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "head_rms_norm or decode or paged" 2>&1 | tail -2
+    timeout 100 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_attention.py -k "head_rms_norm or decode or paged" 2>&1 | tail -2
     timeout 120 python -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py -k "triton_and_graphs_match_torch and float32" \
       2>&1 | tail -2 ;;
   *) echo "usage: $0 table <shape> | profile <shape> <nano|prefill> | fp8 | check"; exit 2 ;;

@@ -8,5 +8,5 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py 2>&1 | tee "$OUT/pytest.log"
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py tests/test_kernels_attention.py 2>&1 | tee "$OUT/pytest.log"
 timeout "${BENCH_TIMEOUT:-270}" python3 benchmarks/bench_kernels.py ${BENCH_ARGS:---sweep} 2>&1 | tee "$OUT/bench.log"

@@ -136,3 +136,19 @@ def packed_model_and_ref(fmt: str):
         return build_model(cfg, None, get_ops(ops), torch.device("cpu"), torch.float32, max_pos=64, seed=5,
                            quantization=fmt)
     return build("triton"), _prefill_then_decode(build("torch"), PACKED_IDS)
+
+
+def scrape_metrics(url: str) -> dict:
+    """{(sample name, sorted labels): value} of a server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric_sum(m: dict, name: str, **labels) -> float:
+    """The sum of scrape_metrics samples named `name` whose labels include `labels`."""
+    return sum(v for (n, ls), v in m.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))

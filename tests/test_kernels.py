@@ -2,32 +2,14 @@
 
 CPU: runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1) with small shapes, fp32/fp16.
 GPU (TRITON_INTERPRET=0 and CUDA): the same tests at full sizes, bf16 too, plus CUDA-graph capture.
+Paged attention: test_kernels_attention.py.
 """
-import os
-
 import pytest
 import torch
 
-from engine.kernels import ops, torch_ops
+from engine.kernels import torch_ops
 from engine.kernels import triton_ops as tk
-from engine.kernels.metadata import AttentionMetadata
-from engine.kernels.paged_attention_ref import paged_attention_decode_ref, paged_attention_ref
-
-GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-DEV = torch.device("cuda" if GPU else "cpu")
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if GPU else [])  # interpreter: bf16 dot is wrong
-TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-gpu_only = pytest.mark.skipif(not GPU, reason="needs CUDA with TRITON_INTERPRET=0")
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def rand(*shape, dtype=torch.float32):
-    return torch.randn(*shape, device=DEV, dtype=torch.float32).to(dtype)
+from kernel_helpers import DEV, DTYPES, GPU, TOL, qkv_views, rand, rel_err
 
 
 # ---------------------------------------------------------------- elementwise kernels
@@ -56,20 +38,11 @@ def test_silu_and_mul(dtype, shape):
     assert rel_err(out, torch_ops.silu_and_mul(x.double())) < TOL[dtype]
 
 
-def _qkv(T, H, Hk, D, dtype):
-    """q [T, H, D], k/v [T, Hk, D]: non-contiguous views of one fused projection output."""
-    qkv = rand(T, (H + 2 * Hk) * D, dtype=dtype)
-    q = qkv[:, :H * D].view(T, H, D)
-    k = qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)
-    v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
-    return q, k, v
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,H,Hk,D", [(1, 9, 3, 32), (37, 5, 3, 24)] + ([(257, 16, 8, 128), (4099, 32, 8, 128)] if GPU else []))
 def test_head_rms_norm_in_place(dtype, T, H, Hk, D):
     """Qwen3's q/k norm on the strided views of a qkv output, in place: q and k match the reference, v is untouched."""
-    q, k, v = _qkv(T, H, Hk, D, dtype)
+    q, k, v = qkv_views(T, H, Hk, D, dtype)
     wq, wk = rand(D, dtype=dtype), rand(D, dtype=dtype)
     q_ref = torch_ops.rms_norm(q.double(), wq.double(), 1e-6)[0]
     k_ref = torch_ops.rms_norm(k.double(), wk.double(), 1e-6)[0]
@@ -77,7 +50,7 @@ def test_head_rms_norm_in_place(dtype, T, H, Hk, D):
     assert tk.head_rms_norm_(q, wq, 1e-6) is q and tk.head_rms_norm_(k, wk, 1e-6) is k
     assert rel_err(q, q_ref) < TOL[dtype] and rel_err(k, k_ref) < TOL[dtype]
     assert torch.equal(v, v_before)
-    q2, _, _ = _qkv(T, H, Hk, D, dtype)                     # the torch backend's in-place op: same contract
+    q2, _, _ = qkv_views(T, H, Hk, D, dtype)                     # the torch backend's in-place op: same contract
     q2_ref = torch_ops.rms_norm(q2, wq, 1e-6)[0]
     torch_ops.head_rms_norm_(q2, wq, 1e-6)
     assert torch.equal(q2, q2_ref)
@@ -86,7 +59,7 @@ def test_head_rms_norm_in_place(dtype, T, H, Hk, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,H,Hk,D", [(1, 9, 3, 32), (6, 9, 3, 64)] + ([(257, 32, 8, 64), (31, 12, 4, 128)] if GPU else []))
 def test_apply_rope(dtype, T, H, Hk, D):
-    q, k, _ = _qkv(T, H, Hk, D, dtype)
+    q, k, _ = qkv_views(T, H, Hk, D, dtype)
     positions = torch.randint(0, 500, (T,), device=DEV)
     cos_sin = rand(512, D)                                   # fp32 table, as a model would keep it
     q_ref, k_ref = q.double(), k.double()
@@ -98,7 +71,7 @@ def test_apply_rope(dtype, T, H, Hk, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,Hk,D,bs", [(1, 3, 32, 4), (9, 3, 64, 16)] + ([(1000, 8, 128, 16)] if GPU else []))
 def test_store_kvcache(dtype, T, Hk, D, bs):
-    _, k, v = _qkv(T, 9, Hk, D, dtype)
+    _, k, v = qkv_views(T, 9, Hk, D, dtype)
     nblocks = (T + bs - 1) // bs + 3
     slots = torch.randperm(nblocks * bs, device=DEV)[:T]
     slots[T // 2] = -1                                       # a padding token: skipped
@@ -113,7 +86,7 @@ def test_store_kvcache(dtype, T, Hk, D, bs):
 @pytest.mark.parametrize("T,H,Hk,D,bs", [(1, 9, 3, 32, 4), (7, 9, 3, 64, 16)] + ([(8, 32, 8, 64, 16)] if GPU else []))
 def test_rope_and_store(dtype, T, H, Hk, D, bs):
     """One launch = apply_rope + store_kvcache: q rotated in place, rotated k and v in the caches."""
-    q, k, v = _qkv(T, H, Hk, D, dtype)
+    q, k, v = qkv_views(T, H, Hk, D, dtype)
     positions = torch.randint(0, 500, (T,), device=DEV)
     cos_sin = rand(512, D)
     nblocks = (T + bs - 1) // bs + 3
@@ -241,173 +214,6 @@ def test_fused_qkv_rope_store(dtype, M, H, Hk, D, K, bias, config):
     untouched[slots[slots >= 0]] = False
     assert torch.equal(kc.view(-1, Hk, D)[untouched].double(), kc_ref.view(-1, Hk, D)[untouched])
     assert torch.equal(vc.view(-1, Hk, D)[untouched].double(), vc_ref.view(-1, Hk, D)[untouched])
-
-
-# ---------------------------------------------------------------- paged attention
-
-def make_batch(q_lens, seq_lens, H, Hk, D, bs, dtype, spare_blocks=3):
-    """Random caches whose unused slots (block 0, tails, spares) hold NaN; shuffled block tables."""
-    B = len(q_lens)
-    need = [(s + bs - 1) // bs for s in seq_lens]
-    nblocks = 1 + sum(need) + spare_blocks                   # block 0 reserved: table padding
-    kc = torch.full((nblocks, bs, Hk, D), float("nan"), device=DEV, dtype=dtype)
-    vc = kc.clone()
-    perm = (torch.randperm(nblocks - 1, device=DEV) + 1).int()
-    bt = torch.zeros(B, max(need) + 2, dtype=torch.int32, device=DEV)
-    c = 0
-    for i, (n, s) in enumerate(zip(need, seq_lens)):
-        bt[i, :n] = perm[c:c + n]
-        c += n
-        pos = torch.arange(s, device=DEV)
-        blk = bt[i].long()[pos // bs]
-        kc[blk, pos % bs] = rand(s, Hk, D, dtype=dtype)
-        vc[blk, pos % bs] = rand(s, Hk, D, dtype=dtype)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
-    cu[1:] = torch.tensor(q_lens, device=DEV).cumsum(0)
-    T = sum(q_lens)
-    positions = torch.cat([torch.arange(s - q, s, device=DEV) for q, s in zip(q_lens, seq_lens)])
-    md = AttentionMetadata(
-        positions=positions, slot_mapping=torch.zeros(T, dtype=torch.long, device=DEV), cu_seqlens_q=cu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), block_tables=bt,
-        logits_indices=cu[1:].long() - 1, q_lens=list(q_lens), seq_lens_cpu=list(seq_lens),
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs)
-    q = _qkv(T, H, Hk, D, dtype)[0]                          # strided like the model's q
-    return q, kc, vc, md
-
-
-def _check_attention(q, kc, vc, md, dtype, **kw):
-    scale = q.shape[-1] ** -0.5
-    out = torch.full(q.shape, float("nan"), device=DEV, dtype=dtype)     # poisoned: every row must be written
-    tk.paged_attention(q, kc, vc, md, scale, out=out, **kw)
-    ref = paged_attention_ref(q.double(), kc.double(), vc.double(), md, scale)
-    assert rel_err(out, ref) < TOL[dtype]
-
-
-SMALL = dict(H=9, Hk=3, D=32)
-ATTN_CASES = {                                               # name: (q_lens, seq_lens, block_size)
-    "one_prefill": ([37], [37], 16),                         # block size does not divide the length
-    "one_chunk": ([11], [50], 4),                            # chunk boundary: queries are the last 11 of 50
-    "mixed": ([1, 23, 1, 9, 1], [70, 23, 5, 41, 1], 4),      # decodes (one of length 1) + prefill + chunk
-    "mixed_bs1": ([3, 1], [20, 33], 1),
-}
-if GPU:
-    ATTN_CASES.update({
-        "big_prefill": ([1500], [1500], 16),
-        "big_mixed": ([1] * 30 + [700, 257, 1] + [64] * 3, [2049] * 30 + [700, 1800, 9, 4000, 130, 64], 16),
-    })
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(ATTN_CASES))
-def test_paged_attention(dtype, case):
-    q_lens, seq_lens, bs = ATTN_CASES[case]
-    shapes = [SMALL] + ([dict(H=32, Hk=8, D=64), dict(H=12, Hk=4, D=128)] if GPU else [])
-    for shp in shapes:
-        _check_attention(*make_batch(q_lens, seq_lens, bs=bs, dtype=dtype, **shp), dtype)
-
-
-@pytest.mark.parametrize("block_m,block_n,apart", [(16, 16, True), (64, 16, False)])
-def test_paged_attention_tilings(block_m, block_n, apart):
-    # small tiles: every causal diagonal offset modulo the key tile occurs (tile starts 2, 6, 10, 14, ...);
-    # apart=False: the prefill kernel also serves the decode (one real query in its tile)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, decodes_apart=apart)
-    batch = make_batch([30, 1, 5], [32, 17, 40], bs=4, dtype=torch.float32, **SMALL)
-    _check_attention(*batch, torch.float32, config=cfg)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_mixed_split_decodes(dtype):
-    # decodes of a mixed batch through the varlen split-K kernel, one of them a single key
-    batch = make_batch([1, 12, 1, 1], [90, 12, 1, 47], bs=8, dtype=dtype, **SMALL)
-    _check_attention(*batch, dtype, config=dict(decode_splits=4))
-
-
-@pytest.mark.parametrize("H,Hk,D", [(4, 4, 16), (8, 1, 24)])  # no GQA; MQA with D not a power of two
-def test_paged_attention_head_shapes(H, Hk, D):
-    _check_attention(*make_batch([1, 6], [9, 21], H, Hk, D, 8, torch.float32), torch.float32)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 2, 8])
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_paged_attention_decode_split(dtype, splits, fused_merge):
-    # lengths 1 and short ones leave some splits empty; one is long enough for several tiles per split
-    seq_lens = [1, 130, 7, 64] + ([4096, 3000, 33] * 10 if GPU else [])
-    shp = dict(H=32, Hk=8, D=128) if GPU else SMALL
-    q, kc, vc, md = make_batch([1] * len(seq_lens), seq_lens, bs=16, dtype=dtype, **shp)
-    scale = q.shape[-1] ** -0.5
-    for _ in range(2 if fused_merge else 1):                # the second launch reuses the (re-zeroed) counters
-        out = tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, md.max_seqlen_k,
-                                        num_splits=splits, fused_merge=fused_merge)
-        ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
-        assert rel_err(out, ref) < TOL[dtype]
-    if fused_merge:
-        from engine.kernels.decode_attention import merge_counters
-        assert int(merge_counters(DEV, 1).abs().sum()) == 0   # every launch leaves its counters zero
-
-
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_padded_rows_are_zero(fused_merge):
-    q, kc, vc, md = make_batch([1, 1], [5, 40], bs=8, dtype=torch.float32, **SMALL)
-    lens = md.seq_lens.clone()
-    lens[0] = 0                                              # a CUDA-graph padding row
-    for splits in (1, 4):
-        out = torch.full_like(q, float("nan"))
-        tk.paged_attention_decode(q, kc, vc, md.block_tables, lens, 0.2, 64, num_splits=splits, out=out,
-                                  fused_merge=fused_merge)
-        assert torch.all(out[0] == 0) and torch.isfinite(out).all()
-
-
-def test_decode_num_splits_static():
-    for b in (1, 8, 64, 256):
-        s = tk.decode_num_splits(b, 8, 8192, DEV)
-        assert s >= 1 and s & (s - 1) == 0
-    assert tk.decode_num_splits(1, 8, 100, DEV) == 1         # short contexts never split
-
-
-def test_get_ops_triton():
-    o = ops.get_ops("triton")
-    assert o.paged_attention is tk.paged_attention and o.rms_norm is tk.rms_norm
-    assert o.fused_linear is tk.fused_linear and o.rope_and_store is tk.rope_and_store
-    assert o.fused_qkv_rope_store is tk.fused_qkv_rope_store
-
-
-@gpu_only
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_cuda_graph(fused_merge):
-    """Capture once with static buffers, then replay with new lengths, tables and queries (fused_merge: the
-    split counters must be zero again after every replay, and short contexts leave most splits idle)."""
-    B, H, Hk, D, bs, max_len = 16, 32, 8, 64, 16, 4096
-    width = max_len // bs
-    _, kc, vc, _ = make_batch([1], [max_len * 4], H, Hk, D, bs, torch.bfloat16)   # a big enough pool
-    kc = torch.randn_like(kc)
-    vc = torch.randn_like(vc)
-    q_s = torch.empty(B, H, D, device=DEV, dtype=torch.bfloat16)
-    bt_s = torch.zeros(B, width, dtype=torch.int32, device=DEV)
-    lens_s = torch.ones(B, dtype=torch.int32, device=DEV)
-    scale = D ** -0.5
-
-    def fill():
-        q_s.copy_(torch.randn_like(q_s))
-        bt_s.copy_(torch.randint(1, kc.shape[0], bt_s.shape, device=DEV, dtype=torch.int32))
-        lens_s.copy_(torch.randint(1, max_len + 1, (B,), device=DEV, dtype=torch.int32))
-
-    fill()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):                         # warm up (compile) outside the capture
-        tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len, fused_merge=fused_merge)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out_s = tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len, fused_merge=fused_merge)
-    for i in range(6):
-        fill()
-        if i % 2:
-            lens_s.copy_(torch.randint(1, 400, (B,), device=DEV, dtype=torch.int32))   # short contexts
-        g.replay()
-        ref = paged_attention_decode_ref(q_s.double(), kc.double(), vc.double(), bt_s, lens_s, scale)
-        assert rel_err(out_s, ref) < TOL[torch.bfloat16]
 
 
 # ---------------------------------------------------------------- fused sampling
