@@ -7,41 +7,10 @@ import torch
 
 from engine.kernels import ops
 from engine.kernels import triton_ops as tk
-from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.paged_attention_ref import paged_attention_decode_ref, paged_attention_ref
-from kernel_helpers import DEV, DTYPES, GPU, TOL, gpu_only, qkv_views, rand, rel_err
+from kernel_helpers import DEV, DTYPES, GPU, TOL, gpu_only, make_batch, rel_err
 
 # ---------------------------------------------------------------- paged attention
-
-def make_batch(q_lens, seq_lens, H, Hk, D, bs, dtype, spare_blocks=3):
-    """Random caches whose unused slots (block 0, tails, spares) hold NaN; shuffled block tables."""
-    B = len(q_lens)
-    need = [(s + bs - 1) // bs for s in seq_lens]
-    nblocks = 1 + sum(need) + spare_blocks                   # block 0 reserved: table padding
-    kc = torch.full((nblocks, bs, Hk, D), float("nan"), device=DEV, dtype=dtype)
-    vc = kc.clone()
-    perm = (torch.randperm(nblocks - 1, device=DEV) + 1).int()
-    bt = torch.zeros(B, max(need) + 2, dtype=torch.int32, device=DEV)
-    c = 0
-    for i, (n, s) in enumerate(zip(need, seq_lens)):
-        bt[i, :n] = perm[c:c + n]
-        c += n
-        pos = torch.arange(s, device=DEV)
-        blk = bt[i].long()[pos // bs]
-        kc[blk, pos % bs] = rand(s, Hk, D, dtype=dtype)
-        vc[blk, pos % bs] = rand(s, Hk, D, dtype=dtype)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
-    cu[1:] = torch.tensor(q_lens, device=DEV).cumsum(0)
-    T = sum(q_lens)
-    positions = torch.cat([torch.arange(s - q, s, device=DEV) for q, s in zip(q_lens, seq_lens)])
-    md = AttentionMetadata(
-        positions=positions, slot_mapping=torch.zeros(T, dtype=torch.long, device=DEV), cu_seqlens_q=cu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), block_tables=bt,
-        logits_indices=cu[1:].long() - 1, q_lens=list(q_lens), seq_lens_cpu=list(seq_lens),
-        max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs)
-    q = qkv_views(T, H, Hk, D, dtype)[0]                          # strided like the model's q
-    return q, kc, vc, md
-
 
 def _check_attention(q, kc, vc, md, dtype, **kw):
     scale = q.shape[-1] ** -0.5

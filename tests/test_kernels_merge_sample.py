@@ -7,7 +7,7 @@ from engine.kernels import decode_attention
 from engine.kernels import triton_ops as tk
 from engine.kernels.paged_attention_ref import paged_attention_decode_ref
 from engine.kernels.sampling import gumbel_sample
-from tests.test_kernels import DEV, GPU, TOL, make_batch, rand, rel_err
+from kernel_helpers import DEV, GPU, TOL, make_batch, rand, rel_err
 
 
 @pytest.mark.parametrize("merge_splits", [2, 8])
