@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, FP8_DTYPE, FP8_MAX
+from ..quant.formats import BLOCK, FP8_MAX
+from .quant_gemm_fp8 import fp8_act_buffers
 from .rmsnorm import add_residual_rstd
 
 
@@ -81,19 +82,13 @@ def silu_fusable(inter: int) -> bool:
     return inter % BLOCK == 0 and _silu_block(inter) >= BLOCK
 
 
-def _buffers(M: int, K: int, row_align: int, device) -> tuple[int, torch.Tensor, torch.Tensor]:
-    Mp = -(-M // row_align) * row_align
-    return Mp, torch.empty((Mp, K), dtype=FP8_DTYPE, device=device), \
-        torch.empty((K // BLOCK, Mp), dtype=torch.float32, device=device)
-
-
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  row_align: int = 1) -> tuple[Fp8Act, torch.Tensor]:
     """rms_norm's contract (kernels/rmsnorm.py) with the normalized rows quantized for the FP8 GEMM:
     x [M, N] -> (Fp8Act of RMSNorm(x + residual) * weight, x + residual)."""
     M, N = x.shape
     assert rms_norm_fusable(N) and x.stride(-1) == 1 and weight.is_contiguous()
-    Mp, q, s = _buffers(M, N, row_align, x.device)
+    Mp, q, s = fp8_act_buffers(M, N, row_align, x.device)
     res = torch.empty_like(x) if residual is not None else x
     r = residual if residual is not None else x
     assert r.stride(-1) == 1
@@ -108,7 +103,7 @@ def silu_and_mul_fp8(x: torch.Tensor, row_align: int = 1) -> Fp8Act:
     """silu_and_mul's contract (kernels/activation.py), x [M, 2I] -> Fp8Act of [M, I], quantized for the FP8 GEMM."""
     M, I = x.shape[0], x.shape[1] // 2
     assert silu_fusable(I) and x.stride(-1) == 1
-    Mp, q, s = _buffers(M, I, row_align, x.device)
+    Mp, q, s = fp8_act_buffers(M, I, row_align, x.device)
     if Mp:
         bn = _silu_block(I)
         _silu_and_mul_fp8_kernel[(Mp, I // bn)](x, q, s, M, x.stride(0), q.stride(0), s.stride(0), I, FMAX=FP8_MAX,

@@ -39,16 +39,21 @@ def _act_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, M, Mp, K, stride_xm, stride_qm, s
     tl.store(s_ptr + g * stride_sk + offs_m, s, mask=mm)
 
 
+def fp8_act_buffers(M: int, K: int, row_align: int, device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(Mp, codes [Mp, K] fp8, scales [K / 128, Mp] fp32) for M activation rows, Mp = M rounded up to row_align."""
+    Mp = -(-M // row_align) * row_align
+    return Mp, torch.empty((Mp, K), dtype=FP8_DTYPE, device=device), \
+        torch.empty((triton.cdiv(K, BLOCK), Mp), dtype=torch.float32, device=device)
+
+
 def quantize_activations_fp8(x: torch.Tensor, row_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [Mp, K] float8_e4m3fn, s [Mp, K / 128] fp32, column-major: a [K / 128, Mp] buffer's
     transposed view, the layout cuBLAS's block-wise scaled_mm reads), Mp = M rounded up to row_align (rows past M
     are zeros). As formats.quantize_activations_fp8_ref."""
     assert x.stride(-1) == 1
     M, K = x.shape
-    Mp = -(-M // row_align) * row_align
-    kb = triton.cdiv(K, BLOCK)
-    q = torch.empty((Mp, K), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((kb, Mp), dtype=torch.float32, device=x.device)
+    Mp, q, s = fp8_act_buffers(M, K, row_align, x.device)
+    kb = s.shape[0]
     if Mp:
         bm = 8
         _act_quant_fp8_kernel[(triton.cdiv(Mp, bm), kb)](x, q, s, M, Mp, K, x.stride(0), q.stride(0), s.stride(0),
