@@ -28,7 +28,7 @@ uses work from a notebook. This one starts an engine, drives it with simulated u
 enough to force preemption, and draws what happened."""),
     ("code", """import math
 from engine import EngineConfig
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from inspector import Recorder
 from inspector import export as X, figures as F, load as L, metrics as M
 

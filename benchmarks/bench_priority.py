@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
-from engine.async_engine import EngineLoop  # noqa: E402
+from engine.runtime.async_engine import EngineLoop  # noqa: E402
 from inspector import load as L  # noqa: E402
 
 PLAYGROUND_PRIORITY = -1      # webui/playground.py's PLAYGROUND_PRIORITY (not imported: no Gradio here)

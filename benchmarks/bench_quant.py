@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from benchmarks.bench_gpu import copy_bandwidth, nano_workload, timed_generate  # noqa: E402
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_runner import kv_bytes_per_block  # noqa: E402
+from engine.worker.model_runner import kv_bytes_per_block  # noqa: E402
 from engine.quant.linear import weight_bytes  # noqa: E402
 
 MODEL = "dummy:llama-3.1-8b"

@@ -209,7 +209,7 @@ def main():
                   max_num_seqs=max(int(b) for b in args.batches.split(",")), **cfg)
         eng = llm.engine
         if not args.no_graph_layout:
-            from engine.cuda_graphs import CudaGraphRunner
+            from engine.worker.cuda_graphs import CudaGraphRunner
             eng.runner.graphs = CudaGraphRunner(eng.runner, eng.config, capture=False)
         llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4), use_tqdm=False)     # warm-up
         clock = StepClock(eng)

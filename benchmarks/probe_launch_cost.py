@@ -17,8 +17,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import print_table, write_json  # noqa: E402
 from engine import SamplingParams  # noqa: E402
-from engine.host_copy import HostCopy  # noqa: E402
-from engine.sampler import SampleRow, sample_on_device  # noqa: E402
+from engine.worker.host_copy import HostCopy  # noqa: E402
+from engine.sample.sampler import SampleRow, sample_on_device  # noqa: E402
 from engine.kernels.sampling import gumbel_sample  # noqa: E402
 from engine.kernels.token_bitmask import apply_token_bitmask  # noqa: E402
 

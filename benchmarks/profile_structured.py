@@ -25,8 +25,9 @@ import torch  # noqa: E402
 
 from benchmarks.bench_structured import PROMPT, SCHEMA, install_tokenizer  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
-from engine import LLMEngine, SamplingParams, StructuredOutputsParams, multi_step  # noqa: E402
-from engine.host_copy import HostCopy  # noqa: E402
+from engine import LLMEngine, SamplingParams, StructuredOutputsParams  # noqa: E402
+from engine.worker import multi_step
+from engine.worker.host_copy import HostCopy  # noqa: E402
 
 
 def timed(spent: dict, key: str, fn):
@@ -98,7 +99,7 @@ def main():
     multi_step.sample_grammar_block = timed(spent, "grammar block (all)", multi_step.sample_grammar_block)
     run(eng, 2, 8, True)                            # compile the grammar, warm up
     rows = []
-    from engine import sampler
+    from engine.sample import sampler
     to_dev = {0: sampler._to_dev,
               1: lambda v, device, dtype=None: torch.tensor(v, dtype=dtype, pin_memory=device.type == "cuda").to(
                   device, non_blocking=True)}

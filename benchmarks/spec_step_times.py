@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.bench_spec import WORKLOADS, run_mode, set_shadow_flags  # noqa: E402
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
-from engine import LLM, SamplingParams, multi_step  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.worker import multi_step
 
 NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=4)
 

@@ -31,7 +31,8 @@ import torch  # noqa: E402
 
 from benchmarks.bench_spec import WORKLOADS, set_shadow_flags  # noqa: E402
 from benchmarks.common import print_table, write_json  # noqa: E402
-from engine import LLM, SamplingParams, multi_step  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.worker import multi_step
 
 NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=4)
 

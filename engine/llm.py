@@ -5,10 +5,10 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
-from .llm_engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.runtime.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 
 class LLM:

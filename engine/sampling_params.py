@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .structured.params import StructuredOutputsParams
+from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 

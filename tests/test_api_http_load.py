@@ -5,7 +5,7 @@ import time
 import pytest
 
 from engine import EngineConfig
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from inspector import metrics as M
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress, run_http_load
 from inspector.load import LengthDist, LoadSpec, build_workload

@@ -9,7 +9,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from engine import EngineConfig
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 from helpers import metric_sum, scrape_metrics, wait_idle
 

@@ -6,7 +6,7 @@ import asyncio
 from openai import AsyncOpenAI, OpenAI
 
 from engine import EngineConfig
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 from helpers import metric_sum, scrape_metrics, wait_idle
 

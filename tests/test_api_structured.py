@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from engine import EngineConfig, SamplingParams
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "dummy:tiny"

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.events import StepEvent
 
 

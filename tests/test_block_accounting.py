@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence
+from engine.core.kv_cache_manager import BlockManager
+from engine.core.sequence import Sequence
 from helpers import check_block_invariants
 
 

@@ -8,14 +8,14 @@ import torch
 import transformers
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine import step_events
-from engine.detokenizer import Detokenizer, check_stop_strings, streamable_len
+from engine.runtime import step_events
+from engine.runtime.detokenizer import Detokenizer, check_stop_strings, streamable_len
 from engine.events import RequestEvent, StepEvent
 from engine.kernels.ops import get_ops
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.presets import preset_config
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 from helpers import drain
 
 

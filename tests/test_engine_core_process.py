@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.async_engine import EngineLoop
-from engine.core_client import EngineCoreClient, EngineDied
+from engine.runtime.async_engine import EngineLoop
+from engine.runtime.core_client import EngineCoreClient, EngineDied
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 
 CFG = EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=256, block_size=16, max_model_len=512,

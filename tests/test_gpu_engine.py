@@ -190,7 +190,7 @@ def test_tensor_parallel_killed_worker_fails_clearly():
     import os
     import signal
     from engine import EngineConfig
-    from engine.async_engine import EngineLoop
+    from engine.runtime.async_engine import EngineLoop
     loop = EngineLoop(EngineConfig(model="dummy:llama-3.2-1b", device="cuda", max_model_len=2048, num_kv_blocks=512,
                                    tensor_parallel_size=2)).start()
     try:

@@ -37,7 +37,7 @@ def test_constrained_and_free_rows_on_gpu(eng, monkeypatch):
     """Valid JSON from every constrained row while free rows (and multi-step blocks before and after) run, in
     pipelined grammar blocks with the fused mask kernel; token identity of the free rows and of the pipeline
     against synced steps is checked on CPU (bf16 GPU kernels are not batch-size invariant)."""
-    from engine import multi_step
+    from engine.worker import multi_step
     blocks = []
     inner = multi_step.sample_grammar_block
     monkeypatch.setattr(multi_step, "sample_grammar_block", lambda e, b: blocks.append(b.K) or inner(e, b))
@@ -60,7 +60,7 @@ def test_constrained_and_free_rows_on_gpu(eng, monkeypatch):
 def test_gated_blocks_give_the_tokens_of_ungated_ones(eng):
     """structured_gpu_wait launches each iteration's mask, sampler and next forward before the grammar thread
     has filled the mask: the same kernels in the same order, so the same tokens as launching after it."""
-    from engine.stream_gate import StreamGate
+    from engine.worker.stream_gate import StreamGate
     gated = LLMEngine(model="dummy:llama-3.2-1b", device="cuda", max_model_len=512, max_num_seqs=64,
                       structured_gpu_wait=True)
     assert isinstance(gated.grammar_gate, StreamGate) and eng.grammar_gate is None

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from inspector import figures as F
 from inspector import load as L
 from inspector import metrics as M

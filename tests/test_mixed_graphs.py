@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.cuda_graphs import MIXED, CudaGraphRunner, mixed_token_sizes
+from engine.worker.cuda_graphs import MIXED, CudaGraphRunner, mixed_token_sizes
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.paged_attention import paged_attention
 from engine.kernels.paged_attention_ref import paged_attention_ref

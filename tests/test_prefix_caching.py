@@ -7,9 +7,9 @@ import random
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.block_manager import BlockManager
+from engine.core.kv_cache_manager import BlockManager
 from engine.events import RequestEvent, StepEvent
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 from helpers import check_block_invariants, drain, run_requests
 
 SYSTEM = ("You are Atlas, a meticulous assistant for a small public library. You answer questions about opening "

@@ -6,10 +6,10 @@ import httpx
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 from engine.events import RequestEvent, StepEvent
-from engine.scheduler import PriorityWaitingQueue
+from engine.core.scheduler import PriorityWaitingQueue
 from helpers import drain
 
 MODEL = "dummy:tiny"
@@ -45,7 +45,7 @@ def test_priority_values_and_policy_validation():
 
 
 def test_waiting_queue_orders_by_priority_then_arrival():
-    from engine.sequence import Sequence
+    from engine.core.sequence import Sequence
     q = PriorityWaitingQueue()
     seqs = [Sequence(f"r{i}", None, [1, 2], SamplingParams(priority=p), arrival_time=t)
             for i, (p, t) in enumerate([(0, 1.0), (1, 0.5), (-1, 3.0), (0, 1.0), (0, 0.9)])]

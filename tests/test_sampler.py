@@ -2,7 +2,7 @@
 import torch
 from scipy import stats
 
-from engine.sampler import SampleRow, filtered_probs, sample
+from engine.sample.sampler import SampleRow, filtered_probs, sample
 from engine.sampling_params import SamplingParams
 
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 from helpers import wait_idle
 

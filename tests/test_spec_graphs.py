@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.cuda_graphs import CudaGraphRunner
+from engine.worker.cuda_graphs import CudaGraphRunner
 from helpers import SPEC_VOCAB, check_no_leak, drain
 
 pytestmark = pytest.mark.usefixtures("one_thread")

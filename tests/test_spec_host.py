@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.cuda_graphs import CudaGraphRunner
+from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.spec import ngram
 from engine.spec.ngram import NgramIndex, ngram_propose
 from helpers import SPEC_VOCAB, check_no_leak, drain

@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from engine import LLMEngine, SamplingParams, multi_step
+from engine import LLMEngine, SamplingParams
+from engine.worker import multi_step
 from engine.config import EngineConfig
-from engine.cuda_graphs import CudaGraphRunner
+from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.events import StepEvent
 from engine.spec.base import Drafter
 from helpers import SPEC_VOCAB, check_no_leak, drain

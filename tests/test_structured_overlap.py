@@ -8,7 +8,7 @@ import pytest
 from helpers import drain
 
 from engine import EngineConfig, SamplingParams, StructuredOutputsParams
-from engine import multi_step
+from engine.worker import multi_step
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["c", "p"],
           "properties": {"c": {"enum": ["red", "green", "blue"]}, "p": {"type": "integer", "minimum": 0,

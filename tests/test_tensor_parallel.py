@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.distributed.parallel_state import TensorParallel
 from engine.kernels.ops import get_ops
 from engine.distributed.sharding import shard_layout

@@ -35,7 +35,7 @@ class Published:
 
 
 def _default_loop_factory(config: EngineConfig):
-    from engine.async_engine import EngineLoop
+    from engine.runtime.async_engine import EngineLoop
     return EngineLoop(config)
 
 

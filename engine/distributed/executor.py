@@ -17,8 +17,8 @@ from multiprocessing.connection import wait
 
 import torch
 
-from .parallel_state import TensorParallel, abort_group, init_group
-from .worker import worker_main
+from engine.distributed.parallel_state import TensorParallel, abort_group, init_group
+from engine.distributed.worker import worker_main
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.config import ModelConfig
+from engine.models.config import ModelConfig
 
 VOCAB_UNIT = 64          # vocabulary shards are padded to a multiple of this many rows (as vLLM does)
 ROW_UNIT = 64            # dummy weights are drawn per block of this many intermediate / vocabulary rows

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig
-from ..models.config import ModelConfig
-from .executor import TPExecutor
-from .sharding import shard_layout
+from engine.config import EngineConfig
+from engine.models.config import ModelConfig
+from engine.distributed.executor import TPExecutor
+from engine.distributed.sharding import shard_layout
 
 
 def parallel_layout(tp: int, device: torch.device) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .parallel_state import TensorParallel, abort_group, init_group, rank_device
+from engine.distributed.parallel_state import TensorParallel, abort_group, init_group, rank_device
 
 # the step's int64 tensors, packed in this order: [ids T | positions T | slots T | logits L | cu_q B+1 |
 # seq_lens B | block tables B*W]
@@ -25,7 +25,7 @@ def packed_sizes(T: int, B: int, W: int, L: int) -> list[int]:
 
 def unpack(buf: torch.Tensor, header: tuple, block_size: int):
     """The packed step (rank 0's ModelRunner.prepare output) -> (input_ids [T], AttentionMetadata)."""
-    from ..kernels.metadata import AttentionMetadata
+    from engine.kernels.metadata import AttentionMetadata
     T, B, W, L, q_lens, seq_lens, max_q, max_k = header
     ids, pos, slots, lg, cu, lens, tab = buf.split(packed_sizes(T, B, W, L))
     md = AttentionMetadata(positions=pos, slot_mapping=slots, cu_seqlens_q=cu.to(torch.int32),
@@ -60,12 +60,12 @@ def worker_main(rank: int, size: int, port: int, args: dict, conn) -> None:
 
 
 def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
-    from ..config import EngineConfig
-    from ..kernels.ops import get_ops
-    from ..model_runner import ModelRunner
-    from ..models.config import ModelConfig
-    from ..models.loader import build_model
-    from ..timing import NullTimer, make_timer
+    from engine.config import EngineConfig
+    from engine.kernels.ops import get_ops
+    from engine.worker.model_runner import ModelRunner
+    from engine.models.config import ModelConfig
+    from engine.models.loader import build_model
+    from engine.worker.timing import NullTimer, make_timer
 
     torch.set_num_threads(args["threads"])
     config = EngineConfig(**args["config"])
@@ -103,7 +103,7 @@ def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
         elif kind == "warmup":
             runner.warmup_attention()
         elif kind == "capture":
-            from ..cuda_graphs import CudaGraphRunner
+            from engine.worker.cuda_graphs import CudaGraphRunner
             runner.graphs = CudaGraphRunner(runner, config)
             runner.graphs.capture()
         elif kind == "close":

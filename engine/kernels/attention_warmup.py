@@ -5,9 +5,9 @@ import itertools
 
 import torch
 
-from .metadata import AttentionMetadata
-from .decode_attention import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_TOKENS, paged_attention_decode
-from .paged_attention import paged_attention
+from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.decode_attention import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_TOKENS, paged_attention_decode
+from engine.kernels.paged_attention import paged_attention
 
 
 def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_seqlen_k: int,

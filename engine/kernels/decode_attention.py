@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, _attn_range, _dot_prec
-from .counters import zeroed_counters
+from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec
+from engine.kernels.counters import zeroed_counters
 
 
 @triton.jit(do_not_specialize=["stride_bt"])

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, FP8_MAX
-from .quant_gemm_fp8 import fp8_act_buffers
-from .rmsnorm import add_residual_rstd
+from engine.quant.formats import BLOCK, FP8_MAX
+from engine.kernels.quant_gemm_fp8 import fp8_act_buffers
+from engine.kernels.rmsnorm import add_residual_rstd
 
 
 class Fp8Act:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import torch_ops
+from engine.kernels import torch_ops
 
 PROLOGUES = {None: 0, "rms_norm": 1, "silu_mul": 2}
 

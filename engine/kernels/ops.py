@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from . import torch_ops
+from engine.kernels import torch_ops
 
 _NAMES = ("rms_norm", "head_rms_norm_", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store",
           "paged_attention", "fused_linear", "fused_qkv_rope_store")
@@ -19,7 +19,7 @@ def pdl_supported(device) -> bool:
     """Whether the Triton linears can launch as programmatic dependents here (Hopper+, compiled Triton)."""
     if device.type != "cuda":
         return False
-    from .gemv import pdl_supported as supported
+    from engine.kernels.gemv import pdl_supported as supported
     return supported(device)
 
 
@@ -27,7 +27,7 @@ def get_ops(backend: str) -> SimpleNamespace:
     if backend == "torch":
         mod = torch_ops
     elif backend == "triton":
-        from . import triton_ops as mod  # imported lazily: triton is optional on CPU
+        from engine.kernels import triton_ops as mod  # imported lazily: triton is optional on CPU
     else:
         raise ValueError(f"kernels: unknown backend {backend!r} (expected 'torch' or 'triton')")
     return SimpleNamespace(name=backend, **{n: getattr(mod, n) for n in _NAMES})

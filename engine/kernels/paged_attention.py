@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, _attn_range, _dot_prec
-from .decode_attention import _decode_config, _launch_decode, decode_num_splits, paged_attention_decode
-from .metadata import AttentionMetadata
+from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec
+from engine.kernels.decode_attention import _decode_config, _launch_decode, decode_num_splits, paged_attention_decode
+from engine.kernels.metadata import AttentionMetadata
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])   # run-time sizes: no recompile per value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import AttentionMetadata
+from engine.kernels.metadata import AttentionMetadata
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         md: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import torch_ops
-from .gemv import _activation
+from engine.kernels import torch_ops
+from engine.kernels.gemv import _activation
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, dequantize, int4_group, quantize_activations_fp8_ref
+from engine.quant.formats import BLOCK, dequantize, int4_group, quantize_activations_fp8_ref
 
 FMT_IDS = {"int8": 0, "fp8": 1}
 

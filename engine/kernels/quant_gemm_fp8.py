@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, FP8_DTYPE, FP8_MAX
+from engine.quant.formats import BLOCK, FP8_DTYPE, FP8_MAX
 
 CUBLAS_ROW_ALIGN = 4         # cuBLAS's block-wise scaled_mm: M a multiple of 4 (M = 1, 2, 3, 5, 17 are NOT_SUPPORTED)
 

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, dequantize, int4_group
-from . import torch_ops
-from .gemv import PROLOGUES, _epilogue, check_gemv_args
-from .quant_gemv_tc import quant_fused_linear_tc
+from engine.quant.formats import BLOCK, dequantize, int4_group
+from engine.kernels import torch_ops
+from engine.kernels.gemv import PROLOGUES, _epilogue, check_gemv_args
+from engine.kernels.quant_gemv_tc import quant_fused_linear_tc
 
 FMT_IDS = {"int8": 0, "fp8": 1}
 

@@ -27,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, int4_group
-from .gemv import PROLOGUES, _epilogue, check_gemv_args
-from .quant_gemv import _row_activation, _x_row
-from .quant_packed_configs import _interpreted, packed_supported, quant_gemv_packed_config, rows_on_grid_default
-from .quant_packed_decode import _W4_ASM, _bf16_pairs, _w8_codes, _w8_pairs_dot
+from engine.quant.formats import BLOCK, int4_group
+from engine.kernels.gemv import PROLOGUES, _epilogue, check_gemv_args
+from engine.kernels.quant_gemv import _row_activation, _x_row
+from engine.kernels.quant_packed_configs import _interpreted, packed_supported, quant_gemv_packed_config, rows_on_grid_default
+from engine.kernels.quant_packed_decode import _W4_ASM, _bf16_pairs, _w8_codes, _w8_pairs_dot
 
 PK_FMT_IDS = {"int8": 0, "fp8": 1, "int4": 2}
 WS_ROWS: tl.constexpr = tl.constexpr(16)        # workspace rows (M <= 16)

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, int4_group
-from .gemv import PROLOGUES, _epilogue
+from engine.quant.formats import BLOCK, int4_group
+from engine.kernels.gemv import PROLOGUES, _epilogue
 
 DM: tl.constexpr = tl.constexpr(16)     # rows of the dot: tensor-core tiles are at least 16 rows
 TC_FMT_IDS = {"int8": 0, "fp8": 1, "int4": 2}

@@ -7,13 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import BLOCK, dequantize, int4_group
-from . import torch_ops
-from .qkv_rope import _rope_store
-from .quant_gemv import FMT_IDS, _w4_dot, _w8_dot, quant_gemv_config
-from .quant_gemv_packed import _pk_w4_dot, _pk_w8_dot, pk_tensors
-from .quant_packed_configs import quant_gemv_packed_config
-from .quant_gemv_tc import DM, _tc_dot, code_offset, quant_gemv_tc_config, tc_dtype
+from engine.quant.formats import BLOCK, dequantize, int4_group
+from engine.kernels import torch_ops
+from engine.kernels.qkv_rope import _rope_store
+from engine.kernels.quant_gemv import FMT_IDS, _w4_dot, _w8_dot, quant_gemv_config
+from engine.kernels.quant_gemv_packed import _pk_w4_dot, _pk_w8_dot, pk_tensors
+from engine.kernels.quant_packed_configs import quant_gemv_packed_config
+from engine.kernels.quant_gemv_tc import DM, _tc_dot, code_offset, quant_gemv_tc_config, tc_dtype
 
 
 @triton.jit

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import torch_ops
+from engine.kernels import torch_ops
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .counters import zeroed_counters
+from engine.kernels.counters import zeroed_counters
 
 
 @triton.jit(do_not_specialize=["seed"])

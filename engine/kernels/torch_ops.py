@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .metadata import AttentionMetadata
+from engine.kernels.metadata import AttentionMetadata
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

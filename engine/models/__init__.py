@@ -1,4 +1,4 @@
-from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
 
 __all__ = ["ModelConfig", "LlamaForCausalLM"]

@@ -10,11 +10,11 @@ import math
 import torch
 from torch import nn
 
-from ..distributed.parallel_state import SINGLE, TensorParallel
-from ..kernels.metadata import AttentionMetadata
-from ..quant.linear import fused_linear, fused_qkv_rope_store, qkv_rope_fusable
-from ..timing import NullTimer
-from .config import ModelConfig
+from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.kernels.metadata import AttentionMetadata
+from engine.quant.linear import fused_linear, fused_qkv_rope_store, qkv_rope_fusable
+from engine.worker.timing import NullTimer
+from engine.models.config import ModelConfig
 
 
 def rope_cos_sin(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
@@ -117,7 +117,7 @@ class MLP(nn.Module):
         (see LlamaForCausalLM.fp8_act_align)."""
         gu = self.gate_up_proj(x)                                           # [T, 2I]
         if fp8_align:
-            from ..kernels.fp8_act_fusions import silu_and_mul_fp8
+            from engine.kernels.fp8_act_fusions import silu_and_mul_fp8
             return self.down_proj(silu_and_mul_fp8(gu, fp8_align))
         return self.down_proj(self.ops.silu_and_mul(gu))                    # [T, I] -> [T, hidden]
 
@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
     def set_kernel_options(self, config) -> None:
         """EngineConfig.gemv_variant, decode_fused_merge (Triton launch options; the torch ops ignore them),
         fused_qk_norm and fp8_act_fusion (after the quantized layers' FP8 GEMMs are chosen)."""
-        from ..quant.linear import fp8_act_row_align
+        from engine.quant.linear import fp8_act_row_align
         self.gemv_variant = config.gemv_variant
         self.fp8_act_align = fp8_act_row_align(self) if config.fp8_act_fusion else 0
         for layer in self.model.layers:
@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         align = self.fp8_act_align
         norm = ops.rms_norm
         if align:                                              # norms quantize for the FP8 q/k/v and gate/up GEMMs
-            from ..kernels.fp8_act_fusions import rms_norm_fp8
+            from engine.kernels.fp8_act_fusions import rms_norm_fp8
             norm = lambda x, w, eps, r: rms_norm_fp8(x, w, eps, r, align)  # noqa: E731
         for layer in m.layers[:num_layers]:
             with t.region("norms"):

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from ..quant.checkpoint import checkpoint_format, skip_tensor
-from ..quant.formats import ROW_BLOCKED
-from ..quant.linear import prepare_model, quantize_model
-from ..distributed.parallel_state import SINGLE, TensorParallel
-from ..distributed.sharding import ShardLayout, init_dummy, local_config, read_shard, shard_layout
-from .bundled import DEFAULT_CACHE, ensure_bundled
-from .config import ModelConfig
-from .llama import LlamaForCausalLM
-from .presets import preset_config
+from engine.quant.checkpoint import checkpoint_format, skip_tensor
+from engine.quant.formats import ROW_BLOCKED
+from engine.quant.linear import prepare_model, quantize_model
+from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.distributed.sharding import ShardLayout, init_dummy, local_config, read_shard, shard_layout
+from engine.models.bundled import DEFAULT_CACHE, ensure_bundled
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.presets import preset_config
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, d
     model = model.to_empty(device=device)     # no fp32 copy first: a 70B-shape shard fills a GPU
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    from .llama import rope_cos_sin
+    from engine.models.llama import rope_cos_sin
     model.cos_sin = rope_cos_sin(cfg, max_pos).to(device)
     if weights is None:
         init_dummy(model, full, layout, seed)

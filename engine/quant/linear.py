@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import formats
+from engine.quant import formats
 
 # the projections a decoder layer quantizes (module paths inside model.model.layers[i])
 QUANTIZED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -51,9 +51,9 @@ class QuantLinear(nn.Module):
         if self.kernels != "triton":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         if self.act_fp8 and self.fp8_gemm != "fused" and x.shape[0] > 0:
-            from ..kernels.quant_gemm_fp8 import fp8_matmul
+            from engine.kernels.quant_gemm_fp8 import fp8_matmul
             return fp8_matmul(x, self.tensors(), self.bias, self.fp8_gemm)     # x: a tensor or an Fp8Act
-        from ..kernels.quant_gemm import quant_matmul
+        from engine.kernels.quant_gemm import quant_matmul
         return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, act_fp8=self.act_fp8,
                             group_dots=self.group_dots)
 
@@ -66,15 +66,15 @@ class QuantLinear(nn.Module):
               eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         """ops.fused_linear's contract (kernels/gemv.py) over this layer's weight and bias."""
         if self.kernels != "triton":
-            from ..kernels import torch_ops
+            from engine.kernels import torch_ops
             return torch_ops.fused_linear(x, self.dequantize(x.dtype), self.bias, prologue=prologue,
                                           norm_weight=norm_weight, eps=eps, residual=residual)
         one = x.shape[0] == 1 and self.pairs       # int8 pairs: every shape at one token, tensor cores or not
         if self.packed and x.shape[0] <= 16 and (one or not self.tensor_cores):
-            from ..kernels.quant_gemv_packed import quant_fused_linear_packed
+            from engine.kernels.quant_gemv_packed import quant_fused_linear_packed
             return quant_fused_linear_packed(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
                                              norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl, pairs=one)
-        from ..kernels.quant_gemv import quant_fused_linear
+        from engine.kernels.quant_gemv import quant_fused_linear
         return quant_fused_linear(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
                                   norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl,
                                   tensor_cores=self.tensor_cores and x.shape[0] <= 16)
@@ -85,9 +85,9 @@ class QuantLinear(nn.Module):
         """ops.fused_qkv_rope_store's contract (kernels/qkv_rope.py) over this layer's weight and bias."""
         args = (norm_weight, eps, num_heads, num_kv_heads, positions, cos_sin, k_cache, v_cache, slot_mapping)
         if self.kernels != "triton":
-            from ..kernels import torch_ops
+            from engine.kernels import torch_ops
             return torch_ops.fused_qkv_rope_store(x, self.dequantize(x.dtype), self.bias, *args)
-        from ..kernels.quant_qkv_rope import quant_fused_qkv_rope_store
+        from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store
         head_dim = self.out_features // (num_heads + 2 * num_kv_heads)
         M = x.shape[0]
         split = self.split_rope and M == 1 and (self.fmt == "int4" or self.pairs)
@@ -96,9 +96,9 @@ class QuantLinear(nn.Module):
             # RoPE + KV-store kernel. The RoPE kernel's packed dot keeps M rows in one program (BLOCK_M > 1): the
             # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV (not verified on a GPU).
             # split (M = 1): the GEMV's split-K fills the GPU, which the RoPE kernel's 16-row programs do not
-            from ..kernels.quant_packed_configs import rows_on_grid_default
+            from engine.kernels.quant_packed_configs import rows_on_grid_default
             if split or rows_on_grid_default(self.fmt):
-                from ..kernels.rope import rope_and_store
+                from engine.kernels.rope import rope_and_store
                 D = head_dim
                 qkv = self.fused(x, prologue="rms_norm", norm_weight=norm_weight, eps=eps, pdl=pdl)
                 q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
@@ -127,7 +127,7 @@ def qkv_rope_fusable(layer: nn.Module, head_dim: int) -> bool:
     """Whether the q/k/v projection can take RoPE and the KV store in its epilogue (ops.fused_qkv_rope_store or
     QuantLinear.fused_qkv_rope_store)."""
     if isinstance(layer, QuantLinear):
-        from ..kernels.quant_qkv_rope import qkv_rope_supported
+        from engine.kernels.quant_qkv_rope import qkv_rope_supported
         return qkv_rope_supported(layer.fmt, head_dim)
     return isinstance(layer, nn.Linear)
 
@@ -156,7 +156,7 @@ def _set_kernels(model, kernels: str, act_fp8: bool) -> None:
 def set_tensor_cores(model, on: bool | None) -> None:
     """The quantized layers' fused GEMVs on tensor cores (kernels/quant_gemv_tc.py) or CUDA cores. None: per
     shape, tensor cores where benchmarks/sweep_quant_gemv.py found them faster (QUANT_GEMV_TC_CONFIGS)."""
-    from ..kernels.quant_gemv_tc import QUANT_GEMV_TC_CONFIGS
+    from engine.kernels.quant_gemv_tc import QUANT_GEMV_TC_CONFIGS
     for _, _, lin in _layer_linears(model):
         if isinstance(lin, QuantLinear):
             lin.tensor_cores = on if on is not None else (lin.fmt, *lin.shape) in QUANT_GEMV_TC_CONFIGS
@@ -167,7 +167,7 @@ def set_tensor_cores(model, on: bool | None) -> None:
 def set_fp8_gemm(model, mode: str) -> None:
     """The FP8 GEMM of the fp8 layers whose activations are quantized (EngineConfig.fp8_gemm): auto -> cublas
     where torch has cuBLAS's block-wise scaled_mm for the shape, else triton."""
-    from ..kernels.quant_gemm_fp8 import cublas_supported
+    from engine.kernels.quant_gemm_fp8 import cublas_supported
     for _, _, lin in _layer_linears(model):
         if not (isinstance(lin, QuantLinear) and lin.act_fp8):
             continue
@@ -183,8 +183,8 @@ def fp8_act_row_align(model) -> int:
     """EngineConfig.fp8_act_fusion: the row padding the FP8 GEMMs after the norms and SiLU-and-mul need (cuBLAS 4,
     Triton 1), or 0 where those ops cannot quantize for them (a q/k/v, gate/up or down projection not on a
     two-launch FP8 GEMM, modes that differ, widths kernels/fp8_act_fusions.py cannot take)."""
-    from ..kernels.fp8_act_fusions import rms_norm_fusable, silu_fusable
-    from ..kernels.quant_gemm_fp8 import CUBLAS_ROW_ALIGN
+    from engine.kernels.fp8_act_fusions import rms_norm_fusable, silu_fusable
+    from engine.kernels.quant_gemm_fp8 import CUBLAS_ROW_ALIGN
     modes = set()
     for layer in model.model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -208,7 +208,7 @@ def set_packed(model, on: bool, switches=None) -> None:
     None: all off): quant_int8_pairs, quant_qkv_split_rope (int4 / int8-pairs q/k/v at one token as the split-K
     GEMV, then the RoPE + store kernel), quant_gemm_group_dots (the int4 words GEMM's 8 dots a group). Call before
     set_tensor_cores."""
-    from ..kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS, packed_supported
+    from engine.kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS, packed_supported
     for _, _, lin in _layer_linears(model):
         if not isinstance(lin, QuantLinear):
             continue

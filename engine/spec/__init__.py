@@ -5,12 +5,12 @@ propose / verify / accept / pop_step_stats / total_stats hooks (see base.py).
 """
 from __future__ import annotations
 
-from .base import Drafter
-from .stats import SpecStats, acceptance_rate, mean_acceptance_length
-from .fast_verify import FastVerify
-from .model_drafter import ModelDrafter
-from .ngram import NgramDrafter, ngram_propose
-from .rejection import greedy_accept, rejection_sample
+from engine.spec.base import Drafter
+from engine.spec.stats import SpecStats, acceptance_rate, mean_acceptance_length
+from engine.spec.fast_verify import FastVerify
+from engine.spec.model_drafter import ModelDrafter
+from engine.spec.ngram import NgramDrafter, ngram_propose
+from engine.spec.rejection import greedy_accept, rejection_sample
 
 
 def make_drafter(engine) -> Drafter:

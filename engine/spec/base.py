@@ -33,11 +33,11 @@ from collections import OrderedDict
 
 import torch
 
-from ..sampler import _apply_penalties, _seeded_generator, filtered_probs
-from ..sequence import Sequence
-from .rejection import greedy_accept, rejection_sample
-from .shadow import ShadowProbes
-from .stats import PROBE_FIRST, SpecStats, acceptance_rate, best_draft_len, expected_tokens, mean_acceptance_length
+from engine.sample.sampler import _apply_penalties, _seeded_generator, filtered_probs
+from engine.core.sequence import Sequence
+from engine.spec.rejection import greedy_accept, rejection_sample
+from engine.spec.shadow import ShadowProbes
+from engine.spec.stats import PROBE_FIRST, SpecStats, acceptance_rate, best_draft_len, expected_tokens, mean_acceptance_length
 
 _MAX_REQUEST_STATS = 4096
 _DECAY = 0.8                 # adaptive: weight of the past in the acceptance estimate

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import plain_greedy
+from engine.spec.base import plain_greedy
 
 
 class FastVerify:

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.config import ModelConfig
-from ..sampler import _apply_penalties, _seeded_generator, filtered_probs
-from ..scheduler import SchedulerOutput
-from ..sequence import Sequence
-from ..timing import NullTimer
-from .base import Drafter
+from engine.models.config import ModelConfig
+from engine.sample.sampler import _apply_penalties, _seeded_generator, filtered_probs
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.worker.timing import NullTimer
+from engine.spec.base import Drafter
 
 _DRAFT_SEED_SALT = 0x5EED
 
@@ -53,7 +53,7 @@ def parse_draft_model(spec: str, default_seed: int) -> tuple[str, int]:
 
 
 def load_draft_model(engine):
-    from ..models.loader import build_model, resolve
+    from engine.models.loader import build_model, resolve
     cfg = engine.config
     name, seed = parse_draft_model(cfg.draft_model, cfg.seed)
     hf_cfg, weights, _ = resolve(name)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sequence import Sequence
-from .base import Drafter
+from engine.core.sequence import Sequence
+from engine.spec.base import Drafter
 
 
 def ngram_propose(tokens: list[int] | np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:

@@ -2,8 +2,8 @@
 off is probed from its own output, inside multi-step blocks, instead of by a verify step."""
 from __future__ import annotations
 
-from ..sequence import Sequence
-from .stats import PROBE_FIRST, expected_tokens
+from engine.core.sequence import Sequence
+from engine.spec.stats import PROBE_FIRST, expected_tokens
 
 
 class ShadowProbes:

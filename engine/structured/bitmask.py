@@ -81,7 +81,7 @@ class TokenBitmask:
         w = self.words
         bitmask, idx = packed[:n * w].view(n, w), packed[n * w:]
         if self.fused:
-            from ..kernels.token_bitmask import apply_token_bitmask
+            from engine.kernels.token_bitmask import apply_token_bitmask
             apply_token_bitmask(logits, bitmask, idx)
         else:
             apply_token_bitmask_torch(logits, bitmask, None if n == logits.shape[0] else idx)

@@ -1,4 +1,4 @@
-"""The host's side of a grammar block (engine/multi_step.py): feeding sampled tokens to the matchers inside a block,
+"""The host's side of a grammar block (engine/worker/multi_step.py): feeding sampled tokens to the matchers inside a block,
 and the gated block's grammar thread that fills each iteration's masks."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from ..output_processor import consume_grammar
-from ..sequence import Sequence
+from engine.runtime.output_processor import consume_grammar
+from engine.core.sequence import Sequence
 
 
 def fill_grammar_slots(gate, tb, alive: list[int], live: list[Sequence], matchers: list, slots: torch.Tensor,

@@ -11,7 +11,7 @@ import json
 import threading
 from collections import OrderedDict
 
-from .params import StructuredOutputsParams
+from engine.structured.params import StructuredOutputsParams
 
 # Compact JSON (no free whitespace between tokens): small models otherwise spend their token budget on
 # newlines. A schema may override it with llguidance's "x-guidance" options.

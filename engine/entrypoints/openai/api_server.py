@@ -30,15 +30,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 from engine.config import EngineConfig
 
-from .arrival import ArrivalProtocol
-from .errors import error_body, guarded, http_exception_handler, unauthorized
-from .metrics import ServerMetrics
-from .serving_chat import OpenAIServingChat
-from .serving_completion import OpenAIServingCompletion
-from .serving_engine import OpenAIServing
+from engine.entrypoints.openai.arrival import ArrivalProtocol
+from engine.entrypoints.openai.errors import error_body, guarded, http_exception_handler, unauthorized
+from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.serving_chat import OpenAIServingChat
+from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_engine import OpenAIServing
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
     if args.engine_process:
-        from engine.core_client import EngineCoreClient
+        from engine.runtime.core_client import EngineCoreClient
         loop = EngineCoreClient(config)
     else:
         loop = EngineLoop(config)

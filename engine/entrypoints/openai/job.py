@@ -14,11 +14,11 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from engine.async_engine import EngineLoop
-from engine.llm_engine import EngineOverloaded
+from engine.runtime.async_engine import EngineLoop
+from engine.runtime.llm_engine import EngineOverloaded
 from engine.sampling_params import SamplingParams
 
-from .errors import APIError, engine_stopped, request_timeout
+from engine.entrypoints.openai.errors import APIError, engine_stopped, request_timeout
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ async def sse_stream(job: "Job", req, rid: str, obj: str, choices: AsyncIterator
     """The framing both streaming endpoints share: `choices` yields (choice or None, tokens generated so far);
     each choice becomes one chunk (with running usage under `continuous_usage_stats`), then the final usage
     chunk when `stream_options.include_usage`, an error object if the request failed, and `[DONE]`."""
-    from .protocol import usage_dict
+    from engine.entrypoints.openai.protocol import usage_dict
     head = {"id": rid, "object": obj, "created": int(time.time()), "model": job.model_name}
     gen = 0
     try:

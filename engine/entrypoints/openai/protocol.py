@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import MAX_LOGPROBS
 
-from .errors import APIError
+from engine.entrypoints.openai.errors import APIError
 
 MAX_N = 64                 # choices per request
 MAX_PROMPTS = 256          # prompts in one /v1/completions request

@@ -8,10 +8,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from .errors import APIError, value_error
-from .job import Job, SSEResponse, sse_stream, stream_choice
-from .protocol import ChatCompletionRequest, chat_logprobs
-from .serving_engine import OpenAIServing
+from engine.entrypoints.openai.errors import APIError, value_error
+from engine.entrypoints.openai.job import Job, SSEResponse, sse_stream, stream_choice
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, chat_logprobs
+from engine.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingChat:

@@ -6,12 +6,12 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.async_engine import EngineLoop
+from engine.runtime.async_engine import EngineLoop
 
-from .errors import APIError
-from .job import Job, SSEResponse, sse_stream, stream_choice
-from .protocol import CompletionRequest, completion_logprobs
-from .serving_engine import OpenAIServing
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.job import Job, SSEResponse, sse_stream, stream_choice
+from engine.entrypoints.openai.protocol import CompletionRequest, completion_logprobs
+from engine.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class OpenAIServingCompletion:

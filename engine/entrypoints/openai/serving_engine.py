@@ -16,14 +16,14 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from engine.async_engine import EngineLoop
-from engine.llm_engine import EngineOverloaded
+from engine.runtime.async_engine import EngineLoop
+from engine.runtime.llm_engine import EngineOverloaded
 from engine.sampling_params import SamplingParams
 
-from .errors import APIError, engine_unavailable, server_overloaded, validation_error, value_error
-from .job import Job
-from .metrics import ServerMetrics
-from .protocol import usage_dict
+from engine.entrypoints.openai.errors import APIError, engine_unavailable, server_overloaded, validation_error, value_error
+from engine.entrypoints.openai.job import Job
+from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.protocol import usage_dict
 
 
 def arrival_of(request: Request) -> float:

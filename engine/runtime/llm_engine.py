@@ -8,30 +8,30 @@ import time
 
 import torch
 
-from . import multi_step
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .detokenizer import Detokenizer
-from .events import EventBus
-from .distributed.parallel_state import SINGLE
-from .distributed.start import parallel_layout, start_workers
-from .input_processor import InputProcessor
-from .introspection import Introspection
-from .kernels.ops import get_ops, pdl_supported
-from .model_runner import ModelRunner, kv_bytes_per_block
-from .models.config import ModelConfig
-from .models.loader import build_model, load_tokenizer, resolve
-from .output_processor import OutputProcessor
-from .quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weight_bytes
-from .outputs import RequestOutput
-from .sampler import SampleRow, sample
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence
-from .step_events import StepEvents
-from .structured.compiler import GrammarCompiler
-from .sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
-from .timing import NullTimer, make_timer
+from engine.worker import multi_step
+from engine.core.kv_cache_manager import BlockManager
+from engine.config import EngineConfig
+from engine.runtime.detokenizer import Detokenizer
+from engine.events import EventBus
+from engine.distributed.parallel_state import SINGLE
+from engine.distributed.start import parallel_layout, start_workers
+from engine.runtime.input_processor import InputProcessor
+from engine.runtime.introspection import Introspection
+from engine.kernels.ops import get_ops, pdl_supported
+from engine.worker.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models.config import ModelConfig
+from engine.models.loader import build_model, load_tokenizer, resolve
+from engine.runtime.output_processor import OutputProcessor
+from engine.quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weight_bytes
+from engine.outputs import RequestOutput
+from engine.sample.sampler import SampleRow, sample
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.runtime.step_events import StepEvents
+from engine.structured.compiler import GrammarCompiler
+from engine.core.sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
+from engine.worker.timing import NullTimer, make_timer
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             (1 if self.kernels == "triton" else 0)
         pdl = config.enable_pdl
         if pdl is None:                     # auto: off where a decode linear takes the persistent GEMV
-            from .kernels.gemv import persistent_linears
+            from engine.kernels.gemv import persistent_linears
             pdl = not (self.kernels == "triton" and config.tensor_parallel_size == 1
                        and persistent_linears(mcfg, config.gemv_variant, self.device))
         gemv_pdl = pdl and self.kernels == "triton" and pdl_supported(self.device)
@@ -162,7 +162,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
         self.grammar_gate = self.grammar_worker = None      # structured_gpu_wait: a stream gate + grammar thread
         if self.structured_overlap and config.structured_gpu_wait and ex is None:
-            from .stream_gate import make_gate
+            from engine.worker.stream_gate import make_gate
             self.grammar_gate, self.grammar_worker = make_gate(self.device)
         self.num_constrained = 0                # unfinished requests with a grammar (0: no mask work at all)
         self.events = EventBus()
@@ -177,11 +177,11 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.stats_total = dict(prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
         self.drafter = self.fast_verify = None
         if config.speculative_method:
-            from .spec import FastVerify, make_drafter
+            from engine.spec import FastVerify, make_drafter
             self.drafter = make_drafter(self)
             self.fast_verify = FastVerify(self)
         if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
-            from .cuda_graphs import CudaGraphRunner
+            from engine.worker.cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
             if ex is not None:
                 ex.send("capture")                  # every rank captures the same graphs, collectives included
@@ -355,7 +355,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
 
     def token_bitmask_for_grammars(self):
         if self.token_bitmask is None:
-            from .structured.bitmask import TokenBitmask
+            from engine.structured.bitmask import TokenBitmask
             self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
                                               fused=self.config.fused_token_bitmask and self.kernels == "triton",
                                               threads=self.config.structured_mask_threads)

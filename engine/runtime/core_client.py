@@ -21,14 +21,14 @@ import time
 from dataclasses import asdict
 from types import SimpleNamespace
 
-from .async_engine import _END, EngineLoop, RequestStream, _call_soon, _put_many, admit_batch
-from .config import EngineConfig
-from .core_proc import core_main
-from .llm_engine import EngineOverloaded, LLMEngine
-from .models.loader import load_tokenizer, resolve
-from .structured.compiler import GrammarCompiler
-from .outputs import Logprob, RequestMetrics, RequestOutput
-from .sequence import Sequence
+from engine.runtime.async_engine import _END, EngineLoop, RequestStream, _call_soon, _put_many, admit_batch
+from engine.config import EngineConfig
+from engine.runtime.core_proc import core_main
+from engine.runtime.llm_engine import EngineOverloaded, LLMEngine
+from engine.models.loader import load_tokenizer, resolve
+from engine.structured.compiler import GrammarCompiler
+from engine.outputs import Logprob, RequestMetrics, RequestOutput
+from engine.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import EngineConfig
-from .model_runner import kv_bytes_per_block
-from .models.config import ModelConfig
+from engine.config import EngineConfig
+from engine.worker.model_runner import kv_bytes_per_block
+from engine.models.config import ModelConfig
 
 
 # (max_num_batched_tokens, max_num_seqs) where the config leaves them None: on a GPU a large token budget

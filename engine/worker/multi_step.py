@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import overlap_prefill
-from .host_copy import HostCopy
-from .kernels.metadata import AttentionMetadata
-from .sampler import SampleRow, sample_on_device, sample_unseeded
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
-from .structured.block import feed_grammars, fill_grammar_slots
+from engine.worker import overlap_prefill
+from engine.worker.host_copy import HostCopy
+from engine.kernels.metadata import AttentionMetadata
+from engine.sample.sampler import SampleRow, sample_on_device, sample_unseeded
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
+from engine.structured.block import feed_grammars, fill_grammar_slots
 
 
 @dataclass

@@ -16,10 +16,10 @@ import time
 from collections import deque
 from typing import Iterator
 
-from .config import EngineConfig
-from .llm_engine import EngineOverloaded, LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.runtime.llm_engine import EngineOverloaded, LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 _END = object()

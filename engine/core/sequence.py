@@ -4,8 +4,8 @@ from __future__ import annotations
 import enum
 from collections import deque
 
-from .outputs import Logprob, RequestMetrics
-from .sampling_params import SamplingParams
+from engine.outputs import Logprob, RequestMetrics
+from engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

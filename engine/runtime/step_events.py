@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from .events import RequestEvent, ScheduledRequest, StepEvent
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from engine.events import RequestEvent, ScheduledRequest, StepEvent
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
 
 
 class StepEvents:

@@ -6,10 +6,10 @@ import time
 
 import torch
 
-from .detokenizer import check_stop_strings, streamable_len
-from .outputs import Logprob, RequestOutput
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from engine.runtime.detokenizer import check_stop_strings, streamable_len
+from engine.outputs import Logprob, RequestOutput
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import Sequence
 
 
 class OutputProcessor:

@@ -32,9 +32,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .config import EngineConfig
-from .kernels.metadata import AttentionMetadata
-from .timing import NullTimer
+from engine.config import EngineConfig
+from engine.kernels.metadata import AttentionMetadata
+from engine.worker.timing import NullTimer
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class CudaGraphRunner:
         self.cu_mixed = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=dev)
         self.logits_idx = torch.arange(N, dtype=torch.int64, device=dev)
         if self.mixed_sizes and self.model.ops.name == "triton":
-            from .kernels.decode_attention import decode_num_splits   # sized for a typical mixed step's decodes
+            from engine.kernels.decode_attention import decode_num_splits  # sized for a typical mixed step's decodes
             self.mixed_splits = decode_num_splits(32, self.model.cfg.num_kv_heads, self.max_len, dev)
         if not self.use_graphs:
             self.captured = True

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 class BlockPool:

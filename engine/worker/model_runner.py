@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .config import EngineConfig
-from .kernels.metadata import AttentionMetadata
-from .models.config import ModelConfig
-from .scheduler import SchedulerOutput
-from .timing import NullTimer
+from engine.config import EngineConfig
+from engine.kernels.metadata import AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.core.scheduler import SchedulerOutput
+from engine.worker.timing import NullTimer
 
 
 def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -148,7 +148,7 @@ class ModelRunner:
     def warmup_attention(self) -> None:
         """Compile the decode-attention variants of every length up front (no collectives: each rank alone)."""
         if self.device.type == "cuda" and self.model.ops.name == "triton":
-            from .kernels.attention_warmup import warmup_variants
+            from engine.kernels.attention_warmup import warmup_variants
             layer = self.model.model.layers[0].self_attn
             warmup_variants(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, self.max_model_len,
                             pdl=self.model.gemv_pdl, fused_merge=layer.decode_fused_merge)

@@ -24,9 +24,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .sequence import Sequence, SequenceStatus
+from engine.core.kv_cache_manager import BlockManager
+from engine.config import EngineConfig
+from engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .outputs import RequestOutput
+from engine.outputs import RequestOutput
 
 
 class Introspection:

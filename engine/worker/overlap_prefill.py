@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheduler import SchedulerOutput
-from .timing import NullTimer
+from engine.core.scheduler import SchedulerOutput
+from engine.worker.timing import NullTimer
 
 
 @dataclass

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_copy import HostCopy
-from .sampling_params import SamplingParams
+from engine.worker.host_copy import HostCopy
+from engine.sampling_params import SamplingParams
 
 
 _philox_rngs: dict[int, random.Random] = {}     # per engine seed: one Philox seed per fused draw
@@ -95,7 +95,7 @@ def _sample_plain(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool
     "one_launch": in the kernel (EngineConfig.sampler_one_launch); else an exponential race (same law)."""
     dev = logits.device
     if fused and dev.type == "cuda":
-        from .kernels.sampling import gumbel_sample
+        from engine.kernels.sampling import gumbel_sample
         temp = _to_dev([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)], dev, torch.float32)
         return gumbel_sample(logits, temp, _philox_seed(generator), one_launch=fused == "one_launch")
     temp = _to_dev([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], dev, torch.float32)

@@ -6,7 +6,7 @@ Streamed text holds back any tail that could still become a stop string.
 """
 from __future__ import annotations
 
-from .sequence import Sequence
+from engine.core.sequence import Sequence
 
 _CONTEXT = 6  # prompt tokens decoded ahead of the output, so leading spaces come out right
 

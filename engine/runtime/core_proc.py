@@ -21,10 +21,10 @@ import marshal
 import queue
 import threading
 
-from .async_engine import EngineLoop
-from .config import EngineConfig
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from engine.runtime.async_engine import EngineLoop
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from .sampling_params import SamplingParams
-from .sequence import Sequence
+from engine.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 
 class InputProcessor:
