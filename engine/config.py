@@ -33,23 +33,13 @@ class EngineConfig:
     #                                     takes it; int8 too, fp8 where QUANT_GEMV_PACKED_CONFIGS lists the shape,
     #                                     unless the tensor-core GEMV has the shape. None: on with
     #                                     triton on cuda >= sm90; False: the earlier kernels (ablation)
-    quant_int8_pairs: bool = False      # packed GEMV, int8 at one token: two words a step decoded into f16x2 pairs
-    #                                     (kernels/quant_packed_decode.py), every int8 shape; off: it measured
-    #                                     slower on an H200 at the 8B shape (with the next switch: 3.30 vs 3.23 ms)
-    quant_qkv_split_rope: bool = False  # packed GEMV, int8 / int4 q/k/v at one token: the split-K GEMV, then the
-    #                                     RoPE + KV-store kernel; off: RoPE in the GEMV's epilogue (int4 step: same)
     quant_gemm_group_dots: bool = True  # packed, int4 (groups of 128) prefill GEMM: 8 dots a group on the raw codes
     #                                     of each nibble slice; False: the slices interleaved into one dequantized tile
     fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
     #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
     fp8_gemm: str = "auto"              # that FP8 GEMM (kernels/quant_gemm_fp8.py): "triton" (activations
     #                                     quantized once, then FP8 dots), "cublas" (torch's block-wise scaled_mm;
-    #                                     sm90, CUDA >= 12.9), "fused" (quantized inside the GEMM, once per N
-    #                                     tile: the ablation); auto: cublas where torch has it, else triton
-    fp8_act_fusion: bool = False        # with a two-launch fp8_gemm, RMSNorm and SiLU-and-mul write the fp8 codes
-    #                                     and scales of the q/k/v, gate/up and down GEMMs' activations (one launch
-    #                                     less per linear; kernels/fp8_act_fusions.py); off: bf16 out, then quantized.
-    #                                     Off by default: its kernels measured slower than the two launches (H200)
+    #                                     sm90, CUDA >= 12.9); auto: cublas where torch has it, else triton
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None    # None: derived from the memory budget below
@@ -93,9 +83,6 @@ class EngineConfig:
     multi_step_admit_min: int | None = None  # while multi-step decode runs and the batch is full, newcomers
     #                                         wait until this many slots are free (or all of them fit);
     #                                         None: max_num_seqs // 32; 1: a prefill step at every free slot
-    overlap_prefill: bool = False       # while a multi-step decode block runs, newcomers' prefill is launched
-    #                                     behind it as a step of its own (no host wait for the block first):
-    #                                     lower TTFT, but a longer gap for the running streams (README ablation)
     gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
     #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
     tensor_parallel_size: int = 1       # ranks sharding the model Megatron-style (one worker process per extra
@@ -110,10 +97,6 @@ class EngineConfig:
     #                                     the prologue once per program, whole-K rows streamed a tile or two ahead)
     fused_qk_norm: bool = True          # q/k RMSNorm (Qwen3) in place on the qkv views, a tile of tokens a program;
     #                                     False: q/k copied contiguous, then one program per (token, head) row
-    decode_fused_merge: bool = False    # split-K decode attention merges its splits in the kernel (the last split
-    #                                     of a sequence and kv head to finish; splits past the context exit at
-    #                                     once): one launch per layer instead of decode + reduce (triton kernels);
-    #                                     off: measured slower at the 8B shape's batch 1 (4.87 vs 4.75 ms/token)
     sampler_one_launch: bool = True     # the Triton Gumbel-max sampler sizes its grid to the chip (batch 1: 251
     #                                     programs of 512 logits, not 16 of 8192) and its last program per row
     #                                     reduces the chunk winners: one launch per iteration instead of four
@@ -127,7 +110,6 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     draft_layers: int = 8
-    speculative_adaptive: bool = False  # per-request draft length from the estimated acceptance
     speculative_auto_off: bool = True   # per request, stop drafting while the measured acceptance would not pay
     #                                     for the measured cost of drafting + verifying (re-probed now and then)
     spec_cuda_graphs: bool = True       # verify steps (k+1 tokens per request) and self-drafting steps replay
@@ -157,10 +139,6 @@ class EngineConfig:
     structured_multi_step: bool = True  # grammar blocks run up to num_scheduler_steps iterations, the host
     #                                     filling each iteration's masks while the GPU runs its forward (no
     #                                     scheduler or post-processing round trip per token); False: one each
-    structured_gpu_wait: bool = False   # grammar blocks launch each iteration's mask, sampler and next forward
-    #                                     ahead; the stream waits on a host-written flag until a grammar thread
-    #                                     has filled that mask (cuStreamWaitValue32), taking launches off the
-    #                                     chain the GPU waits on; CPU: the engine thread waits instead (tests)
     structured_mask_threads: int | None = 2  # llguidance threads that fill a step's masks (None: its default,
     #                                     80% of the CPUs up to 32; more threads cost more wake-ups than they
     #                                     save at batch 32 on the H200 host: 2 measured best)
@@ -226,7 +204,6 @@ class EngineConfig:
                                                and 0 <= self.gemv_max_tokens <= 16),
              "gemv_max_tokens", "must be None or an int in [0, 16]")
         need(self.gemv_variant in _GEMV_VARIANTS, "gemv_variant", f"must be one of {_GEMV_VARIANTS}")
-        need(isinstance(self.decode_fused_merge, bool), "decode_fused_merge", "must be a bool")
         need(isinstance(self.fused_qk_norm, bool), "fused_qk_norm", "must be a bool")
         need(isinstance(self.multi_step_trim, bool), "multi_step_trim", "must be a bool")
         need(isinstance(self.sampler_one_launch, bool), "sampler_one_launch", "must be a bool")
@@ -248,16 +225,11 @@ class EngineConfig:
         need(self.quant_gemv_tensor_cores in (None, True, False), "quant_gemv_tensor_cores",
              "must be None, True or False")
         need(self.quant_gemv_packed in (None, True, False), "quant_gemv_packed", "must be None, True or False")
-        need(isinstance(self.quant_int8_pairs, bool), "quant_int8_pairs", "must be a bool")
-        need(isinstance(self.quant_qkv_split_rope, bool), "quant_qkv_split_rope", "must be a bool")
         need(isinstance(self.quant_gemm_group_dots, bool), "quant_gemm_group_dots", "must be a bool")
-        need(self.fp8_gemm in ("auto", "triton", "cublas", "fused"), "fp8_gemm",
-             "must be 'auto', 'triton', 'cublas' or 'fused'")
-        need(isinstance(self.fp8_act_fusion, bool), "fp8_act_fusion", "must be a bool")
+        need(self.fp8_gemm in ("auto", "triton", "cublas"), "fp8_gemm", "must be 'auto', 'triton' or 'cublas'")
         need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
         need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
         need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")
-        need(isinstance(self.structured_gpu_wait, bool), "structured_gpu_wait", "must be a bool")
         need(self.structured_mask_threads is None or (isinstance(self.structured_mask_threads, int)
                                                       and not isinstance(self.structured_mask_threads, bool)
                                                       and 1 <= self.structured_mask_threads <= 256),

@@ -60,7 +60,7 @@ def test_request_larger_than_pool():
      r"EngineConfig.max_num_batched_tokens: must be >= max_model_len \(1024\)"),
     (dict(enable_kv_cache=False, speculative_method="ngram"), r"EngineConfig.speculative_method: needs the KV cache"),
     (dict(gemv_variant="wide"), r"EngineConfig.gemv_variant: must be one of \('auto', 'tiled', 'persistent'\)"),
-    (dict(decode_fused_merge=1), r"EngineConfig.decode_fused_merge: must be a bool"),
+    (dict(fused_qk_norm=1), r"EngineConfig.fused_qk_norm: must be a bool"),
     (dict(sampler_one_launch=None), r"EngineConfig.sampler_one_launch: must be a bool"),
     (dict(enable_pdl="yes"), r"EngineConfig.enable_pdl: must be None, True or False"),
 ])

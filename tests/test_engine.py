@@ -168,25 +168,6 @@ def _staggered(eng, prompts, params, arrive_at: dict[int, int]):
     return [outs[ids[i]].token_ids for i in range(len(prompts))]
 
 
-def test_overlap_prefill_behind_inflight_block(smollm2_engine_factory, prompts):
-    """Newcomers arriving while a multi-step block is in flight get a prefill step of their own, launched
-    behind that block (overlap_prefill); every request's tokens are those of single-step decoding, and
-    every block comes back."""
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 24, 9, 12)]
-    arrive_at = {2: 4, 3: 6}
-    ref = _staggered(smollm2_engine_factory(), prompts, params, arrive_at)
-    for overlap in (True, False):
-        eng = smollm2_engine_factory(num_scheduler_steps=4, overlap_prefill=overlap)
-        steps = []
-        eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
-        assert _staggered(eng, prompts, params, arrive_at) == ref
-        # a step that prefills newcomers alone while other requests are running (their block in flight)
-        alone = [e for e in steps if e.scheduled and all(r.phase == "prefill" for r in e.scheduled)
-                 and e.num_running > len(e.scheduled)]
-        assert bool(alone) == overlap, [(e.step, e.num_running, len(e.scheduled)) for e in alone]
-        assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
-
-
 def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
     """Unseeded top-k / top-p / min-p sampling stays on the device, so it runs multi-step too."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, max_tokens=n, ignore_eos=True)

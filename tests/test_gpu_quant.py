@@ -40,9 +40,6 @@ def test_quant_kernels_full_size(fmt):
             ref = quant_matmul_ref(x.float(), fmt, t, (N, K))
             assert _rel(quant_matmul(x, fmt, t, (N, K)), ref) < 1e-2, (name, M)
             if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
-                y = quant_matmul(x, fmt, t, (N, K), act_fp8=True)
-                assert _rel(y, quant_matmul_ref(x.float(), fmt, t, (N, K), act_fp8=True)) < 1e-2, (name, M)
-                assert _rel(y, ref) < 0.06, (name, M)            # fp8 activations: ~2^-4 per element
                 q, sc = quantize_activations_fp8(x)
                 step = sc.repeat_interleave(128, 1)[:, :K]
                 deq, want = q.float() * step, quantize_activations_fp8_ref(x)
@@ -53,6 +50,7 @@ def test_quant_kernels_full_size(fmt):
                 for gemm in ("triton", "cublas") if cublas_supported(N, K) else ("triton",):
                     y2 = fp8_matmul(x, t, None, gemm)
                     assert _rel(y2, quant_matmul_ref(x.float(), fmt, t, (N, K), act_fp8=True)) < 1e-2, (name, M, gemm)
+                    assert _rel(y2, ref) < 0.06, (name, M, gemm)     # fp8 activations: ~2^-4 per element
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
@@ -193,12 +191,10 @@ def test_quantized_triton_graphs_match_torch_fp32(fmt, tc):
     assert [r[:2] for r in ref] == [g[:2] for g in got]
 
 
-@pytest.mark.parametrize("model,base,gemm", [("dummy:qwen2-0.5b", "fused", "triton"),
-                                             ("dummy:llama-3.2-1b", "triton", "auto")])
+@pytest.mark.parametrize("model,base,gemm", [("dummy:llama-3.2-1b", "triton", "auto")])
 def test_fp8_gemm_modes_agree_fp32(model, base, gemm):
-    """fp8 with activations quantized, EngineConfig.fp8_gemm: the two-launch Triton GEMM against the fused one (on
-    qwen2-0.5b, whose K = 896 cuBLAS's block-wise scaled_mm cannot take), and auto (cuBLAS where torch has it)
-    against the Triton one, which quantizes the activations identically. Only the prefill's GEMMs differ (decode
+    """fp8 with activations quantized, EngineConfig.fp8_gemm: auto (cuBLAS where torch has it) against the Triton
+    GEMM, which quantizes the activations identically. Only the prefill's GEMMs differ (decode
     at these batches is the GEMV), so the first tokens must agree; later ones may part after a near-tie."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores")
@@ -208,37 +204,6 @@ def test_fp8_gemm_modes_agree_fp32(model, base, gemm):
     assert seen_ref == {base}
     assert seen == ({"cublas"} if gemm == "auto" and cublas_supported(2048, 2048) else {"triton"}), seen
     assert [r[:1] for r in ref] == [g[:1] for g in got]
-
-
-def test_fp8_act_fusions_full_size():
-    """The norm and SiLU-and-mul that quantize for the FP8 GEMM, at the 8B widths, against the unfused ops then
-    quantize_activations_fp8: the same codes and scales, bit for bit."""
-    from engine.kernels.activation import silu_and_mul
-    from engine.kernels.fp8_act_fusions import rms_norm_fp8, silu_and_mul_fp8
-    from engine.kernels.rmsnorm import rms_norm
-    torch.manual_seed(0)
-    for M in (17, 300):
-        x, r = (torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-        act, res = rms_norm_fp8(x, w, 1e-5, r, row_align=4)
-        h, res_ref = rms_norm(x, w, 1e-5, r)
-        q, s = quantize_activations_fp8(h)
-        assert torch.equal(act.q[:M].float(), q.float()) and torch.equal(act.s[:M], s) and torch.equal(res, res_ref)
-        gu = torch.randn(M, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-        act = silu_and_mul_fp8(gu, row_align=4)
-        q, s = quantize_activations_fp8(silu_and_mul(gu))
-        assert torch.equal(act.q[:M].float(), q.float()) and torch.equal(act.s[:M], s)
-
-
-def test_fp8_act_fusion_engine_identical():
-    """EngineConfig.fp8_act_fusion on and off: the same codes reach the same GEMMs, so every token is the same."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 tensor cores")
-    align = lambda eng: eng.model.fp8_act_align  # noqa: E731
-    on_align, on = _run(quantization="fp8", model="dummy:llama-3.2-1b", fp8_act_fusion=True, check=align)
-    off_align, off = _run(quantization="fp8", model="dummy:llama-3.2-1b", fp8_act_fusion=False, check=align)
-    assert on_align > 0 and off_align == 0
-    assert on == off
 
 
 def test_kv_pool_grows_with_smaller_weights():

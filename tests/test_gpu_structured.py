@@ -56,25 +56,3 @@ def test_constrained_and_free_rows_on_gpu(eng, monkeypatch):
     assert eng.num_constrained == 0 and eng.block_manager.num_free_blocks == eng.num_blocks - 1
     assert eng.structured_overlap and sum(blocks) >= 10 and max(blocks) > 1 and eng.token_bitmask.fused
 
-
-def test_gated_blocks_give_the_tokens_of_ungated_ones(eng):
-    """structured_gpu_wait launches each iteration's mask, sampler and next forward before the grammar thread
-    has filled the mask: the same kernels in the same order, so the same tokens as launching after it."""
-    from engine.worker.stream_gate import StreamGate
-    gated = LLMEngine(model="dummy:llama-3.2-1b", device="cuda", max_model_len=512, max_num_seqs=64,
-                      structured_gpu_wait=True)
-    assert isinstance(gated.grammar_gate, StreamGate) and eng.grammar_gate is None
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 33, 70)]
-    reqs = [(p, SamplingParams(temperature=1.0, seed=s, max_tokens=48, structured_outputs={"json": SCHEMA}))
-            for s, p in enumerate(prompts * 4)]
-    reqs += [(prompts[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
-             (prompts[1], SamplingParams(temperature=0.8, seed=9, max_tokens=8,
-                                         structured_outputs={"choice": ["alpha", "beta gamma"]}))]
-    runs = []
-    for e in (gated, eng):
-        ids = [e.add_request(p, sp) for p, sp in reqs]
-        outs = drain(e)
-        runs.append([outs[i].token_ids for i in ids])
-    assert runs[0] == runs[1] and gated.grammar_gate.value > 0
-    gated.close()

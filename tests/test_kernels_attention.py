@@ -66,32 +66,25 @@ def test_paged_attention_head_shapes(H, Hk, D):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 2, 8])
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_paged_attention_decode_split(dtype, splits, fused_merge):
+def test_paged_attention_decode_split(dtype, splits):
     # lengths 1 and short ones leave some splits empty; one is long enough for several tiles per split
     seq_lens = [1, 130, 7, 64] + ([4096, 3000, 33] * 10 if GPU else [])
     shp = dict(H=32, Hk=8, D=128) if GPU else SMALL
     q, kc, vc, md = make_batch([1] * len(seq_lens), seq_lens, bs=16, dtype=dtype, **shp)
     scale = q.shape[-1] ** -0.5
-    for _ in range(2 if fused_merge else 1):                # the second launch reuses the (re-zeroed) counters
-        out = tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, md.max_seqlen_k,
-                                        num_splits=splits, fused_merge=fused_merge)
-        ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
-        assert rel_err(out, ref) < TOL[dtype]
-    if fused_merge:
-        from engine.kernels.decode_attention import merge_counters
-        assert int(merge_counters(DEV, 1).abs().sum()) == 0   # every launch leaves its counters zero
+    out = tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, md.max_seqlen_k,
+                                    num_splits=splits)
+    ref = paged_attention_decode_ref(q.double(), kc.double(), vc.double(), md.block_tables, md.seq_lens, scale)
+    assert rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_padded_rows_are_zero(fused_merge):
+def test_decode_padded_rows_are_zero():
     q, kc, vc, md = make_batch([1, 1], [5, 40], bs=8, dtype=torch.float32, **SMALL)
     lens = md.seq_lens.clone()
     lens[0] = 0                                              # a CUDA-graph padding row
     for splits in (1, 4):
         out = torch.full_like(q, float("nan"))
-        tk.paged_attention_decode(q, kc, vc, md.block_tables, lens, 0.2, 64, num_splits=splits, out=out,
-                                  fused_merge=fused_merge)
+        tk.paged_attention_decode(q, kc, vc, md.block_tables, lens, 0.2, 64, num_splits=splits, out=out)
         assert torch.all(out[0] == 0) and torch.isfinite(out).all()
 
 
@@ -110,10 +103,9 @@ def test_get_ops_triton():
 
 
 @gpu_only
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_decode_cuda_graph(fused_merge):
-    """Capture once with static buffers, then replay with new lengths, tables and queries (fused_merge: the
-    split counters must be zero again after every replay, and short contexts leave most splits idle)."""
+def test_decode_cuda_graph():
+    """Capture once with static buffers, then replay with new lengths, tables and queries (short contexts leave
+    most splits idle)."""
     B, H, Hk, D, bs, max_len = 16, 32, 8, 64, 16, 4096
     width = max_len // bs
     _, kc, vc, _ = make_batch([1], [max_len * 4], H, Hk, D, bs, torch.bfloat16)   # a big enough pool
@@ -133,11 +125,11 @@ def test_decode_cuda_graph(fused_merge):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):                         # warm up (compile) outside the capture
-        tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len, fused_merge=fused_merge)
+        tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len)
     torch.cuda.current_stream().wait_stream(stream)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out_s = tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len, fused_merge=fused_merge)
+        out_s = tk.paged_attention_decode(q_s, kc, vc, bt_s, lens_s, scale, max_len)
     for i in range(6):
         fill()
         if i % 2:

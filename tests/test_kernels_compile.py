@@ -93,7 +93,7 @@ def check_quant_gemv_packed(fmt, block_m, flags, split, rows=False):
         compile_sm90(q._pk_gemv_kernel,
                      dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=prologue, HAS_BIAS=prologue == 1, HAS_RES=prologue == 2,
                           USE_PDL=True, ASM=bool(flags & 1), PRE=bool(flags & 2), SPLIT=split, BLOCK=128,
-                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, ROWS=rows, PAIRS=False),
+                          S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, ROWS=rows),
                      ptrs, aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"), num_warps=warps)
 
 
@@ -109,7 +109,7 @@ def check_quant_gemv_packed_workspace_order(fmt, block_m, rows=False):
     k = compile_sm90(q._pk_gemv_kernel,
                      dict(FMT=q.PK_FMT_IDS[fmt], PROLOGUE=1, HAS_BIAS=False, HAS_RES=True, USE_PDL=False, ASM=False,
                           PRE=False, SPLIT=2, BLOCK=128, S=16 if int4 else 1, BLOCK_M=block_m, BLOCK_N=32,
-                          BLOCK_K=256 if int4 else 128, ROWS=rows, PAIRS=False), ptrs, num_warps=2)
+                          BLOCK_K=256 if int4 else 128, ROWS=rows), ptrs, num_warps=2)
     lines = k.asm["ptx"].splitlines()
     start = next(i for i, ln in enumerate(lines) if "atom.global" in ln and "acq_rel" in ln)
     tail = lines[start:]
@@ -118,23 +118,6 @@ def check_quant_gemv_packed_workspace_order(fmt, block_m, rows=False):
     assert last_ld < first_st and any("bar.sync" in ln for ln in tail[last_ld:first_st]), \
         f"{fmt} BLOCK_M={block_m}: workspace zeroed (line {first_st}) before / without a barrier after its last read " \
         f"(line {last_ld})"
-
-
-def check_quant_gemv_int8_pairs():
-    """int8 at one token on the f16x2 pair decode (PAIRS, inline PTX incl. cvt.rn.satfinite.f16x2.f32) at each 8B
-    projection's table config and prologue."""
-    from engine.kernels import quant_gemv_packed as q
-    from engine.kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS
-    for (fmt, N, K), (bn, bk, warps, split, flags) in QUANT_GEMV_PACKED_CONFIGS.items():
-        if fmt != "int8":
-            continue
-        prologue = 1 if N in (6144, 28672) else (2 if K > 4096 else 0)
-        compile_sm90(q._pk_gemv_kernel,
-                     dict(FMT=0, PROLOGUE=prologue, HAS_BIAS=False, HAS_RES=prologue != 1, USE_PDL=True,
-                          ASM=bool(flags & 1), PRE=bool(flags & 2), SPLIT=split, BLOCK=128, S=1, BLOCK_M=1,
-                          BLOCK_N=bn, BLOCK_K=bk, ROWS=False, PAIRS=True),
-                     {"w_ptr": "*i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"},
-                     aligned=("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om"), num_warps=warps)
 
 
 def check_quant_gemm_int4_group_dots():
@@ -158,15 +141,6 @@ def check_fp8_gemm_two_launch():
                      {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32"},
                      aligned=("N", "K", "stride_am", "stride_ask", "stride_wn", "stride_om"), num_warps=warps,
                      num_stages=stages)
-
-
-def check_fp8_act_fusions():
-    """kernels/fp8_act_fusions.py at the 8B widths: the RMSNorm (4096) and SiLU-and-mul (14336: 2048-wide blocks)
-    that write fp8 codes and group scales."""
-    from engine.kernels import fp8_act_fusions as f
-    ptrs = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    compile_sm90(f._rms_norm_fp8_kernel, dict(HAS_RES=True, FMAX=448.0, BLOCK_N=4096, GROUP=128), ptrs, num_warps=16)
-    compile_sm90(f._silu_and_mul_fp8_kernel, dict(FMAX=448.0, BLOCK_N=2048, GROUP=128), ptrs, num_warps=8)
 
 
 def check_quant_qkv_rope_packed(fmt, block_m):
@@ -223,8 +197,7 @@ CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4
          [(check_quant_gemv_packed, ("int4", 1, fl, 4, True)) for fl in (0, 3)] + \
          [(check_quant_gemv_packed_workspace_order, a) for a in (("fp8", 4), ("int8", 1), ("int4", 1, True))] + \
          [(check_quant_qkv_rope_packed, a) for a in itertools.product([0, 1, 2], [1, 4])] + \
-         [(check_quant_gemv_int8_pairs, ()), (check_quant_gemm_int4_group_dots, ()), (check_fp8_gemm_two_launch, ()),
-          (check_fp8_act_fusions, ())] + \
+         [(check_quant_gemm_int4_group_dots, ()), (check_fp8_gemm_two_launch, ())] + \
          [(check_bf16_decode, (1,)), (check_bf16_decode, (4,)), (check_paged_attention, ())]
 
 

@@ -48,9 +48,6 @@ METHODS = {
     "self-full": dict(speculative_method="self", num_speculative_tokens=4, draft_layers=4),
     "draft-bad": dict(speculative_method="draft", num_speculative_tokens=2, draft_model="draft"),
     "draft-same": dict(speculative_method="draft", num_speculative_tokens=3, draft_model="target"),
-    # adaptive draft length: a bad draft model's drafts get shortened / paused per request
-    "draft-bad-adaptive": dict(speculative_method="draft", num_speculative_tokens=3, draft_model="draft",
-                               adaptive=True),
     # the small-batch path (fused linears) for drafts and for verify steps of up to 8 tokens
     "self-gemv": dict(speculative_method="self", num_speculative_tokens=3, draft_layers=2, gemv_max_tokens=8),
     "draft-bad-gemv": dict(speculative_method="draft", num_speculative_tokens=2, draft_model="draft",
@@ -146,12 +143,9 @@ def _run(spec_models, spec: dict, setup: dict):
     cfg = dict(BASE)
     cfg.update({k: v for k, v in setup.items() if k != "n"})
     cfg.update(spec)
-    adaptive = cfg.pop("adaptive", False)
     if "draft_model" in cfg:
         cfg["draft_model"] = spec_models[cfg["draft_model"]]
     llm = LLM(model=spec_models["target"], **cfg)
-    if adaptive:
-        llm.engine.drafter.adaptive = True
     checks = StepChecks(llm.engine) if llm.engine.drafter is not None else None
     prompts, params = _workload()
     n = setup["n"]
@@ -192,14 +186,11 @@ def test_greedy_identical_with_speculation(spec_models, reference, method, setup
     if setup == "pressure":
         assert st["num_preemptions_total"] > 0
         assert eng.checks.mixed_phases > 0             # verification shared a forward with prefill chunks
-    fixed_len = "adaptive" not in method and "auto" not in method
+    fixed_len = "auto" not in method
     if setup != "alone" and fixed_len:
         assert eng.checks.mixed_lengths > 0            # different draft lengths verified in one step
     if setup != "alone" and fixed_len and st["acceptance_rate"] < 1:
         assert eng.checks.rollbacks_crossing_blocks > 0  # rejected drafts whose blocks had to be returned
-    if method == "draft-bad-adaptive" and setup == "batched":
-        fixed = _run(spec_models, METHODS["draft-bad"] | dict(num_speculative_tokens=3), SETUPS[setup])[1].stats()
-        assert st["spec_decode_num_draft_tokens"] < fixed["spec_decode_num_draft_tokens"] / 2
 
 
 def test_no_leaked_blocks_randomized_with_aborts(spec_models):

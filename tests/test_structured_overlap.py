@@ -123,11 +123,6 @@ def test_grammar_blocks_of_several_iterations(smollm2_engine_factory, grammar_bl
         jsonschema.validate(json.loads(o.text), SCHEMA)
     assert outs[2].text in ("alpha", "beta gamma") and outs[2].finish_reason == "stop"
     grammar_blocks.clear()
-    gated = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4, structured_gpu_wait=True)
-    same(run(gated, reqs), reference)           # launches ahead of the masks, a grammar thread filling them
-    assert {K for _, K in grammar_blocks} == {1, 4}
-    assert gated.grammar_gate.value == sum(K for _, K in grammar_blocks)
-    grammar_blocks.clear()
     one = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4, structured_multi_step=False,
                                  structured_mask_threads=1)
     same(run(one, reqs), reference)
@@ -167,7 +162,7 @@ def test_no_constraint_no_mask_work(smollm2_engine_factory, grammar_blocks):
 
 @pytest.mark.parametrize("field,value", [("structured_overlap", "yes"), ("fused_token_bitmask", None),
                                          ("structured_multi_step", 1), ("structured_mask_threads", 0),
-                                         ("structured_gpu_wait", "yes"),
+
                                          ("structured_mask_threads", True)])
 def test_switches_are_validated(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}:"):
@@ -190,24 +185,3 @@ def test_inspector_sees_mask_time_of_pipelined_steps(smollm2_engine_factory, gra
     # next one's)
     assert len(masked) >= len(out.token_ids) - 1
 
-
-def test_gated_block_error_opens_the_gate(smollm2_engine_factory, monkeypatch):
-    """A grammar thread that fails mid-block opens every wait of the block (a GPU stream would otherwise wait
-    forever) and its error reaches the engine's caller."""
-    eng = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4, structured_gpu_wait=True)
-    eng.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=30, structured_outputs=JSON))
-    calls = []
-    tb = eng.token_bitmask_for_grammars()
-    inner = tb.fill_slot
-
-    def flaky(matchers, slot):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("grammar thread failed")
-        inner(matchers, slot)
-    monkeypatch.setattr(tb, "fill_slot", flaky)
-    with pytest.raises(RuntimeError, match="grammar thread failed"):
-        while eng.has_unfinished_requests():
-            eng.step()
-    gate = eng.grammar_gate
-    assert gate._opened >= gate.value > 0

@@ -11,7 +11,7 @@ from engine.kernels.paged_attention import paged_attention
 
 
 def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_seqlen_k: int,
-                    pdl: bool = False, fused_merge: bool = False) -> int:
+                    pdl: bool = False) -> int:
     """Compile every kernel variant a real step can pick (prefill tile heights with and without decodes
     apart, decode split counts with and without varlen rows) on the null block 0, so no step pays a JIT
     compile mid-run. Returns the number of launches."""
@@ -40,9 +40,8 @@ def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
                 launches += 1
     for B in (1, 2):                                         # decode-only (eager), every split count
         q = torch.randn(B, num_heads, D, dtype=dt, device=dev)
-        for S, p, f in itertools.product(splits, (False, True) if pdl else (False,), (False, True) if fused_merge
-                                         else (False,)):
+        for S, p in itertools.product(splits, (False, True) if pdl else (False,)):
             paged_attention_decode(q, k_cache, v_cache, bt[:B], torch.full((B,), n, dtype=torch.int32, device=dev),
-                                   1.0, n, num_splits=S, pdl=p, fused_merge=f)
+                                   1.0, n, num_splits=S, pdl=p)
             launches += 1
     return launches

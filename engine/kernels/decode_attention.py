@@ -1,6 +1,6 @@
 """Split-K decode attention (q_len == 1) over the paged KV cache: a program owns (sequence, kv head, split);
 splits partition each sequence's run-time length (flash-decoding), then a small kernel merges them by
-log-sum-exp, or (fused merge) the last split to finish merges them. The grid depends only on (B, Hk,
+log-sum-exp. The grid depends only on (B, Hk,
 num_splits): CUDA-graph capturable with a fixed split count. In a mixed batch the decodes run here too
 (VARLEN: rows found through cu_seqlens_q)."""
 from __future__ import annotations
@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec
-from engine.kernels.counters import zeroed_counters
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -21,9 +20,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
-                   out_ptr=None, cnt_ptr=None, stride_fb=0, stride_fh=0, FUSED_MERGE: tl.constexpr = False,
-                   MIN_CHUNK: tl.constexpr = 256, GP: tl.constexpr = 1, MERGE_S: tl.constexpr = 1):
+                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:                                              # launched early: wait for q and the new KV
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -38,12 +35,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
         r = b                                                # packed query row of this sequence
     seq_len = tl.load(seq_lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    n_act = NUM_SPLITS
-    if FUSED_MERGE:                                          # at least MIN_CHUNK keys a split: short contexts
-        chunk = tl.maximum(chunk, MIN_CHUNK)                 # use few splits (one: no merge at all), and splits
-        n_act = tl.maximum(tl.cdiv(seq_len, chunk), 1)       # past the context exit at once (split 0 always runs)
-        if split >= n_act:
-            return
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
@@ -75,57 +66,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
     else:                                                    # partials [B, H, S, D] fp32, lse [B, H, S]
         part = (b * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -1e30)
-        if FUSED_MERGE:
-            if n_act == 1:                                   # the whole context in split 0: the output itself
-                tl.store(out_ptr + r * stride_fb + head[:, None] * stride_fh + offs_d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=q_mask)
-            else:
-                tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
-                tl.store(lse_ptr + part, lse, mask=row_ok)
-                # the last of the n_act splits of (sequence, kv head) to finish merges them all (no reduce
-                # launch): every thread's partial is stored before one release-acquire add on the pair's counter
-                tl.debug_barrier()
-                cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-                if tl.atomic_add(cnt, 1, sem="acq_rel") == n_act - 1:
-                    _merge_splits(o_ptr, lse_ptr, out_ptr, r, kvh * G, n_act, stride_fb, stride_fh,
-                                  (b * (G * tl.num_programs(1)) + kvh * G) * NUM_SPLITS,
-                                  G, GP, MERGE_S, NUM_SPLITS, D, BD)
-                    tl.atomic_xchg(cnt, 0)                   # zero again for the next launch (graph replays)
-        else:
-            tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
-            tl.store(lse_ptr + part, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_splits(part_ptr, lse_ptr, o_ptr, r, head0, n_act, stride_ob, stride_oh, base,
-                  G: tl.constexpr, GP: tl.constexpr, MERGE_S: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  D: tl.constexpr, BD: tl.constexpr):
-    """Log-sum-exp merge of splits [0, n_act) of heads head0 + [0, G) -> o row r. Partial (head hh, split s) is
-    row base + hh * NUM_SPLITS + s of part [., D] / lse. MERGE_S splits of every head are loaded at once (one
-    round trip for n_act <= MERGE_S, not one per split); partials come from L2 (.cg): other programs wrote
-    them during this launch."""
-    j = tl.arange(0, GP * MERGE_S)                           # flat (head, split) of one round
-    hh, sl = j // MERGE_S, j % MERGE_S
-    offs_d = tl.arange(0, BD)
-    m_run = tl.full([GP], -1e30, tl.float32)
-    den = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, BD], tl.float32)
-    for s0 in range(0, n_act, MERGE_S):
-        ok = (hh < G) & (s0 + sl < n_act)
-        row = base + hh * NUM_SPLITS + s0 + sl
-        lse = tl.reshape(tl.load(lse_ptr + row, mask=ok, other=-1e30, cache_modifier=".cg"), [GP, MERGE_S])
-        o = tl.load(part_ptr + row[:, None] * D + offs_d[None, :], mask=ok[:, None] & (offs_d < D)[None, :],
-                    other=0.0, cache_modifier=".cg")         # [GP * MERGE_S, BD]
-        m_new = tl.maximum(m_run, tl.max(lse, 1))
-        alpha = tl.exp2(m_run - m_new)
-        w = tl.where(tl.reshape(ok, [GP, MERGE_S]), tl.exp2(lse - m_new[:, None]), 0.0)   # [GP, MERGE_S]
-        den = den * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(tl.reshape(o, [GP, MERGE_S, BD]) * w[:, :, None], 1)
-        m_run = m_new
-    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    g = tl.arange(0, GP)
-    tl.store(o_ptr + r * stride_ob + (head0 + g)[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None] & (offs_d < D)[None, :])
+        tl.store(o_ptr + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+        tl.store(lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
@@ -182,34 +124,21 @@ DECODE_MIN_SPLIT_TOKENS = 128
 
 
 def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device, splits: int = 1) -> dict:
-    """Decode tiles; MIN_CHUNK: the fused merge's fewest keys per split (CPU: small, so tests reach the merge)."""
+    """Decode tiles."""
     if device.type != "cuda":
-        return dict(BLOCK_N=32, num_warps=4, num_stages=1, MIN_CHUNK=32)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32 or d > 128:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=2, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     if d == 128 and splits == 1:    # H200 (sweep_decode_attention.py): ragged batches 2-6% faster, uniform ones equal
-        return dict(BLOCK_N=64, num_warps=4, num_stages=2, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
-    return dict(BLOCK_N=64, num_warps=2, num_stages=3, MIN_CHUNK=DECODE_FUSED_MIN_CHUNK)
-
-
-DECODE_MERGE_SPLITS = 8                                      # splits per round of the fused merge's loads
-DECODE_FUSED_MIN_CHUNK = 64                                  # 256 measured slower at the 8B shape's batch 1
-#                                                              (one split per kv head at <= 256 keys: 306 vs 262 us)
+        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=2, num_stages=3)
 
 
 # ---------------------------------------------------------------- launchers
 
-def merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, one per (sequence, kv head), that the fused merge counts split arrivals on (each launch
-    leaves them zero again)."""
-    return zeroed_counters("decode_merge", device, n)
-
-
-def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out, pdl=False,
-                   fused_merge=False):
+def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, S, cfg, out, pdl=False):
     """Grid (B, Hk, S). cu_q None: sequence b's query is row b; else rows come from cu_q and
-    sequences with q_len != 1 are skipped. pdl: both kernels launch as programmatic dependents.
-    fused_merge (S > 1): no reduce kernel; the last split of each (sequence, kv head) to finish merges them."""
+    sequences with q_len != 1 are skipped. pdl: both kernels launch as programmatic dependents."""
     launch = {"launch_pdl": True} if pdl else {}
     H, D = q.shape[1], q.shape[2]
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
@@ -223,11 +152,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         dst, sob, soh = part, 0, 0
     else:
         lse, dst, sob, soh = out, out, out.stride(0), out.stride(1)
-    fused = fused_merge and S > 1
-    merge = dict(out_ptr=out, cnt_ptr=merge_counters(q.device, B * Hk), stride_fb=out.stride(0),
-                 stride_fh=out.stride(1), FUSED_MERGE=True, MIN_CHUNK=cfg.get("MIN_CHUNK", 256),
-                 GP=triton.next_power_of_2(G),
-                 MERGE_S=min(triton.next_power_of_2(S), DECODE_MERGE_SPLITS)) if fused else {}
     _decode_kernel[(B, Hk, S)](
         q, k_cache, v_cache, dst, lse, block_tables, seq_lens, cu_q, scale * LOG2E,
         q.stride(0), q.stride(1), sob, soh, block_tables.stride(0),
@@ -235,8 +159,8 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
         NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype), USE_PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **merge, **launch)
-    if S > 1 and not fused:
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
+    if S > 1:
         _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),
                                NUM_SPLITS=S, D=D, BD=BD, VARLEN=varlen, USE_PDL=pdl,
                                num_warps=1 if BD * S <= 1024 else 4, **launch)
@@ -246,12 +170,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            max_seqlen_k_hint: int, out: torch.Tensor | None = None,
                            num_splits: int | None = None, config: dict | None = None,
-                           pdl: bool = False, fused_merge: bool = False) -> torch.Tensor:
+                           pdl: bool = False) -> torch.Tensor:
     """One query per sequence. q [B, H, D] (any strides, D contiguous); block_tables [B, W] int32;
     seq_lens [B] int32 (0 allowed: padded rows give zeros). Returns [B, H, D].
-    No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits. fused_merge: the splits
-    are merged inside the decode kernel by the last one to finish (one launch instead of two; splits past a
-    sequence's context exit at once), EngineConfig.decode_fused_merge."""
+    No host syncs; the launch depends only on shapes, max_seqlen_k_hint and num_splits."""
     B, H, D = q.shape
     Hk = k_cache.shape[2]
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -260,5 +182,5 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B:
         S = num_splits or decode_num_splits(B, Hk, max_seqlen_k_hint, q.device)
         cfg = dict(_decode_config(H // Hk, D, q.dtype, q.device, S), **(config or {}))
-        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out, pdl, fused_merge)
+        _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, None, scale, B, S, cfg, out, pdl)
     return out

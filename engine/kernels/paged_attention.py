@@ -113,13 +113,12 @@ def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes):
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                    config: dict | None = None, pdl: bool = False, fused_merge: bool = False) -> torch.Tensor:
+                    config: dict | None = None, pdl: bool = False) -> torch.Tensor:
     """Causal attention of packed varlen queries over paged KV; same contract as torch_ops.paged_attention.
     q [T, H, D] (any strides, D contiguous) -> [T, H, D]. Decode-only batches take the split-K kernel;
     in mixed batches the decodes take it too (config: decodes_apart=False keeps them in the prefill
     kernel, decode_splits=N forces their split count; other keys tune the prefill kernel). pdl: decode-only
-    batches launch as programmatic dependents (Hopper+, compiled Triton). fused_merge: decode-only batches merge
-    their splits inside the decode kernel (see paged_attention_decode)."""
+    batches launch as programmatic dependents (Hopper+, compiled Triton)."""
     if md.mixed_splits:
         return _paged_attention_graphed(q, k_cache, v_cache, md, scale, out)
     T, H, D = q.shape
@@ -130,8 +129,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     apart, dec_splits = cfg.pop("decodes_apart", True), cfg.pop("decode_splits", None)
     if md.max_seqlen_q == 1 and T == B and not cfg:
         return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
-                                      md.max_seqlen_k, out=out, num_splits=dec_splits, pdl=pdl,
-                                      fused_merge=fused_merge)
+                                      md.max_seqlen_k, out=out, num_splits=dec_splits, pdl=pdl)
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)

@@ -4,9 +4,6 @@ with W dequantized tile by tile inside the kernel, so only the quantized bytes l
 One K step is one 128-wide block (fp8) or group (int4), so a block's scale multiplies a whole partial dot:
 - int8: int8 codes -> activation dtype (exact), dot, the per-channel scale once at the end;
 - fp8 weight-only: fp8 codes -> activation dtype (exact), dot * the [BN] block scales of this k-block;
-- fp8 w8a8 (ACT_FP8): each row's 128-wide activation slice is quantized to fp8 on the fly (dynamic
-  per-token-group scales, as the FP8 checkpoints were calibrated for) and the dot runs on FP8 tensor cores
-  (Hopper+): dot * a_scale [BM] * w_scale [BN];
 - int4: a group's 64 bytes are its low and high halves; q * scale + min -> activation dtype, two dots.
 """
 from __future__ import annotations
@@ -30,7 +27,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _gemm_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                    FMT: tl.constexpr, ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                    FMT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,13 +44,7 @@ def _gemm_w8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, str
             acc += _dot(a, tl.trans(w.to(a.dtype)), IEEE)
         else:
             ws = tl.load(s_ptr + (offs_n // BLOCK_K) * stride_sn + k0 // BLOCK_K, mask=nm, other=0.0)  # [BN]
-            if ACT_FP8:
-                af = a.to(tl.float32)
-                a_s = tl.maximum(tl.max(tl.abs(af), axis=1), 1e-12) / 448.0                       # [BM]
-                aq = (af / a_s[:, None]).to(w.dtype)
-                acc += tl.dot(aq, tl.trans(w)) * a_s[:, None] * ws[None, :]
-            else:
-                acc += _dot(a, tl.trans(w.to(a.dtype)), IEEE) * ws[None, :]
+            acc += _dot(a, tl.trans(w.to(a.dtype)), IEEE) * ws[None, :]
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]
     if HAS_BIAS:
@@ -158,11 +149,11 @@ def quant_gemm_config(M: int) -> tuple[int, int, int, int]:
 
 
 def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: tuple[int, int],
-                 bias: torch.Tensor | None = None, act_fp8: bool = False,
+                 bias: torch.Tensor | None = None,
                  config: tuple[int, int, int, int] | None = None, group_dots: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, N] = x @ W.T (+ bias), W the [N, K] weight the format's tensors qt stand for.
-    act_fp8 (fp8 only): quantize activations per token and 128-group and multiply on FP8 tensor cores.
-    group_dots (int4 words, groups of 128): 8 dots a group on raw codes (EngineConfig.quant_gemm_group_dots)."""
+    group_dots (int4 words, groups of 128): 8 dots a group on raw codes.
+    fp8 with quantized activations (w8a8) is kernels/quant_gemm_fp8.py's."""
     M, K = x.shape
     N = shape[0]
     assert K == shape[1] and x.stride(-1) == 1
@@ -186,11 +177,10 @@ def quant_matmul(x: torch.Tensor, fmt: str, qt: dict[str, torch.Tensor], shape: 
                               IEEE=ieee, HALF=int4_group(qt) // 2, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                               num_stages=stages)
     else:
-        assert not act_fp8 or fmt == "fp8"
         w = qt["weight"]
         s = qt["weight_scale"] if fmt == "int8" else qt["weight_scale_inv"]
         _gemm_w8_kernel[grid](x, w, s, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0),
-                              s.stride(0), out.stride(0), FMT=FMT_IDS[fmt], ACT_FP8=act_fp8,
+                              s.stride(0), out.stride(0), FMT=FMT_IDS[fmt],
                               HAS_BIAS=bias is not None, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK,
                               num_warps=warps, num_stages=stages)
     return out

@@ -39,20 +39,15 @@ def _act_quant_fp8_kernel(x_ptr, q_ptr, s_ptr, M, Mp, K, stride_xm, stride_qm, s
     tl.store(s_ptr + g * stride_sk + offs_m, s, mask=mm)
 
 
-def fp8_act_buffers(M: int, K: int, row_align: int, device) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(Mp, codes [Mp, K] fp8, scales [K / 128, Mp] fp32) for M activation rows, Mp = M rounded up to row_align."""
-    Mp = -(-M // row_align) * row_align
-    return Mp, torch.empty((Mp, K), dtype=FP8_DTYPE, device=device), \
-        torch.empty((triton.cdiv(K, BLOCK), Mp), dtype=torch.float32, device=device)
-
-
 def quantize_activations_fp8(x: torch.Tensor, row_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [Mp, K] float8_e4m3fn, s [Mp, K / 128] fp32, column-major: a [K / 128, Mp] buffer's
     transposed view, the layout cuBLAS's block-wise scaled_mm reads), Mp = M rounded up to row_align (rows past M
     are zeros). As formats.quantize_activations_fp8_ref."""
     assert x.stride(-1) == 1
     M, K = x.shape
-    Mp, q, s = fp8_act_buffers(M, K, row_align, x.device)
+    Mp = -(-M // row_align) * row_align
+    q = torch.empty((Mp, K), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((triton.cdiv(K, BLOCK), Mp), dtype=torch.float32, device=x.device)
     kb = s.shape[0]
     if Mp:
         bm = 8
@@ -132,16 +127,13 @@ def gemm_fp8_cublas(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, ws: torch
     return y if bias is None else y + bias
 
 
-def fp8_matmul(x, qt: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
+def fp8_matmul(x: torch.Tensor, qt: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
                gemm: str = "triton") -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype: activations quantized per token-group, then the FP8 GEMM (gemm: triton |
-    cublas). x may be an Fp8Act (kernels/fp8_act_fusions.py: quantized by the op before it, rows padded)."""
+    cublas)."""
     w, ws = qt["weight"], qt["weight_scale_inv"]
-    if isinstance(x, torch.Tensor):
-        M = x.shape[0]
-        q, s = quantize_activations_fp8(x, CUBLAS_ROW_ALIGN if gemm == "cublas" else 1)
-    else:
-        M, q, s = x.rows, x.q, x.s
+    M = x.shape[0]
+    q, s = quantize_activations_fp8(x, CUBLAS_ROW_ALIGN if gemm == "cublas" else 1)
     if gemm == "cublas":
         return gemm_fp8_cublas(q, s, w, ws, x.dtype, bias)[:M]
     return gemm_fp8(q, s, w, ws, x.dtype, bias)[:M]

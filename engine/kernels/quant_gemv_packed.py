@@ -8,8 +8,6 @@ of int8's bytes) ran as slowly as int8: issue-bound, not HBM-bound. Here:
   group the partial sum(q a) gets the scale and sum(a) the min (+ 8 scale when centred).
 - int8 / fp8: [BN, BK / 4] words, four codes each; activation slices a_c at k = 4 i + c. The row scale (int8)
   once after the loop; fp8's block scale on the activation (a program's rows lie in one 128-row block).
-- int8 pairs (PAIRS, M = 1): [BN, BK / 8] int64 (two words), activation slices a_c at k = 8 i + c, the f16x2
-  decode and products; the 1/128 of its codes is undone with the row scale.
 - At M = 1 the [BN, columns] products accumulate elementwise and are reduced once after the loop (int4: per
   group, as its scale needs).
 - SPLIT > 1: a grid of (row blocks, K chunks); each program atomically adds its fp32 partial (and its rows'
@@ -31,7 +29,7 @@ from engine.quant.formats import BLOCK, int4_group
 from engine.kernels.gemv import PROLOGUES, _epilogue, check_gemv_args
 from engine.kernels.quant_gemv import _row_activation, _x_row
 from engine.kernels.quant_packed_configs import _interpreted, packed_supported, quant_gemv_packed_config, rows_on_grid_default
-from engine.kernels.quant_packed_decode import _W4_ASM, _bf16_pairs, _w8_codes, _w8_pairs_dot
+from engine.kernels.quant_packed_decode import _W4_ASM, _bf16_pairs, _w8_codes
 
 PK_FMT_IDS = {"int8": 0, "fp8": 1, "int4": 2}
 WS_ROWS: tl.constexpr = tl.constexpr(16)        # workspace rows (M <= 16)
@@ -98,56 +96,6 @@ def _pk_w8_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, s_row, c_lo, c_hi, M, K,
     if FMT == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0)[None, :]   # per-channel scale
     return acc, ss
-
-
-@triton.jit
-def _pk_w8_pairs_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, c_lo, c_hi, K, stride_wn, stride_sn,
-                     PROLOGUE: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int8 at M = 1 over word columns [c_lo, c_hi) (even: K % 8 == 0) read two words at a time -> ([1, BN] dot with
-    the row scales applied, [1] sum of squares)."""
-    NW2: tl.constexpr = BLOCK_K // 8
-    d_lo, d_hi = c_lo // 2, c_hi // 2
-    w_rows = w_ptr.to(tl.pointer_type(tl.int64)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)   # [BN, 1]
-    w = _pk_w8_load(w_rows, d_lo, nm, d_hi, NW2)                              # [BN, NW2] int64
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc2 = tl.zeros([BLOCK_N, NW2], dtype=tl.float32)
-    sq = tl.zeros([NW2], dtype=tl.float32)
-    for d0 in range(d_lo, d_hi, NW2):
-        if PRE:
-            w_next = _pk_w8_load(w_rows, d0 + NW2, nm, d_hi, NW2)
-        offs_d = d0 + tl.arange(0, NW2)
-        kk = tl.where(offs_d < d_hi, 8 * offs_d, K)                            # past the chunk: masked (k >= K)
-        a0, q0 = _pair_activation(x_ptr, nw_ptr, kk, K, PROLOGUE)
-        a1, q1 = _pair_activation(x_ptr, nw_ptr, kk + 1, K, PROLOGUE)
-        a2, q2 = _pair_activation(x_ptr, nw_ptr, kk + 2, K, PROLOGUE)
-        a3, q3 = _pair_activation(x_ptr, nw_ptr, kk + 3, K, PROLOGUE)
-        a4, q4 = _pair_activation(x_ptr, nw_ptr, kk + 4, K, PROLOGUE)
-        a5, q5 = _pair_activation(x_ptr, nw_ptr, kk + 5, K, PROLOGUE)
-        a6, q6 = _pair_activation(x_ptr, nw_ptr, kk + 6, K, PROLOGUE)
-        a7, q7 = _pair_activation(x_ptr, nw_ptr, kk + 7, K, PROLOGUE)
-        acc2 += _w8_pairs_dot(w, a0, a1, a2, a3, a4, a5, a6, a7, ASM)           # [BN, NW2]: sum (q / 128) a
-        if PROLOGUE == 1:       # squares elementwise, reduced once after the loop
-            sq += q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
-        if PRE:
-            w = w_next
-        else:
-            w = _pk_w8_load(w_rows, d0 + NW2, nm, d_hi, NW2)
-    scale = tl.load(s_ptr + offs_n * stride_sn, mask=nm, other=0.0) * 128.0    # the codes' 1/128 undone
-    return (tl.sum(acc2, axis=1) * scale)[None, :], tl.sum(sq, axis=0)[None]
-
-
-@triton.jit
-def _pair_activation(x_row, nw_ptr, offs_k, K, PROLOGUE: tl.constexpr):
-    """_row_activation with the squares (rms_norm) left elementwise: -> (prologue(x), x * x) at offs_k."""
-    if PROLOGUE == 1:
-        km = offs_k < K
-        x = tl.load(x_row + offs_k, mask=km, other=0.0).to(tl.float32)
-        return x * tl.load(nw_ptr + offs_k, mask=km, other=0.0).to(tl.float32), x * x
-    a, _ = _row_activation(x_row, nw_ptr, offs_k, K, PROLOGUE)
-    return a, a
 
 
 @triton.jit
@@ -245,7 +193,7 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
                     FMT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                     USE_PDL: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ROWS: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, ROWS: tl.constexpr = False):
     """C: the weight's columns in split units (int4: groups; else words), per: a K chunk's units (SPLIT > 1).
     ROWS: the activation rows on grid axis 0 (launched with M = 1, BLOCK_M = 1): each program runs the M = 1 dot
     for its row r (x, residual and out offset by r; workspace row r, counter r of its row block); the programs of
@@ -272,9 +220,6 @@ def _pk_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, out_ptr, w
     if FMT == 2:
         acc, ss = _pk_w4_dot(x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, offs_n, nm, c_lo, c_hi, M, K, stride_xm, stride_wn,
                              stride_sn, PROLOGUE, USE_PDL, ASM, PRE, S, BLOCK_M, BLOCK_N, BLOCK_K // (8 * S))
-    elif PAIRS:
-        acc, ss = _pk_w8_pairs_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, c_lo, c_hi, K, stride_wn, stride_sn,
-                                   PROLOGUE, USE_PDL, ASM, PRE, BLOCK_N, BLOCK_K)
     else:
         s_row = s_ptr + ((pid * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn    # fp8: the rows' block of scales
         acc, ss = _pk_w8_dot(x_ptr, w_ptr, s_ptr, nw_ptr, offs_n, nm, s_row, c_lo, c_hi, M, K, stride_xm, stride_wn,
@@ -341,12 +286,11 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
                               norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                               residual: torch.Tensor | None = None, pdl: bool = False,
                               config: tuple[int, int, int, int, int] | None = None,
-                              rows_on_grid: bool | None = None, pairs: bool = False) -> torch.Tensor:
+                              rows_on_grid: bool | None = None) -> torch.Tensor:
     """quant_fused_linear's contract (kernels/quant_gemv.py) on this file's kernel: x [M <= 16, K] (or [M, 2K] for
     silu_mul) -> [M, N]. config: (BLOCK_N, BLOCK_K, num_warps, SPLIT, FLAGS), else quant_gemv_packed_config.
     rows_on_grid (M > 1): each row its own programs running the M = 1 dot (the kernel's ROWS); None: rows_on_grid's
-    default for the format (int4 on, int8 / fp8 off: their M rows share a program). pairs: int8 at M = 1 (K % 8 ==
-    0) two words a step, decoded into f16x2 pairs (EngineConfig.quant_int8_pairs; with ASM)."""
+    default for the format (int4 on, int8 / fp8 off: their M rows share a program)."""
     M = x.shape[0]
     N, K = shape
     check_gemv_args(x, N, K, prologue, norm_weight, residual)
@@ -370,7 +314,6 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
     per = triton.cdiv(triton.cdiv(units, split), tile) * tile
     split = triton.cdiv(units, per)
     nb = triton.cdiv(N, bn)
-    pairs = pairs and fmt == "int8" and M == 1 and K % 8 == 0 and bk % 8 == 0
     rows = M > 1 and (rows_on_grid if rows_on_grid is not None else rows_on_grid_default(fmt))
     ws, cnt = _workspace(x.device, N, bn) if split > 1 else (out, out)
     _pk_gemv_kernel[(M, nb, split) if rows else (nb, split)](
@@ -380,6 +323,6 @@ def quant_fused_linear_packed(x: torch.Tensor, fmt: str, qt: dict[str, torch.Ten
         FMT=PK_FMT_IDS[fmt], PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         USE_PDL=pdl, ASM=asm, PRE=pre, SPLIT=split, BLOCK=BLOCK, S=S,
         BLOCK_M=1 if rows else max(1, triton.next_power_of_2(M)), BLOCK_N=bn, BLOCK_K=bk, ROWS=rows,
-        PAIRS=pairs, num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        num_warps=warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
     return out
 

@@ -1,10 +1,8 @@
 """The packed-word GEMV's inline-PTX decodes (kernels/quant_gemv_packed.py), with plain-Triton equivalents for the
-interpreter and as the ablation. Each block takes int32 (int8 pairs: int64) words of codes and either returns the
+interpreter and as the ablation. Each block takes int32 words of codes and either returns the
 codes as fp32 or the word's dot with its activations:
 - int4 words (formats.int4_to_words): nibbles j, j + 4 -> a bf16 pair, centred, four bf16x2 fmas a word;
 - int8 / fp8: four fp32 codes a word (a prmt into 2^23 + q + 128; fp8 by paired e4m3 -> f16x2 conversions);
-- int8 pairs (EngineConfig.quant_int8_pairs): two words -> four f16x2 pairs q / 128, four f16x2 fmas with the
-  activations as f16 pairs, one widening add: ~18 instructions for 8 weights against ~26 for the fp32 decode.
 """
 from __future__ import annotations
 
@@ -116,71 +114,3 @@ def _w8_codes(w, FMT: tl.constexpr, ASM: tl.constexpr):
             q2 = ((w >> 16) & 255).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             q3 = ((w >> 24) & 255).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return q0, q1, q2, q3
-
-
-
-# two int8 words (one int64: codes k = 8i .. 8i + 7) -> sum_c (q_c / 128) a_c. $1 the int64, $2..$5 the f16 pairs
-# (a_0, a_1) .. (a_6, a_7). u = w ^ 0x80808080 is q + 128 a byte; prmt puts two bytes under 0x64 (the f16 pair
-# 1024 + u, exact: 10 mantissa bits); t / 128 - 9 is q / 128 exactly (8 significant bits), so the products stay
-# within |a| and the four f16x2 fmas round at 11 bits; the halves are added in fp32. The caller undoes the 1/128.
-_W8_PAIRS_ASM = tl.constexpr("""{
-    .reg .b32 lo, hi, u0, u1, c, sc, off, t, q, acc;
-    .reg .b16 h0, h1;
-    .reg .f32 f0, f1;
-    mov.b64 {lo, hi}, $1;
-    mov.b32 c, 0x64646464;
-    mov.b32 sc, 0x20002000;
-    mov.b32 off, 0xC880C880;
-    xor.b32 u0, lo, 0x80808080;
-    xor.b32 u1, hi, 0x80808080;
-    prmt.b32 t, u0, c, 0x4140;
-    fma.rn.f16x2 q, t, sc, off;
-    mul.rn.f16x2 acc, q, $2;
-    prmt.b32 t, u0, c, 0x4342;
-    fma.rn.f16x2 q, t, sc, off;
-    fma.rn.f16x2 acc, q, $3, acc;
-    prmt.b32 t, u1, c, 0x4140;
-    fma.rn.f16x2 q, t, sc, off;
-    fma.rn.f16x2 acc, q, $4, acc;
-    prmt.b32 t, u1, c, 0x4342;
-    fma.rn.f16x2 q, t, sc, off;
-    fma.rn.f16x2 acc, q, $5, acc;
-    mov.b32 {h0, h1}, acc;
-    cvt.f32.f16 f0, h0;
-    cvt.f32.f16 f1, h1;
-    add.f32 $0, f0, f1;
-}""")
-
-# two fp32 -> the f16 pair (lo, hi), rounded, saturated at +-65504 (not inf)
-_F16_PAIR_ASM = tl.constexpr("{ cvt.rn.satfinite.f16x2.f32 $0, $2, $1; }")
-
-
-@triton.jit
-def _f16_pairs(lo, hi):
-    """fp32 tensors lo, hi -> int32 f16 pairs (lo in the low half), saturated: one instruction (compiled only)."""
-    return tl.inline_asm_elementwise(_F16_PAIR_ASM, "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _w8_pairs_dot(w2, a0, a1, a2, a3, a4, a5, a6, a7, ASM: tl.constexpr):
-    """int64 [BN, NW2] (two int8 words: codes k = 8i + c) and the activation slices a_c [NW2] ->
-    [BN, NW2] sum_c (q_c / 128) a_c. ASM: f16x2 decode and products (above); else the fp32 decode (the reference
-    rounding, for the interpreter)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            _W8_PAIRS_ASM, "=f,l,r,r,r,r",
-            [w2, _f16_pairs(a0, a1)[None, :], _f16_pairs(a2, a3)[None, :], _f16_pairs(a4, a5)[None, :],
-             _f16_pairs(a6, a7)[None, :]], dtype=tl.float32, is_pure=True, pack=1)
-    lo = w2.to(tl.int32)
-    hi = (w2 >> 32).to(tl.int32)
-    p0, p1, p2, p3 = _w8_codes(lo, 0, False)
-    p = p0 * a0[None, :]
-    p += p1 * a1[None, :]
-    p += p2 * a2[None, :]
-    p += p3 * a3[None, :]
-    p0, p1, p2, p3 = _w8_codes(hi, 0, False)
-    p += p0 * a4[None, :]
-    p += p1 * a5[None, :]
-    p += p2 * a6[None, :]
-    p += p3 * a7[None, :]
-    return p * 0.0078125

@@ -105,9 +105,9 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float, pdl: bool = False, fused_merge: bool = False) -> torch.Tensor:
-    """Causal attention of packed varlen queries over each sequence's paged KV (pdl and fused_merge, launch
-    options of the Triton kernels, mean nothing here).
+                    md: AttentionMetadata, scale: float, pdl: bool = False) -> torch.Tensor:
+    """Causal attention of packed varlen queries over each sequence's paged KV (pdl, a launch option of the
+    Triton kernels, means nothing here).
 
     q [T, H, D]; caches [num_blocks, block_size, Hk, D] already hold this step's K/V. Returns [T, H, D].
     A sequence's queries are its last q_len positions of its seq_len context.

@@ -57,7 +57,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hk) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
-        self.decode_fused_merge = False                       # see LlamaForCausalLM.set_kernel_options
         self.fused_qk_norm = True
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -79,8 +78,7 @@ class Attention(nn.Module):
             return self.attend(qkv, md, cos_sin, pdl).reshape(h.shape[0], self.h * self.d)
         q = fused_qkv_rope_store(self.ops, self.qkv_proj, h, norm.weight, norm.eps, self.h, self.hk, md.positions,
                                  cos_sin, self.k_cache, self.v_cache, md.slot_mapping, pdl=pdl)      # [T, H, D]
-        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl,
-                                     fused_merge=self.decode_fused_merge)
+        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)
         return o.reshape(h.shape[0], self.h * self.d)
 
     def attend(self, qkv: torch.Tensor, md: AttentionMetadata, cos_sin: torch.Tensor,
@@ -101,8 +99,7 @@ class Attention(nn.Module):
             q, k = q.view(T, self.h, self.d), k.view(T, self.hk, self.d)
         self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping,
                                 pdl=pdl)
-        return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl,
-                                        fused_merge=self.decode_fused_merge)  # [T, H, D]
+        return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)  # [T, H, D]
 
 
 class MLP(nn.Module):
@@ -112,13 +109,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, fp8_align: int = 0) -> torch.Tensor:
-        """x [T, hidden] (or an Fp8Act) -> [T, hidden]; fp8_align: SiLU-and-mul quantizes for down_proj's FP8 GEMM
-        (see LlamaForCausalLM.fp8_act_align)."""
+    def forward(self, x) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
         gu = self.gate_up_proj(x)                                           # [T, 2I]
-        if fp8_align:
-            from engine.kernels.fp8_act_fusions import silu_and_mul_fp8
-            return self.down_proj(silu_and_mul_fp8(gu, fp8_align))
         return self.down_proj(self.ops.silu_and_mul(gu))                    # [T, I] -> [T, hidden]
 
 
@@ -157,17 +150,11 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_max_tokens = 0           # steps of at most this many tokens take forward_small_batch
         self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
         self.gemv_variant = "auto"         # their launch (EngineConfig.gemv_variant)
-        self.fp8_act_align = 0             # > 0: RMSNorm and SiLU-and-mul quantize for the FP8 GEMMs after them,
-        #                                    rows padded to this multiple (EngineConfig.fp8_act_fusion)
 
     def set_kernel_options(self, config) -> None:
-        """EngineConfig.gemv_variant, decode_fused_merge (Triton launch options; the torch ops ignore them),
-        fused_qk_norm and fp8_act_fusion (after the quantized layers' FP8 GEMMs are chosen)."""
-        from engine.quant.linear import fp8_act_row_align
+        """EngineConfig.gemv_variant (a Triton launch option; the torch ops ignore it) and fused_qk_norm."""
         self.gemv_variant = config.gemv_variant
-        self.fp8_act_align = fp8_act_row_align(self) if config.fp8_act_fusion else 0
         for layer in self.model.layers:
-            layer.self_attn.decode_fused_merge = config.decode_fused_merge
             layer.self_attn.fused_qk_norm = config.fused_qk_norm
 
 
@@ -181,11 +168,7 @@ class LlamaForCausalLM(nn.Module):
             x = self.embed(input_ids)                          # [T, hidden]
         x = self.all_reduce(x)
         residual = None
-        align = self.fp8_act_align
         norm = ops.rms_norm
-        if align:                                              # norms quantize for the FP8 q/k/v and gate/up GEMMs
-            from engine.kernels.fp8_act_fusions import rms_norm_fp8
-            norm = lambda x, w, eps, r: rms_norm_fp8(x, w, eps, r, align)  # noqa: E731
         for layer in m.layers[:num_layers]:
             with t.region("norms"):
                 x, residual = norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, residual)
@@ -196,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
                                    residual)
             with t.region("mlp"):
-                x = layer.mlp(x, align)
+                x = layer.mlp(x)
             x = self.all_reduce(x)
         with t.region("norms"):
             x, _ = ops.rms_norm(x, m.norm.weight, m.norm.eps, residual)

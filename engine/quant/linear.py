@@ -24,11 +24,9 @@ class QuantLinear(nn.Module):
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.kernels = "torch"           # "triton": the Triton kernels (set by quantize_model / prepare_model)
         self.act_fp8 = False             # fp8 GEMM: activations quantized per token-group, FP8 tensor cores
-        self.fp8_gemm = "fused"          # which FP8 GEMM (EngineConfig.fp8_gemm, resolved by set_fp8_gemm)
+        self.fp8_gemm = "triton"         # which FP8 GEMM: "triton" or "cublas" (resolved by set_fp8_gemm)
         self.tensor_cores = False        # fused GEMVs: kernels/quant_gemv_tc.py (EngineConfig.quant_gemv_tensor_cores)
         self.packed = False              # fused GEMVs: kernels/quant_gemv_packed.py (EngineConfig.quant_gemv_packed)
-        self.pairs = False               # packed int8, one token: f16x2 pair decode (EngineConfig.quant_int8_pairs)
-        self.split_rope = False          # packed q/k/v, one token: GEMV then RoPE (EngineConfig.quant_qkv_split_rope)
         self.group_dots = False          # int4 words GEMM: 8 dots a group (EngineConfig.quant_gemm_group_dots)
         tensors = tensors if tensors is not None else formats.empty(fmt, out_features, in_features, device)
         for name, t in tensors.items():
@@ -47,20 +45,14 @@ class QuantLinear(nn.Module):
         return formats.dequantize(self.fmt, self.tensors(), self.shape, dtype)
 
     def forward(self, x) -> torch.Tensor:
-        """x [T, K] -> [T, N]. x may be an Fp8Act (kernels/fp8_act_fusions.py) where takes_fp8_input."""
+        """x [T, K] -> [T, N]."""
         if self.kernels != "triton":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        if self.act_fp8 and self.fp8_gemm != "fused" and x.shape[0] > 0:
+        if self.act_fp8 and x.shape[0] > 0:
             from engine.kernels.quant_gemm_fp8 import fp8_matmul
-            return fp8_matmul(x, self.tensors(), self.bias, self.fp8_gemm)     # x: a tensor or an Fp8Act
+            return fp8_matmul(x, self.tensors(), self.bias, self.fp8_gemm)
         from engine.kernels.quant_gemm import quant_matmul
-        return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, act_fp8=self.act_fp8,
-                            group_dots=self.group_dots)
-
-    @property
-    def takes_fp8_input(self) -> bool:
-        """Whether forward() takes activations quantized by the op before it (EngineConfig.fp8_act_fusion)."""
-        return self.act_fp8 and self.fp8_gemm in ("triton", "cublas")
+        return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, group_dots=self.group_dots)
 
     def fused(self, x: torch.Tensor, *, prologue: str | None = None, norm_weight: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
@@ -69,11 +61,10 @@ class QuantLinear(nn.Module):
             from engine.kernels import torch_ops
             return torch_ops.fused_linear(x, self.dequantize(x.dtype), self.bias, prologue=prologue,
                                           norm_weight=norm_weight, eps=eps, residual=residual)
-        one = x.shape[0] == 1 and self.pairs       # int8 pairs: every shape at one token, tensor cores or not
-        if self.packed and x.shape[0] <= 16 and (one or not self.tensor_cores):
+        if self.packed and x.shape[0] <= 16 and not self.tensor_cores:
             from engine.kernels.quant_gemv_packed import quant_fused_linear_packed
             return quant_fused_linear_packed(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
-                                             norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl, pairs=one)
+                                             norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl)
         from engine.kernels.quant_gemv import quant_fused_linear
         return quant_fused_linear(x, self.fmt, self.tensors(), self.shape, self.bias, prologue=prologue,
                                   norm_weight=norm_weight, eps=eps, residual=residual, pdl=pdl,
@@ -90,14 +81,12 @@ class QuantLinear(nn.Module):
         from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store
         head_dim = self.out_features // (num_heads + 2 * num_kv_heads)
         M = x.shape[0]
-        split = self.split_rope and M == 1 and (self.fmt == "int4" or self.pairs)
-        if split or (self.packed and self.fmt == "int4" and 1 < M <= 16 and not self.tensor_cores):
+        if self.packed and self.fmt == "int4" and 1 < M <= 16 and not self.tensor_cores:
             # int4 words at M > 1: the packed GEMV with the rows on the grid (each program the M = 1 dot), then the
             # RoPE + KV-store kernel. The RoPE kernel's packed dot keeps M rows in one program (BLOCK_M > 1): the
-            # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV (not verified on a GPU).
-            # split (M = 1): the GEMV's split-K fills the GPU, which the RoPE kernel's 16-row programs do not
+            # shared-row int4 dot that rows_on_grid_default keeps out of the packed GEMV.
             from engine.kernels.quant_packed_configs import rows_on_grid_default
-            if split or rows_on_grid_default(self.fmt):
+            if rows_on_grid_default(self.fmt):
                 from engine.kernels.rope import rope_and_store
                 D = head_dim
                 qkv = self.fused(x, prologue="rms_norm", norm_weight=norm_weight, eps=eps, pdl=pdl)
@@ -165,49 +154,26 @@ def set_tensor_cores(model, on: bool | None) -> None:
 
 
 def set_fp8_gemm(model, mode: str) -> None:
-    """The FP8 GEMM of the fp8 layers whose activations are quantized (EngineConfig.fp8_gemm): auto -> cublas
-    where torch has cuBLAS's block-wise scaled_mm for the shape, else triton."""
+    """The FP8 GEMM of the fp8 layers whose activations are quantized ("auto" | "triton" | "cublas"): auto ->
+    cublas where torch has cuBLAS's block-wise scaled_mm for the shape, else triton."""
     from engine.kernels.quant_gemm_fp8 import cublas_supported
     for _, _, lin in _layer_linears(model):
         if not (isinstance(lin, QuantLinear) and lin.act_fp8):
             continue
         ok = cublas_supported(*lin.shape)
         if mode == "cublas" and not ok:
-            raise ValueError(f"EngineConfig.fp8_gemm: 'cublas' needs torch's block-wise scaled_mm (sm90, CUDA >= "
+            raise ValueError(f"fp8_gemm: 'cublas' needs torch's block-wise scaled_mm (sm90, CUDA >= "
                              f"12.9, N and K multiples of 128, K / 128 a multiple of 4); this is torch "
                              f"{torch.__version__} (CUDA {torch.version.cuda}), weight {tuple(lin.shape)}")
         lin.fp8_gemm = ("cublas" if ok else "triton") if mode == "auto" else mode
 
 
-def fp8_act_row_align(model) -> int:
-    """EngineConfig.fp8_act_fusion: the row padding the FP8 GEMMs after the norms and SiLU-and-mul need (cuBLAS 4,
-    Triton 1), or 0 where those ops cannot quantize for them (a q/k/v, gate/up or down projection not on a
-    two-launch FP8 GEMM, modes that differ, widths kernels/fp8_act_fusions.py cannot take)."""
-    from engine.kernels.fp8_act_fusions import rms_norm_fusable, silu_fusable
-    from engine.kernels.quant_gemm_fp8 import CUBLAS_ROW_ALIGN
-    modes = set()
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if not (isinstance(lin, QuantLinear) and lin.takes_fp8_input):
-                return 0
-            modes.add(lin.fp8_gemm)
-        if not (rms_norm_fusable(layer.self_attn.qkv_proj.in_features)
-                and silu_fusable(layer.mlp.down_proj.in_features)):
-            return 0
-    if len(modes) != 1:
-        return 0
-    return CUBLAS_ROW_ALIGN if modes == {"cublas"} else 1
-
-
 @torch.no_grad()
-def set_packed(model, on: bool, switches=None) -> None:
+def set_packed(model, on: bool, group_dots: bool) -> None:
     """The packed-word decode GEMV (kernels/quant_gemv_packed.py) for the quantized layers: int4 repacked to the
     words layout (and back when off) and always on it; int8 too (K % 4 == 0); fp8 where QUANT_GEMV_PACKED_CONFIGS
-    lists the shape. A layer set_tensor_cores puts on tensor cores stays there, except int8 at one token with
-    switches.quant_int8_pairs (K % 8 == 0: every int8 shape on the f16x2 pair decode). switches (an EngineConfig;
-    None: all off): quant_int8_pairs, quant_qkv_split_rope (int4 / int8-pairs q/k/v at one token as the split-K
-    GEMV, then the RoPE + store kernel), quant_gemm_group_dots (the int4 words GEMM's 8 dots a group). Call before
-    set_tensor_cores."""
+    lists the shape. A layer set_tensor_cores puts on tensor cores stays there. group_dots: the int4 words GEMM's
+    8 dots a group. Call before set_tensor_cores."""
     from engine.kernels.quant_packed_configs import QUANT_GEMV_PACKED_CONFIGS, packed_supported
     for _, _, lin in _layer_linears(model):
         if not isinstance(lin, QuantLinear):
@@ -226,10 +192,7 @@ def set_packed(model, on: bool, switches=None) -> None:
         else:
             lin.packed = on and packed_supported(lin.fmt, lin.in_features) and \
                 (lin.fmt == "int8" or (lin.fmt, *lin.shape) in QUANT_GEMV_PACKED_CONFIGS)
-        lin.pairs = lin.packed and bool(getattr(switches, "quant_int8_pairs", False)) and lin.fmt == "int8" \
-            and lin.in_features % 8 == 0
-        lin.split_rope = lin.packed and bool(getattr(switches, "quant_qkv_split_rope", False))
-        lin.group_dots = lin.packed and bool(getattr(switches, "quant_gemm_group_dots", False))
+        lin.group_dots = lin.packed and group_dots
 
 
 @torch.no_grad()

@@ -119,7 +119,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
                 and torch.cuda.get_device_capability(self.device) >= (9, 0)
         self.quant_packed = bool(pk) and self.kernels == "triton"
         if self.model.quantization:
-            set_packed(self.model, self.quant_packed, config)
+            set_packed(self.model, self.quant_packed, config.quant_gemm_group_dots)
         set_tensor_cores(self.model, tc)
         set_fp8_gemm(self.model, config.fp8_gemm)        # the fp8 layers that quantize activations (fp8_act)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
@@ -160,10 +160,6 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.detok = Detokenizer(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
-        self.grammar_gate = self.grammar_worker = None      # structured_gpu_wait: a stream gate + grammar thread
-        if self.structured_overlap and config.structured_gpu_wait and ex is None:
-            from engine.worker.stream_gate import make_gate
-            self.grammar_gate, self.grammar_worker = make_gate(self.device)
         self.num_constrained = 0                # unfinished requests with a grammar (0: no mask work at all)
         self.events = EventBus()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -386,8 +382,6 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         for seq in list(self.seqs.values()):
             self.abort_request(seq.request_id)
         self.stop_workers()
-        if self.grammar_worker is not None:
-            self.grammar_worker.shutdown()
         self.runner.graphs = None
         self._inflight = None
         self.drafter = self.fast_verify = None  # a draft model and its KV pool go with it

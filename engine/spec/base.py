@@ -10,13 +10,7 @@ Per step the engine calls
   total_stats()                 cumulative counters for engine.stats().
 Metrics follow vLLM: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 
-Adaptive draft length (`Drafter.adaptive`: `EngineConfig.speculative_adaptive`, off by default):
-each request keeps a decayed estimate of its per-token acceptance probability a, and gets the draft length
-k <= num_speculative_tokens that maximises expected tokens per unit of work,
-  (1 + a + a^2 + ... + a^k) / (1 + k * (draft_cost + verify_cost)),
-where draft_cost is one draft token's work relative to a target decode step (0 for n-gram, the parameter
-ratio for model drafters) and verify_cost the extra work of one more verified position. k = 0 pauses
-drafting for the request; a one-token probe every few steps keeps the estimate fresh.
+Each request keeps a decayed estimate of its per-token acceptance probability a.
 
 Auto-off (`EngineConfig.speculative_auto_off`, on by default): drafting stops for a request while its expected
 gain, E[tokens per verify] - 1 = a + a^2 + ... + a^k, is below the measured extra cost of a verify step,
@@ -37,11 +31,10 @@ from engine.sample.sampler import _apply_penalties, _seeded_generator, filtered_
 from engine.core.sequence import Sequence
 from engine.spec.rejection import greedy_accept, rejection_sample
 from engine.spec.shadow import ShadowProbes
-from engine.spec.stats import PROBE_FIRST, SpecStats, acceptance_rate, best_draft_len, expected_tokens, mean_acceptance_length
+from engine.spec.stats import PROBE_FIRST, SpecStats, acceptance_rate, expected_tokens, mean_acceptance_length
 
 _MAX_REQUEST_STATS = 4096
-_DECAY = 0.8                 # adaptive: weight of the past in the acceptance estimate
-_PROBE_EVERY = 8             # adaptive: steps without drafts before a one-token probe
+_DECAY = 0.8                 # weight of the past in the acceptance estimate
 _PROBE_FIRST = PROBE_FIRST  # auto-off: output tokens before a request whose drafting is off is probed
 _PROBE_MAX = 256             # auto-off: the probe gap doubles after each failed probe, up to this
 _COST_DECAY = 0.7            # auto-off: weight of the past in the measured step times
@@ -49,10 +42,10 @@ _COST_DECAY = 0.7            # auto-off: weight of the past in the measured step
 
 class _Accept:
     """Decayed truncated-geometric estimate of a request's per-token acceptance probability."""
-    __slots__ = ("num", "den", "idle", "off", "next_probe", "gap", "verified", "first", "klen", "pending")
+    __slots__ = ("num", "den", "off", "next_probe", "gap", "verified", "first", "klen", "pending")
 
     def __init__(self, klen: int = 0):
-        self.num, self.den, self.idle = 1.0, 2.0, 0     # prior: a = 0.5
+        self.num, self.den = 1.0, 2.0                   # prior: a = 0.5
         # auto-off: a request's first draft is a probe, its own acceptance decides (failed: gap to _PROBE_FIRST)
         self.off, self.next_probe, self.gap = True, 0, _PROBE_FIRST // 2
         self.verified = False
@@ -92,7 +85,6 @@ class Drafter(ShadowProbes):
         # its k_i drafts may draft 2 k_i next time, up to k_max; a rejection brings it back to k_base
         self.k_base = cfg.num_speculative_tokens
         self.k = max(self.k_base, cfg.num_speculative_tokens_max or 0) if self.supports_long else self.k_base
-        self.adaptive = engine.config.speculative_adaptive
         self.auto_off = engine.config.speculative_auto_off
         self.shadow_probes = engine.config.spec_shadow_probes and self.supports_shadow
         self.every_block = cfg.spec_shadow_every_block      # shadow replays after every block (no probe gap)
@@ -125,14 +117,6 @@ class Drafter(ShadowProbes):
             st = self._state(seq)
             if st.off and (seq.num_output_tokens < st.next_probe or (self._shadowing and not st.first)):
                 return 0
-        if self.adaptive and k > 0:
-            st = self._state(seq)
-            k_best = best_draft_len(st.rate, k, self.draft_cost + self.verify_cost)
-            if k_best == 0:
-                st.idle += 1
-                if st.idle >= _PROBE_EVERY:
-                    st.idle, k_best = 0, 1
-            return k_best
         return k
 
     def _state(self, seq: Sequence) -> _Accept:
@@ -331,12 +315,12 @@ class Drafter(ShadowProbes):
 
     def _record(self, seq: Sequence, k: int, a: int, batch: int) -> None:
         """Count a verified request's k drafts of which a were accepted: step, total and per-request counters,
-        the adaptive / auto-off estimate."""
+        the auto-off estimate."""
         self._step.add(k, a)
         self.total.add(k, a)
         if not k:
             return
-        if self.adaptive or self.auto_off or self.k > self.k_base:
+        if self.auto_off or self.k > self.k_base:
             st = self._accept.get(seq.request_id)
             if st is not None:
                 st.first = False

@@ -39,14 +39,3 @@ def mean_acceptance_length(accepted: int, drafts: int) -> float | None:
 def expected_tokens(a: float, k: int) -> float:
     """Tokens a verify step of k drafts yields when each draft is accepted with probability a: 1 + a + ... + a^k."""
     return float(sum(a ** j for j in range(k + 1)))
-
-
-def best_draft_len(a: float, k_max: int, cost: float) -> int:
-    """The k in [0, k_max] maximising (1 + a + ... + a^k) / (1 + k * cost)."""
-    best_k, best, tokens = 0, 1.0, 1.0
-    for k in range(1, k_max + 1):
-        tokens += a ** k
-        v = tokens / (1.0 + k * cost)
-        if v > best * 1.0001:
-            best_k, best = k, v
-    return best_k

@@ -28,8 +28,6 @@ class TokenBitmask:
         self.words = bitmask_words(mask_vocab_size)
         self.executor = llguidance.LLExecutor(threads)
         self.buf = self._alloc(max_rows)
-        self.stage: torch.Tensor | None = None      # grammar blocks' pinned [K, n * (words + 1)] slots
-        self.stage_copied = None                    # a CUDA event behind the last block's copies out of it
 
     def _alloc(self, rows: int) -> torch.Tensor:
         return torch.empty(rows * (self.words + 1), dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -46,29 +44,6 @@ class TokenBitmask:
             self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(), w * 4, n)
         out[n * w:] = torch.tensor(rows, dtype=torch.int32)
         return out
-
-    def staging(self, K: int, rows: list[int]) -> torch.Tensor:
-        """A pinned [K, n * (words + 1)] buffer for a grammar block's K iterations, each slot's row indices
-        written: the masks of all K can be launched before any is filled (fill_slot), no slot reused."""
-        n, w = len(rows), self.words
-        if self.stage_copied is not None:           # the last block's copies out of it have run
-            self.stage_copied.synchronize()
-        if self.stage is None or self.stage.shape[0] < K or self.stage.shape[1] < n * (w + 1):
-            self.stage = torch.empty((K, n * (w + 1)), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        out = self.stage[:K, :n * (w + 1)]
-        out[:, n * w:] = torch.tensor(rows, dtype=torch.int32)
-        return out
-
-    def fill_slot(self, matchers: list, slot: torch.Tensor) -> None:
-        """Fill a staging slot's bitmask rows; a matcher whose grammar has ended (inside the block) allows
-        every token (its row's token is past the request's end and never read)."""
-        w = self.words
-        live = [(m, i) for i, m in enumerate(matchers) if not (m.is_stopped() or m.is_error())]
-        for i, m in enumerate(matchers):
-            if m.is_stopped() or m.is_error():
-                slot[i * w:(i + 1) * w] = -1
-        if live:
-            self.executor.unsafe_compute_mask_ptr(live, slot.data_ptr(), w * 4, len(matchers))
 
     @torch.inference_mode()
     def apply(self, logits: torch.Tensor, matchers: list, rows: list[int]) -> None:

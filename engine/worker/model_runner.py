@@ -151,7 +151,7 @@ class ModelRunner:
             from engine.kernels.attention_warmup import warmup_variants
             layer = self.model.model.layers[0].self_attn
             warmup_variants(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, self.max_model_len,
-                            pdl=self.model.gemv_pdl, fused_merge=layer.decode_fused_merge)
+                            pdl=self.model.gemv_pdl)
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()

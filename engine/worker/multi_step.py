@@ -25,20 +25,18 @@ on the host (penalties, min_tokens).
 """
 from __future__ import annotations
 
-import queue
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.worker import overlap_prefill
 from engine.worker.host_copy import HostCopy
 from engine.kernels.metadata import AttentionMetadata
 from engine.sample.sampler import SampleRow, sample_on_device, sample_unseeded
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import Sequence
-from engine.structured.block import feed_grammars, fill_grammar_slots
+from engine.structured.block import feed_grammars
 
 
 @dataclass
@@ -245,8 +243,6 @@ def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
         return None
     dev = blk.logits.device
     idx = None if len(alive) == len(seqs) else torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
-    if engine.grammar_gate is not None:
-        return _gated_grammar_block(engine, blk, alive, idx)
     rows = [engine._sample_row(seqs[i]) for i in alive]
     first = [r.position for r in rows]
     toks, copy = [], None
@@ -280,48 +276,6 @@ def _sample_iteration(engine, logits: torch.Tensor, rows: list[SampleRow], first
     return tokens
 
 
-def _gated_grammar_block(engine, blk: InFlight, alive: list[int], idx: torch.Tensor | None) -> InFlight:
-    """sample_grammar_block with every launch ahead of the masks (EngineConfig.structured_gpu_wait): iteration
-    j's mask copy waits on the stream gate until the grammar thread has filled slot j; the thread waits for
-    tokens j - 1, feeds them to the grammars, fills slot j and opens the gate, while this thread launches the
-    iterations after j. The tokens are those of sample_grammar_block (same masks, same sampler calls)."""
-    seqs, gate, dev = blk.sched.seqs, engine.grammar_gate, blk.logits.device
-    tb = engine.token_bitmask_for_grammars()
-    live = [seqs[i] for i in alive]
-    cons = [k for k, s in enumerate(live) if s.matcher is not None]          # constrained rows of the [B'] logits
-    n = len(cons)
-    slots = tb.staging(blk.K, cons)                                             # pinned [K, n * (words + 1)]
-    base = gate.value
-    gate.value += blk.K
-    copies: queue.SimpleQueue = queue.SimpleQueue()
-    work = engine.grammar_worker.submit(fill_grammar_slots, gate, tb, alive, live,
-                                        [live[k].matcher for k in cons], slots, base, copies)
-    rows = [engine._sample_row(s) for s in live]
-    first = [r.position for r in rows]
-    toks = []
-    try:
-        for j in range(blk.K):
-            logits = blk.logits if idx is None else blk.logits.index_select(0, idx)      # [B', V]
-            gate.wait(base + j + 1)
-            tb.apply_packed(logits, slots[j].to(dev, non_blocking=True), n)
-            tokens = _sample_iteration(engine, logits, rows, first, j, idx, len(seqs))             # [B]
-            toks.append(tokens)
-            if j + 1 < blk.K:
-                copies.put(HostCopy(tokens))        # queued before the next forward, so it lands first
-                blk.logits = engine.runner.execute(tokens, blk.mds[j + 1])
-        if dev.type == "cuda":
-            tb.stage_copied = torch.cuda.Event()
-            tb.stage_copied.record()
-    except BaseException:
-        copies.put(None)                            # the thread stops and opens every wait of the block
-        raise
-    finally:
-        blk.mask_s += work.result()                 # (re-raises the thread's error)
-    blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
-    blk.host = HostCopy(blk.tokens)
-    return blk
-
-
 def step(engine, K: int, observe: bool, timer) -> list:
     """One engine step of pipelined multi-step decode: launch the next block behind the in-flight one, then
     wait for the in-flight block's tokens and do its bookkeeping as one step (a grammar block launched
@@ -335,9 +289,6 @@ def step(engine, K: int, observe: bool, timer) -> list:
     nxt = launch(engine, K_next, ahead=prev, sample=False) if K_next else None
     if nxt is not None and nxt.tokens is not None:
         engine._inflight = nxt
-    pre = None
-    if nxt is None and engine.config.overlap_prefill:     # newcomers: their prefill runs behind this block
-        pre = overlap_prefill.launch(engine, _admit_now, observe)
     t_wait = time.perf_counter()
     tokens = prev.host.tolist()                                          # [B, K]: the one sync
     if engine.executor is not None:
@@ -375,6 +326,4 @@ def step(engine, K: int, observe: bool, timer) -> list:
                           num_decode_steps=prev.K, rank_timings=engine.collect_rank_timings())
     else:
         engine.block_manager.pop_step_stats()
-    if pre is not None:
-        outputs += overlap_prefill.finish(engine, pre, observe)
     return outputs
