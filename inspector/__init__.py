@@ -1,6 +1,6 @@
 """kvscope inspector: turns the engine's event stream into metrics, figures and load.
 
-Nothing in this package imports Gradio: every piece works from a plain Python session or a notebook.
+Nothing in this package imports Gradio: every piece works from a plain Python process or a notebook.
 
 - `recorder.Recorder`   subscribes to `engine.events.EventBus`, keeps bounded ring buffers, and hands out
                         consistent `Snapshot`s (per-request spans, steps, finished-request records).

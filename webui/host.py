@@ -59,7 +59,7 @@ class EngineHost:
         self._stop = threading.Event()
         self._kick = threading.Event()
         self._producer: threading.Thread | None = None
-        self._active: dict[str, Any] = {}   # session -> playground stream
+        self._active: dict[str, Any] = {}   # browser tab (Gradio session hash) -> its playground stream
         self.want_step_axis_until = 0.0     # build the step-axis timeline only while someone looks at it
         self._ids = 0
         self.api_options: dict = {}         # register() kwargs for the serving API (api_key, timeouts, ...)
