@@ -246,10 +246,7 @@ def main():
             json.dump(table, f)
     print("GEMV_CONFIGS = {" + ", ".join(f"({k}): {tuple(v)!r}" for k, v in table.items() if ":" not in k) + "}")
     print("QKV_ROPE_CONFIGS = {" + ", ".join(f"({k[4:]}): {tuple(v)!r}" for k, v in table.items() if ":" in k) + "}")
-    path = write_json(f"gemv_{slug(dev)}_{args.shape.replace(',', '+')}", out)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], path.name), "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    write_json(f"gemv_{slug(dev)}_{args.shape.replace(',', '+')}", out)
     print(f"\n{dev}: copy {bw:.0f} GB/s; per call us (% of copy bandwidth), weights streamed from HBM")
     print(f"{'shape':8s} {'M':>2s} {'MB':>6s} {'fused best':>16s} {'tiled rule':>16s} {'table':>16s} {'cuBLAS':>16s} "
           f"{'unfused':>16s}  best cfg")
