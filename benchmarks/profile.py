@@ -145,7 +145,8 @@ def cmd_kernels(args) -> None:
         max_len = 4200
     quant = args.quantization or None
     if args.engine == "kvscope":
-        go = kvscope_runner(args.shape, prompts, outs, max_len, **({"quantization": quant} if quant else {}))
+        cfg = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+        go = kvscope_runner(args.shape, prompts, outs, max_len, **cfg, **({"quantization": quant} if quant else {}))
     else:
         go = vllm_runner(args.shape, prompts, outs, max_len, quant)
     # the profiled run's ids are shifted so that neither engine's prefix cache serves it from the first run
@@ -171,8 +172,9 @@ def cmd_kernels(args) -> None:
     print()
     print_table(top_rows, ["kernel", "cls", "ms", "calls", "us_per_call"])
     tag = "_".join(x for x in (args.engine, slug(dev), args.shape, args.workload, quant) if x)
+    tag += "".join(f"_{slug(kv)}" for kv in args.set)
     write_json(f"kernels_profile_{tag}", dict(engine=args.engine, device=dev, shape=args.shape,
-                                               workload=args.workload, quantization=quant, out_tokens=n,
+                                               workload=args.workload, quantization=quant, set=args.set, out_tokens=n,
                                                in_tokens=in_tok, wall_s=wall_plain, wall_profiled_s=wall_prof,
                                                kernel_s=total / 1e3, classes=cls_rows, top=top_rows))
 
@@ -680,6 +682,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workload", choices=["nano", "prefill"], default="nano")
     p.add_argument("--requests", type=int, default=0, help="default: 256 (nano) / 128 (prefill)")
     p.add_argument("--quantization", default="", help="fp8 etc. (both engines)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="kvscope: an EngineConfig field, e.g. --set fp8_act_fusion=true (repeatable)")
     p.set_defaults(fn=cmd_kernels)
 
     p = sub.add_parser("decode", help="one batch-1 decode step's kernels against the HBM floor")
