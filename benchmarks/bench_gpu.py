@@ -89,7 +89,7 @@ LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enab
                    "cuda graphs, enable_pdl=True": dict(enable_pdl=True),
                    "decode_fused_merge=True": dict(decode_fused_merge=True),
                    "cuda graphs, gemv_max_tokens=0": dict(gemv_max_tokens=0), "eager": dict(enable_cuda_graphs=False),
-                   # issue 16's decode kernels, one switch at a time, and both back at the previous defaults
+                   # the batch-1 decode kernels one switch at a time, and all back at their previous defaults
                    "gemv_variant=tiled": dict(gemv_variant="tiled"),
                    "gemv_variant=persistent": dict(gemv_variant="persistent"),
                    "decode_fused_merge=False": dict(decode_fused_merge=False),
@@ -293,8 +293,6 @@ def main():
                workload=dict(requests=args.requests, input_tokens=sum(map(len, prompts)), output_tokens=sum(outs),
                              hbm_floor_s=floor), rows=rows)
     path = write_json(f"gpu_{slug(dev)}_{args.shape}", out)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], path.name).write_text(json.dumps(out, indent=2))
     print(f"\ndevice: {dev}; copy bandwidth {bw / 1e9:,.0f} GB/s; {MODEL} bf16; json: {path}")
     print_table(rows, ["bench", "config", "seconds", "tok_s", "ms_per_token", "ttft_ms", "decode_step_ms", "roofline_ms",
                        "pct_roofline", "ratio"])

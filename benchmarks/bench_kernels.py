@@ -4,12 +4,11 @@ Ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192
 Shapes: Llama-3.2-1B attention (32 q heads, 8 kv heads, head_dim 64; --shape takes another preset's), hidden 2048,
 intermediate 8192, bf16.
 Usage: python benchmarks/bench_kernels.py [--sweep] [--shape llama-3.1-8b]   (prints a table last; writes
-benchmarks/results/kernels_<device>.json, and a copy under $OUT when that is set)
+benchmarks/results/kernels_<device>[_<shape>].json)
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -22,6 +21,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.common import write_json  # noqa: E402
 from engine.kernels import torch_ops  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
 from engine.kernels.metadata import AttentionMetadata  # noqa: E402
@@ -299,15 +299,8 @@ def main():
 
     result = dict(device=name, torch=torch.__version__, triton=triton.__version__, ceilings=ceil, rows=ROWS,
                   seconds=time.time() - t0)
-    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ("" if args.shape == "llama-3.2-1b" else f"_{args.shape}")
-    results = "/tmp" if SMOKE else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    paths = [os.path.join(results, f"kernels_{slug}.json")]
-    if os.environ.get("OUT"):
-        paths.append(os.path.join(os.environ["OUT"], f"kernels_{slug}.json"))
-    for p in paths:
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        with open(p, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    tag = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ("" if args.shape == "llama-3.2-1b" else f"_{args.shape}")
+    path = f"/tmp/kernels_{tag}.json (not written)" if SMOKE else write_json(f"kernels_{tag}", result)
     print(f"\n{name}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"{'kernel':26s} {'shape':40s} {'triton us':>10s} {'torch us':>10s} {'x':>6s} {'GB/s':>7s} {'TF/s':>7s} {'%ceil':>6s}  err")
     for r in ROWS:
@@ -318,7 +311,7 @@ def main():
                  if "graph_replay_us" in r else "")
               + (f"  decodes-in-prefill {r['decodes_in_prefill_kernel_us']:.1f}us"
                  if "decodes_in_prefill_kernel_us" in r else ""))
-    print(f"total {time.time() - t0:.0f} s; json: {paths}")
+    print(f"total {time.time() - t0:.0f} s; json: {path}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Prefix caching on vs off on two chat workloads (issue 6):
+"""Prefix caching on vs off on two chat workloads:
 
   shared-system   every request = one long shared system prompt + a short unique question
   multi-turn      each user's next turn resends the whole conversation so far (prompt + answers)

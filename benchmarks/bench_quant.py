@@ -1,4 +1,4 @@
-"""Quantized weights on the GPU (issue 14), one run (~4 min on an H200):
+"""Quantized weights on the GPU, one run (~4 min on an H200):
 
   kernels  each 8B-shape projection (qkv, o, gate_up, down) per format: the fused GEMV at M = 1 (us, GB/s of
            weight bytes) and the GEMM at M = 256, against the bf16 fused_linear / cuBLAS
@@ -9,7 +9,7 @@
     python benchmarks/bench_quant.py [--sections kernels,model] [--formats none,fp8,int8,int4] [--requests 256]
                                      [--gemv auto|tc|cuda|both]
 --gemv: the quantized decode GEMVs on tensor cores (kernels/quant_gemv_tc.py), CUDA cores (quant_gemv.py), the
-engine's default (auto: per shape, tensor cores where the sweep found them faster), or all three. Prints tables last; writes benchmarks/results/quant_<device>.json (and $OUT/ when set). The GEMVs' launch configs
+engine's default (auto: per shape, tensor cores where the sweep found them faster), or all three. Prints tables last; writes benchmarks/results/quant_<device>.json. The GEMVs' launch configs
 per shape come from benchmarks/sweep_quant_gemv.py (engine/kernels/quant_gemv.py: QUANT_GEMV_CONFIGS).
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ Methods: none; ngram (prompt lookup); self (SmolLM2's first L layers + final nor
 separate model: SmolLM2 truncated to its first layers, saved as its own folder, own KV pool: no training).
 
 Usage: python benchmarks/bench_spec.py [--threads 1] [--max-tokens 128] [--methods none,ngram,self,draft]
-GPU (the issue-12 run): python benchmarks/bench_spec.py --device cuda --methods none,ngram,self --modes b1,b8 --reps 2
+GPU: python benchmarks/bench_spec.py --device cuda --methods none,ngram,self --modes b1,b8 --reps 2
 Writes benchmarks/results/spec_<device>.json and prints a table.
 """
 from __future__ import annotations
@@ -135,6 +135,19 @@ def set_shadow_flags(d, flags: list[str]) -> None:
         setattr(d, attr, (on or name in flags) and f"no{name}" not in flags)
 
 
+def switch_drafter(eng, flags: list[str]) -> None:
+    """One engine's drafter set for a run of a method with these '+' flags (see the module doc)."""
+    d, cfg = eng.drafter, eng.config
+    if d is None:
+        return
+    d.adaptive = cfg.speculative_adaptive or "a" in flags
+    d.auto_off = cfg.speculative_auto_off and "noauto" not in flags
+    eng.fast_verify.enabled = cfg.spec_fast_verify and "general" not in flags
+    d.shadow_probes = cfg.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
+    d.k = cfg.max_speculative_tokens if "long" in flags else d.k_base
+    set_shadow_flags(d, flags)
+
+
 def run_mode(llm: LLM, prompts: list[str], mode: str, sp: SamplingParams):
     eng = llm.engine
     if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
@@ -223,15 +236,7 @@ def main():
             base, adaptive, noauto, eager = parse(method)
             llm = engines[(base, eager)]
             eng = llm.engine
-            if eng.drafter:
-                eng.drafter.adaptive = adaptive
-                eng.drafter.auto_off = eng.config.speculative_auto_off and not noauto
-                eng.fast_verify.enabled = eng.config.spec_fast_verify and "general" not in method.split("+")
-                flags = method.split("+")[1:]
-                eng.drafter.shadow_probes = eng.config.spec_shadow_probes and eng.drafter.supports_shadow \
-                    and "noshadow" not in flags
-                eng.drafter.k = eng.config.max_speculative_tokens if "long" in flags else eng.drafter.k_base
-                set_shadow_flags(eng.drafter, flags)
+            switch_drafter(eng, method.split("+")[1:])
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
             ntok = sum(len(o.token_ids) for o in outs)

@@ -1,4 +1,4 @@
-"""Per-token cost of structured output (issue 13): decode steps of a full batch, constraints off vs on.
+"""Per-token cost of structured output: decode steps of a full batch, constraints off vs on.
 
 For each batch size B, the same B prompts decode max_tokens tokens, once unconstrained (ignore_eos) and once
 each constrained to a typical JSON schema (a user record: strings, an integer range, an enum, an array).

@@ -1,4 +1,4 @@
-"""Tensor parallelism on a multi-GPU machine (issue 15), bf16, random weights, all in one run:
+"""Tensor parallelism on a multi-GPU machine , bf16, random weights, all in one run:
 
   latency     Llama-3.1-8B shape, batch 1: 128-token prompt, 256 new tokens, ms/token at TP=1 and TP=2
               (target: TP=2 <= 0.62x TP=1), plus TP=2 eager with step timings: all-reduce ms per step
@@ -116,8 +116,6 @@ def main():
                env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                      "NVSHMEM_DISABLE_NVLS")})
     path = write_json(f"tp_{slug(dev)}", out)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], path.name).write_text(json.dumps(out, indent=2))
     print(f"\ndevice: {dev} x{torch.cuda.device_count()}; bf16; json: {path}")
     print_table(rows, ["bench", "model", "tp", "config", "ms_per_token", "decode_step_ms", "seconds", "tok_s",
                        "all_reduce_ms_per_step", "rank1_all_reduce_ms_per_step", "forward_ms_per_step", "start_s"])

@@ -41,8 +41,8 @@ def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2))
-    if os.environ.get("OUT"):                   # the device tool brings back only what lands under $OUT
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    if os.environ.get("OUT"):                   # a copy where the caller collects results
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], path.name).write_text(path.read_text())
     return path

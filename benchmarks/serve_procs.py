@@ -63,7 +63,7 @@ def start_command(name: str, cmd: str, url: str) -> subprocess.Popen:
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_serve_{slug(name)}.log"
     print(f"launching {name}: {cmd}  (log: {log_path})", flush=True)
     proc = subprocess.Popen(cmd, shell=True, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            process_group=0)
     models = url.rstrip("/").removesuffix("/v1") + "/v1/models"
     if wait_ready(proc, lambda: httpx.get(models, timeout=2).status_code == 200, 600, period=1.0):
         return proc

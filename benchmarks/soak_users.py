@@ -82,7 +82,7 @@ class Soak:
     async def chat(self, client, rng):
         want = rng.randint(*self.args.output_len)
         body = dict(model=self.model, max_tokens=want, temperature=0, ignore_eos=True,
-                    messages=[{"role": "user", "content": f"Count to {rng.randint(3, 30)}, please."}])
+                    messages=[{"role": "user", "content": f"Count to {rng.randint(3, 30)}."}])
         r = await client.post("/v1/chat/completions", json=body)
         if r.status_code != 200:
             return False, f"status {r.status_code}: {r.text[:200]}"

@@ -6,7 +6,7 @@ default), cuBLAS (F.linear) and the unfused kernels it replaces, as % of copy ba
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step. Configs compile in parallel worker processes first.
 Usage: python benchmarks/sweep_gemv.py [--quick] [--shape llama-3.1-8b[,llama-3.2-1b]] [--ms 1,2,4,8]
-       [--table-out winners.json]   (bench_gpu.py / profile_decode.py --gemv-table winners.json use them)
+       [--table-out winners.json]   (bench_gpu.py / profile.py decode --gemv-table winners.json use them)
 (table last; JSON to benchmarks/results/gemv_<device>_<shape>.json)
 """
 from __future__ import annotations
@@ -246,10 +246,7 @@ def main():
             json.dump(table, f)
     print("GEMV_CONFIGS = {" + ", ".join(f"({k}): {tuple(v)!r}" for k, v in table.items() if ":" not in k) + "}")
     print("QKV_ROPE_CONFIGS = {" + ", ".join(f"({k[4:]}): {tuple(v)!r}" for k, v in table.items() if ":" in k) + "}")
-    path = write_json(f"gemv_{slug(dev)}_{args.shape.replace(',', '+')}", out)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], path.name), "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    write_json(f"gemv_{slug(dev)}_{args.shape.replace(',', '+')}", out)
     print(f"\n{dev}: copy {bw:.0f} GB/s; per call us (% of copy bandwidth), weights streamed from HBM")
     print(f"{'shape':8s} {'M':>2s} {'MB':>6s} {'fused best':>16s} {'tiled rule':>16s} {'table':>16s} {'cuBLAS':>16s} "
           f"{'unfused':>16s}  best cfg")

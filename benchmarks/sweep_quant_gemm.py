@@ -1,4 +1,4 @@
-"""GPU: the FP8 w8a8 GEMM above the decode GEMV (issue 14's nano workload), per 8B projection and batch rows M:
+"""GPU: the FP8 w8a8 GEMM above the decode GEMV (the nano workload's batches), per 8B projection and batch rows M:
 bf16 cuBLAS (F.linear on the unquantized weight), the activations-quantized-inside GEMM (quant_gemm.py,
 EngineConfig.fp8_gemm="fused"), the two-launch path (kernels/quant_gemm_fp8.py: per-token-group quantization,
 then the Triton FP8 GEMM at the rule's config and at each swept config) and cuBLAS's block-wise scaled_mm where
@@ -7,7 +7,7 @@ Timings: triton.testing.do_bench (L2 cleared before each call), microseconds.
 
     python benchmarks/sweep_quant_gemm.py [--shape llama-3.1-8b] [--ms 32,64,128,256] [--quick]
 
-Prints a table and the best config per M; JSON to benchmarks/results/quant_gemm_<device>_<shape>.json (and $OUT/).
+Prints a table and the best config per M; JSON to benchmarks/results/quant_gemm_<device>_<shape>.json.
 """
 from __future__ import annotations
 

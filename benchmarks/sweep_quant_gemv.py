@@ -15,12 +15,11 @@ engine/kernels/quant_gemv.py / quant_gemv_tc.py.
 Usage:
     python benchmarks/sweep_quant_gemv.py [--shape llama-3.1-8b] [--formats fp8,int8,int4] [--quick]
                                           [--kernels cuda,tc]
-JSON to benchmarks/results/quant_gemv_<device>_<shape>.json (and $OUT/ when set).
+JSON to benchmarks/results/quant_gemv_<device>_<shape>.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -287,9 +286,6 @@ def main():
                sweeps=sweeps, best={f"{kd},{f},{n},{k}": c for (kd, f, n, k), c in best.items()},
                seconds=time.time() - t0)
     path = write_json(f"quant_gemv_{slug(dev)}_{args.shape}", out)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], path.name), "w") as f:
-            json.dump(out, f, indent=1, default=str)
     print_report(dev, bw, args.shape, path, rows, layers, kernels, best)
     print(f"{time.time() - t0:.0f} s")
 

@@ -1,5 +1,5 @@
 """Code structure: every module imports on its own, the layers only import downward, and the import graph of
-the project's own modules (engine, inspector, webui, benchmarks, app) has no cycle.
+the project's own modules (engine, inspector, webui, benchmarks, kvscope, app) has no cycle.
 
 The layering and cycle checks read the source with `ast` (nothing is imported), so they take milliseconds.
 The import check starts one fresh interpreter per package (all at once) that imports each of its modules.
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "inspector", "webui", "benchmarks")
+PACKAGES = ("engine", "inspector", "webui", "benchmarks", "kvscope")
 TOP_MODULES = ("app",)
 
 # top-level names each layer must not import (directly, lazily, or under TYPE_CHECKING)
 FORBIDDEN = {
-    "engine": {"inspector", "webui", "app", "gradio", "plotly"},
-    "inspector": {"gradio", "webui", "app"},
+    "engine": {"inspector", "webui", "app", "kvscope", "gradio", "plotly"},
+    "inspector": {"gradio", "webui", "app", "kvscope"},
 }
 
 

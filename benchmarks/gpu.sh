@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The GPU suites, one entry point (on a CUDA machine; see benchmarks/gpu_env.sh for what an offline one needs):
+#   benchmarks/gpu.sh                   list the suites
+#   benchmarks/gpu.sh SUITE [ARGS...]   run one: it writes its JSON to benchmarks/results/ and prints a table
+# ARGS go to the suite's script after the suite's own (argparse keeps the last of a repeated flag), except
+# where a suite's line below says it takes shapes or test files first.
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
+
+SUITES=(tests kernels offline serving quant spec structured tp lessons)
+declare -A ABOUT=(
+  [tests]="[tests/FILE...] [pytest args]  the GPU tests: test_gpu_*.py, the kernel tests at full size, the bf16 masks"
+  [kernels]="[SHAPE...] [args]  bench_kernels.py: every Triton kernel against torch and the copy / matmul ceilings"
+  [offline]="[SHAPE...] [args]  bench_gpu.py: batch 1, nano-vllm's workload, prefill-heavy; vLLM beside"
+  [serving]="[args]  bench_serve.py --suite serving: vLLM's server, kvscope's server and LLM.generate, same requests"
+  [quant]="[args]  bench_quant.py: fp8 / int8 / int4 GEMV and GEMM per projection; the 8B shape per format"
+  [spec]="[args]  bench_spec.py: n-gram and self drafting, batch 1 and 8; dummy Llama-3.2-1B, bundled SmolLM2"
+  [structured]="[args]  bench_structured.py: JSON-schema decoding against free decoding, multi-step and single steps"
+  [tp]="[args]  bench_tp.py: tensor parallel 8B at TP 1 / 2, 70B at TP 2 (2+ GPUs)"
+  [lessons]="[args]  lessons.py on the Llama-3.2-1B shape, large sweeps and the CUDA-graph timing cost"
+)
+OFFLINE_SHAPES=(llama-3.2-1b llama-3.1-8b qwen3-0.6b)
+KERNEL_SHAPES=(llama-3.2-1b llama-3.1-8b)
+
+usage() {
+  echo "usage: benchmarks/gpu.sh SUITE [ARGS...]"
+  for s in "${SUITES[@]}"; do printf "  %-11s %s\n" "$s" "${ABOUT[$s]}"; done
+}
+
+# leading arguments that are not flags -> SHAPES, the rest -> REST
+split_shapes() {
+  SHAPES=(); REST=()
+  while [ $# -gt 0 ] && [[ $1 != -* ]]; do SHAPES+=("$1"); shift; done
+  REST=("$@")
+}
+
+suite_tests() {
+  local files=() args=()
+  for a in "$@"; do if [[ $a == tests/* ]]; then files+=("$a"); else args+=("$a"); fi; done
+  [ ${#files[@]} -gt 0 ] || files=(tests/test_gpu_*.py tests/test_kernels.py tests/test_kernels_attention.py
+                                   tests/test_kernels_merge_sample.py tests/test_structured_mask.py)
+  install_tokenizer
+  python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record "${files[@]}" "${args[@]}"
+}
+
+suite_kernels() {
+  split_shapes "$@"
+  [ ${#SHAPES[@]} -gt 0 ] || SHAPES=("${KERNEL_SHAPES[@]}")
+  for shape in "${SHAPES[@]}"; do
+    stamp "bench_kernels $shape"
+    python3 benchmarks/bench_kernels.py --sweep --shape "$shape" "${REST[@]}"
+  done
+}
+
+suite_offline() {
+  split_shapes "$@"
+  [ ${#SHAPES[@]} -gt 0 ] || SHAPES=("${OFFLINE_SHAPES[@]}")
+  local sections=latency,throughput,prefill
+  if have_vllm; then sections=vllm,$sections; else echo "no vLLM in $VLLM_SITE: kvscope rows only"; fi
+  for shape in "${SHAPES[@]}"; do
+    stamp "bench_gpu $shape"
+    python3 benchmarks/bench_gpu.py --shape "$shape" --sections "$sections" --hf-requests 0 \
+      --latency-configs "cuda graphs" --vllm-path "$VLLM_SITE" "${REST[@]}"
+  done
+}
+
+suite_serving() {
+  have_vllm || { echo "serving: no vLLM in $VLLM_SITE"; return 3; }
+  local cfg; cfg=$(mktemp -d)
+  python3 -c "from pathlib import Path; from benchmarks.vllm_offline import write_config; \
+write_config('llama-3.2-1b', Path('$cfg'))"
+  local vllm="PYTHONPATH=$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH} python3 -m vllm.entrypoints.openai.api_server \
+--model $cfg --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 4096 \
+--served-model-name llama1b --port 8002"
+  # every server workload from one client process and from four (a single Python client falls behind in the
+  # burst, and its own delays would count as the server's)
+  python3 benchmarks/bench_serve.py --suite serving --model dummy:llama-3.2-1b --device cuda \
+    --server-arg=--max-model-len=4096 --launch "vllm=$vllm" --target vllm=http://127.0.0.1:8002 \
+    --target kvscope=launch --target offline=offline --client-procs 1,4 --name "serving_suite_$(device_slug)" "$@"
+}
+
+suite_quant() {
+  python3 benchmarks/bench_quant.py "$@"
+}
+
+suite_spec() {
+  local common=(--device cuda --dtype bfloat16 --reps 3 --modes b1,b8 --workloads rewrite,chat --k-ngram 4
+                --k-long 8 --k-self 2 --max-num-seqs 16)
+  stamp "random Llama-3.2-1B-shaped weights: acceptance ~0, so these rows are what drafting costs"
+  python3 benchmarks/bench_spec.py "${common[@]}" --model dummy:llama-3.2-1b --max-tokens 96 \
+    --methods none,ngram,ngram+long,self --self-layers 8 --tag _llama1b_dummy "$@"
+  stamp "the bundled SmolLM2: real text"
+  if python3 benchmarks/device_bundle.py ensure; then
+    python3 benchmarks/bench_spec.py "${common[@]}" --max-tokens 128 \
+      --methods none,ngram,ngram+long,ngram+noauto,self --self-layers 24 --tag _smollm2 "$@"
+  else
+    echo "spec: no bundled SmolLM2 here (benchmarks/device_bundle.py): its rows skipped"
+  fi
+}
+
+suite_structured() {
+  install_tokenizer
+  for k in 8 1; do
+    stamp "bench_structured, num_scheduler_steps $k"
+    python3 benchmarks/bench_structured.py --model dummy:llama-3.2-1b --batch-sizes 1 32 --num-scheduler-steps "$k" "$@"
+  done
+}
+
+suite_tp() {
+  local n; n=$(nvidia-smi -L | wc -l)
+  [ "$n" -ge 2 ] || { echo "tp: needs 2 or more GPUs, this machine has $n"; return 3; }
+  python3 benchmarks/bench_tp.py "$@"
+}
+
+suite_lessons() {
+  python3 benchmarks/lessons.py --model dummy:llama-3.2-1b \
+    --lessons paging,kv_cache,batching,batch_sweep,chunked_prefill,graph_timing "$@"
+}
+
+suite="${1:-}"
+if [ -z "$suite" ] || [ -z "${ABOUT[$suite]+x}" ]; then
+  [ -n "$suite" ] && [[ $suite != -h && $suite != --help ]] && echo "unknown suite: $suite"
+  usage
+  [ -z "$suite" ] || [[ $suite == -h || $suite == --help ]]
+  exit $?
+fi
+shift
+gpu_info
+stamp "$suite"
+"suite_$suite" "$@"
+rc=$?
+stamp "$suite done (exit $rc)"
+exit $rc
