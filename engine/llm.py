@@ -48,7 +48,7 @@ class LLM:
             self.engine.add_sequence(s)
         results: list[RequestOutput | None] = [None] * len(seqs)
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
-        self.engine.final_outputs_only = True
+        self.engine.output_processor.final_outputs_only = True
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -56,7 +56,7 @@ class LLM:
                         results[order[out.request_id]] = out
                         bar.update(1)
         finally:
-            self.engine.final_outputs_only = False
+            self.engine.output_processor.final_outputs_only = False
             bar.close()
             for s in seqs:                      # interrupted: leave nothing behind
                 if not s.is_finished:

@@ -193,7 +193,7 @@ def test_multi_step_time_cap(smollm2_engine_factory, prompts):
         steps = []
         eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
         results[cap] = [o.token_ids for o in run_requests(eng, prompts, params)]
-        assert eng.decode_iter_s is not None and eng.decode_iter_s > 0
+        assert eng.multi_step.decode_iter_s is not None and eng.multi_step.decode_iter_s > 0
         k = max(e.num_decode_steps for e in steps)
         assert k == (2 if cap < 1 else 4), (cap, k)
     assert results[1e-6] == results[1e6]

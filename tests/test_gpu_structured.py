@@ -37,10 +37,10 @@ def test_constrained_and_free_rows_on_gpu(eng, monkeypatch):
     """Valid JSON from every constrained row while free rows (and multi-step blocks before and after) run, in
     pipelined grammar blocks with the fused mask kernel; token identity of the free rows and of the pipeline
     against synced steps is checked on CPU (bf16 GPU kernels are not batch-size invariant)."""
-    from engine.worker import multi_step
+    from engine.worker.multi_step import MultiStepDecoder
     blocks = []
-    inner = multi_step.sample_grammar_block
-    monkeypatch.setattr(multi_step, "sample_grammar_block", lambda e, b: blocks.append(b.K) or inner(e, b))
+    inner = MultiStepDecoder._sample_grammar_block
+    monkeypatch.setattr(MultiStepDecoder, "_sample_grammar_block", lambda s, b: blocks.append(b.K) or inner(s, b))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 40, 13, 90)]
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -53,6 +53,6 @@ def test_constrained_and_free_rows_on_gpu(eng, monkeypatch):
     for i in cons:
         assert outs[i].finish_reason == "stop", outs[i].text
         assert satisfies(json.loads(outs[i].text)), outs[i].text
-    assert eng.num_constrained == 0 and eng.block_manager.num_free_blocks == eng.num_blocks - 1
-    assert eng.structured_overlap and sum(blocks) >= 10 and max(blocks) > 1 and eng.token_bitmask.fused
+    assert eng.structured.num_constrained == 0 and eng.block_manager.num_free_blocks == eng.num_blocks - 1
+    assert eng.structured_overlap and sum(blocks) >= 10 and max(blocks) > 1 and eng.structured.bitmask.fused
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.worker import multi_step
+from engine.worker.multi_step import MultiStepDecoder
 from engine.config import EngineConfig
 from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.events import StepEvent
@@ -49,13 +49,13 @@ def _run(target, prompts, sp, monkeypatch=None, **cfg):
     if monkeypatch is not None:
         # auto-off's decisions without this machine's step timings (a GPU-like verify / iteration cost ratio)
         monkeypatch.setattr(Drafter, "cost_ratio", lambda self, batch, k: 1.6)
-        launch = multi_step.launch
+        launch = MultiStepDecoder._launch
 
-        def counted(engine, K, ahead=None, sample=True):
+        def counted(self, K, ahead=None, sample=True):
             if ahead is None:
                 cold[0] += 1
-            return launch(engine, K, ahead, sample)
-        monkeypatch.setattr(multi_step, "launch", counted)
+            return launch(self, K, ahead, sample)
+        monkeypatch.setattr(MultiStepDecoder, "_launch", counted)
     for p in prompts:
         eng.add_request(p, sp)
     outs = drain(eng)

@@ -48,7 +48,7 @@ def run(eng, reqs):
     ids = [eng.add_request(p, sp) for p, sp in reqs]
     outs = drain(eng)
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
-    assert eng.num_constrained == 0
+    assert eng.structured.num_constrained == 0
     return [outs[i] for i in ids]
 
 
@@ -153,11 +153,11 @@ def test_invalid_constraint_is_a_clear_error_and_engine_keeps_serving(eng, so, f
 
 
 def test_compiled_once_per_constraint(eng):
-    before = eng.grammar_compiler.num_compiled
+    before = eng.structured.compiler.num_compiled
     schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]}
     run(eng, [(PROMPT, json_params(schema, s, 16)) for s in range(4)])
     run(eng, [(PROMPT, json_params(json.loads(json.dumps(schema)), 9, 16))])
-    assert eng.grammar_compiler.num_compiled == before + 1
+    assert eng.structured.compiler.num_compiled == before + 1
 
 
 # ---- the inspector sees it --------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from helpers import drain
 
 from engine import EngineConfig, SamplingParams, StructuredOutputsParams
-from engine.worker import multi_step
+from engine.worker.multi_step import MultiStepDecoder
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["c", "p"],
           "properties": {"c": {"enum": ["red", "green", "blue"]}, "p": {"type": "integer", "minimum": 0,
@@ -20,14 +20,14 @@ PROMPT = "Reply with a JSON object."
 @pytest.fixture
 def grammar_blocks(monkeypatch):
     """The grammar blocks masked and sampled: (batch, iterations) each (a spy around
-    multi_step.sample_grammar_block)."""
+    MultiStepDecoder._sample_grammar_block)."""
     calls = []
-    inner = multi_step.sample_grammar_block
+    inner = MultiStepDecoder._sample_grammar_block
 
-    def spy(engine, blk):
+    def spy(self, blk):
         calls.append((len(blk.sched.seqs), blk.K))
-        return inner(engine, blk)
-    monkeypatch.setattr(multi_step, "sample_grammar_block", spy)
+        return inner(self, blk)
+    monkeypatch.setattr(MultiStepDecoder, "_sample_grammar_block", spy)
     return calls
 
 
@@ -40,7 +40,7 @@ def run(eng, reqs, arrivals=None):
             ids.append(eng.add_request(p, sp))
         outs.update({o.request_id: o for o in eng.step() if o.finished})
         step += 1
-    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1 and eng.num_constrained == 0
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1 and eng.structured.num_constrained == 0
     return [outs[i] for i in ids]
 
 
@@ -144,7 +144,7 @@ def test_abort_while_a_grammar_block_is_in_flight(smollm2_engine_factory, gramma
     outs = drain(eng)
     assert outs[ids[0]].token_ids == reference
     jsonschema.validate(json.loads(outs[ids[2]].text), SCHEMA)
-    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1 and eng.num_constrained == 0
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1 and eng.structured.num_constrained == 0
 
 
 def test_logprobs_requests_take_synced_steps(smollm2_engine_factory, grammar_blocks):
@@ -157,7 +157,7 @@ def test_logprobs_requests_take_synced_steps(smollm2_engine_factory, grammar_blo
 def test_no_constraint_no_mask_work(smollm2_engine_factory, grammar_blocks):
     eng = smollm2_engine_factory(structured_overlap=True, num_scheduler_steps=4)
     run(eng, [(PROMPT, SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)) for _ in range(3)])
-    assert eng.token_bitmask is None and not grammar_blocks
+    assert eng.structured.bitmask is None and not grammar_blocks
 
 
 @pytest.mark.parametrize("field,value", [("structured_overlap", "yes"), ("fused_token_bitmask", None),

@@ -350,6 +350,24 @@ class Scheduler:
             self.bm.free(seq)
         seq.num_computed_tokens = 0
 
+    def can_schedule_block(self, seqs: list[Sequence], num_tokens: int) -> bool:
+        """Whether the pool holds the blocks for num_tokens more tokens of each of seqs (a multi-step block)."""
+        need = sum(self.bm.blocks_needed(s, s.num_computed_tokens + num_tokens) for s in seqs)
+        return need <= self.bm.pool.num_free
+
+    def schedule_block(self, seqs: list[Sequence], K: int, extra: int = 0) -> SchedulerOutput:
+        """A multi-step decode block: every one of seqs computes K tokens (1 known + K - 1 sampled on the way)
+        after `extra` tokens still in flight; the blocks for all of them are allocated now (check first with
+        can_schedule_block)."""
+        out = SchedulerOutput()
+        for seq in seqs:
+            self.bm.allocate(seq, extra + K)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(K)
+            out.num_spec_tokens.append(0)
+            out.computed_before.append(seq.num_computed_tokens + extra)
+        return out
+
     @staticmethod
     def _emit(out: SchedulerOutput, seq: Sequence, num_new: int, num_spec: int) -> None:
         out.seqs.append(seq)

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 from engine.runtime.async_engine import _END, EngineLoop, RequestStream, _call_soon, _put_many, admit_batch
 from engine.config import EngineConfig
 from engine.runtime.core_proc import core_main
+from engine.runtime.input_processor import InputProcessor
 from engine.runtime.llm_engine import EngineOverloaded, LLMEngine
 from engine.models.loader import load_tokenizer, resolve
 from engine.structured.compiler import GrammarCompiler
@@ -54,8 +55,9 @@ class FrontendEngine:
         self.eos_token_ids = set(info["eos_token_ids"])
         self.quantization, self.weight_summary = info["quantization"], info["weight_summary"]
         self.tokenizer = tokenizer
-        self._ids = itertools.count()
-        self.grammar_compiler = GrammarCompiler(tokenizer, info["vocab_size"], self.eos_token_ids)
+        self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, self.block_size,
+                                              self.num_blocks,
+                                              GrammarCompiler(tokenizer, info["vocab_size"], self.eos_token_ids))
 
 
 class _Acc:

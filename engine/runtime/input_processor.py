@@ -1,7 +1,9 @@
-"""Input processing of LLMEngine: a prompt (text or token ids) and SamplingParams -> a validated Sequence,
-checked against the model's vocabulary, max_model_len and the KV pool, its grammar compiled."""
+"""Input processing: a prompt (text or token ids) and SamplingParams -> a validated Sequence, checked against the
+model's vocabulary, max_model_len and the KV pool, its grammar compiled. Runs on the caller's thread (the API
+server's, or the engine's in-process caller); it reads no engine state that a step changes."""
 from __future__ import annotations
 
+import itertools
 import time
 
 from engine.sampling_params import SamplingParams
@@ -9,7 +11,13 @@ from engine.core.sequence import Sequence
 
 
 class InputProcessor:
-    """Mixed into LLMEngine; uses its tokenizer, limits, grammar compiler and request-id counter."""
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
+                 grammar_compiler):
+        self.tokenizer = tokenizer
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.grammar_compiler = grammar_compiler
+        self._ids = itertools.count()
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -36,7 +44,7 @@ class InputProcessor:
             text, ids = prompt, self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
-            V = self.model_config.vocab_size
+            V = self.vocab_size
             if not all(isinstance(t, int) and 0 <= t < V for t in ids):
                 raise ValueError(f"prompt: token ids must be ints in [0, {V})")
         else:

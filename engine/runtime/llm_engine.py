@@ -1,4 +1,15 @@
-"""LLMEngine: add_request / step / abort_request over the scheduler, runner, sampler and detokenizer."""
+"""LLMEngine: add_request / step / abort_request. One step is a pipeline read top to bottom:
+
+    schedule -> prepare -> execute -> sample (or verify drafts) -> process outputs
+
+over the scheduler (core/scheduler.py: admission, chunked prefill, preemption; every KV block is allocated
+there), the model runner (worker/model_runner.py: tensors, CUDA graphs, the forward), the sampler
+(sample/sampler.py) or the drafter's verification (spec/), and the output processor (runtime/output_processor.py:
+stops, detokenization). Two strategies change how a step runs, not what it computes: multi-step decode blocks
+(worker/multi_step.py: K decode iterations per host round trip, pipelined) and the fast verify path
+(spec/fast_verify.py). Structured output is a logits processor (structured/manager.py) between execute and sample.
+The engine emits a RequestEvent per lifecycle change and a StepEvent per step while someone listens.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +19,6 @@ import time
 
 import torch
 
-from engine.worker import multi_step
 from engine.core.kv_cache_manager import BlockManager
 from engine.config import EngineConfig
 from engine.runtime.detokenizer import Detokenizer
@@ -16,7 +26,6 @@ from engine.events import EventBus
 from engine.distributed.parallel_state import SINGLE
 from engine.distributed.start import parallel_layout, start_workers
 from engine.runtime.input_processor import InputProcessor
-from engine.runtime.introspection import Introspection
 from engine.kernels.ops import get_ops, pdl_supported
 from engine.worker.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models.config import ModelConfig
@@ -24,12 +33,13 @@ from engine.models.loader import build_model, load_tokenizer, resolve
 from engine.runtime.output_processor import OutputProcessor
 from engine.quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weight_bytes
 from engine.outputs import RequestOutput
-from engine.sample.sampler import SampleRow, sample
+from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence
-from engine.runtime.step_events import StepEvents
-from engine.structured.compiler import GrammarCompiler
+from engine.runtime.step_events import phase_of, request_event, step_event
+from engine.structured.manager import StructuredOutputManager
+from engine.worker.multi_step import MultiStepDecoder
 from engine.core.sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
 from engine.worker.timing import NullTimer, make_timer
 
@@ -50,7 +60,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
+class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
@@ -65,12 +75,9 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.ops = get_ops(self.kernels)
         self.fused_sampling = self.kernels == "triton" and ("one_launch" if config.sampler_one_launch else True)
         self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
-        self._inflight: multi_step.InFlight | None = None      # a launched multi-step block
         self.structured_overlap = config.structured_overlap if config.structured_overlap is not None \
             else self.device.type == "cuda"                    # pipelined one-iteration blocks with grammars
         self.arrivals_pending = False      # set by EngineLoop while submitted requests wait in its inbox
-        self.decode_iter_s: float | None = None     # measured seconds per decode iteration (multi_step_max_ms)
-        self._last_block_done: float | None = None
         torch.manual_seed(config.seed)
 
         hf_cfg, weights, tok_folder = resolve(config.model)
@@ -158,24 +165,31 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 itertools.chain(self.model.parameters(), self.model.buffers()))
         self.detok = Detokenizer(self.tokenizer)
-        self.grammar_compiler = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
-        self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
-        self.num_constrained = 0                # unfinished requests with a grammar (0: no mask work at all)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, mcfg.vocab_size, self.eos_token_ids, self.device,
+            fused_bitmask=config.fused_token_bitmask and self.kernels == "triton",
+            mask_threads=config.structured_mask_threads)
+        self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, self.block_size,
+                                              self.num_blocks, self.structured.compiler)
+        self.sampler = Sampler(self.eos_token_ids, torch.Generator(device=self.device).manual_seed(config.seed),
+                               self.fused_sampling)
+        self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.detok, self.eos_token_ids,
+                                                self.max_model_len, config.enable_kv_cache)
+        self.multi_step = MultiStepDecoder(config, self.scheduler, self.runner, self.sampler, self.structured,
+                                           self.max_model_len, self.num_scheduler_steps, self.structured_overlap)
         self.events = EventBus()
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}     # unfinished requests by id
         self.step_index = 0
-        self._ids = itertools.count()
         self._timer = make_timer(True, self.device) if config.enable_step_timings else NullTimer()
         self._profile_next = False
-        self.final_outputs_only = False        # LLM.generate: skip building per-step streaming outputs
         self.last_profile: list[dict] | None = None
-        self.stats_total = dict(prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
+        self.stats_total = dict(prompt_tokens=0, finished=0, aborted=0)
         self.drafter = self.fast_verify = None
         if config.speculative_method:
             from engine.spec import FastVerify, make_drafter
             self.drafter = make_drafter(self)
             self.fast_verify = FastVerify(self)
+            self.output_processor.drafter = self.multi_step.drafter = self.drafter
         if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
             from engine.worker.cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
@@ -184,21 +198,31 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             self.runner.graphs.capture()
 
     # ---- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.input_processor.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
+        """Validate a request without touching engine state (safe from any thread)."""
+        return self.input_processor.make_sequence(prompt, params, request_id, arrival_time)
+
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id: {seq.request_id!r} is already in use")
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
-            self._emit_req("rejected", seq, message="waiting queue full")
+            self._emit_request("rejected", seq, message="waiting queue full")
             raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests)")
         self.detok.start(seq)
         self.seqs[seq.request_id] = seq
-        if seq.matcher is not None:
-            self.num_constrained += 1
+        self.structured.add(seq)
         seq.metrics.queued_time = time.perf_counter()
         self.scheduler.add(seq)
         self.stats_total["prompt_tokens"] += seq.num_prompt_tokens
-        self._emit_req("arrived", seq)
+        self._emit_request("arrived", seq)
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -209,16 +233,21 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         return self.add_sequence(self.make_sequence(prompt, params, request_id, arrival_time))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
-        if seq.matcher is not None:
-            self.num_constrained -= 1
         seq.metrics.finished_time = time.perf_counter()
-        self.stats_total["aborted"] += 1
-        self._emit_req("aborted", seq, finish_reason="abort")
-        return self._make_output(seq, [])
+        self._finished(seq)
+        return self.output_processor.make_output(seq, [])
+
+    def _finished(self, seq: Sequence) -> None:
+        """Bookkeeping of a request the scheduler has finished (its blocks are free)."""
+        self.seqs.pop(seq.request_id, None)
+        self.structured.remove(seq)
+        self.stats_total["aborted" if seq.finish_reason == "abort" else "finished"] += 1
+        self._emit_request("aborted" if seq.finish_reason == "abort" else "finished", seq,
+                           finish_reason=seq.finish_reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -236,38 +265,39 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.runner.set_timer(timer)
         timer.start_step()
         t0 = time.perf_counter()
-        if self.drafter is not None and self._inflight is None:     # (a multi-step block in flight: all off)
+        ms = self.multi_step
+        ms.drop_finished()
+        if self.drafter is not None and ms.inflight is None:     # (a multi-step block in flight: all off)
             self.drafter.propose(self.scheduler.running)
-        if self._inflight is not None and all(s.is_finished for s in self._inflight.sched.seqs):
-            self._inflight = None               # every request of the in-flight block ended (aborts, stops)
-        K = multi_step.plan(self) if self._inflight is None and (self.num_scheduler_steps > 1 or (
-            self.num_constrained and self.structured_overlap)) else 0
-        if K or self._inflight is not None:
-            return multi_step.step(self, K, observe, timer)
+        K = ms.plan(self.arrivals_pending) if ms.enabled and ms.inflight is None else 0
+        if K or ms.inflight is not None:
+            return self._block_step(K, observe, timer)
+
+        # schedule: who runs, how many tokens; blocks are allocated here only
         sched = self.scheduler.schedule()
         t_sched = time.perf_counter()
-        now = t_sched
         for seq in sched.preempted:
-            self._emit_req("preempted", seq)
+            self._emit_request("preempted", seq)
         for seq in sched.admitted:
             if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = now
-            self._emit_req("scheduled", seq)
+                seq.metrics.first_scheduled_time = t_sched
+            self._emit_request("scheduled", seq)
         if sched.is_empty:
             if observe and sched.preempted:
                 self._emit_step(sched, t0, time.perf_counter(), [], {"schedule": t_sched - t0})
             return []
-
         if observe:
-            sched.phases = [self._phase(seq, n - k, start) for seq, n, start, k in
+            sched.phases = [phase_of(seq, n - k, start, self.config.enable_kv_cache) for seq, n, start, k in
                             zip(sched.seqs, sched.num_new_tokens, sched.computed_before, sched.num_spec_tokens)]
             sched.total_lens = [seq.num_tokens for seq in sched.seqs]
         sample_mask = [start + n == seq.num_tokens + len(seq.spec_token_ids)
                        for seq, n, start in zip(sched.seqs, sched.num_new_tokens, sched.computed_before)]
-        extra = [k for k in sched.num_spec_tokens] if self.drafter is not None else None
+        extra = list(sched.num_spec_tokens) if self.drafter is not None else None
         decode_only = self.drafter is not None and all(       # auto-off measures decode-only step times
             seq.num_output_tokens and start == seq.num_tokens - 1 and n == k + 1
             for seq, n, start, k in zip(sched.seqs, sched.num_new_tokens, sched.computed_before, sched.num_spec_tokens))
+
+        # prepare + execute: one forward (or the fast verify path's graph replay)
         fast = self.fast_verify.plan(sched) if self.fast_verify is not None else None
         if fast is not None:        # plain-greedy verify step: padded graph layout packed directly, argmax ids back
             graphed = self.fast_verify.launch(sched, fast)
@@ -279,31 +309,37 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             if self.drafter is not None and not decode_only:    # while the prefill runs on the device
                 self.drafter.prefetch(sched)
             t_fwd, graphed = time.perf_counter(), md.graphed
-        constrained = self.num_constrained > 0
-        if constrained:             # on CUDA the host fills the masks while the forward runs
+
+        # structured output: grammar masks on the logits (on CUDA the host fills them while the forward runs)
+        constrained = self.structured.num_constrained > 0
+        if constrained:
             rows = []                                   # the sequence whose next token each logits row samples
             for i, (seq, m) in enumerate(zip(sched.seqs, sample_mask)):
                 if m:
                     rows += [seq] + [None] * (extra[i] if extra else 0)
-            self._apply_grammars(rows, logits)
+            self.structured.apply(rows, logits)
         t_mask = time.perf_counter()
+
+        # sample, or verify the drafts
         num_spec = max(sched.num_spec_tokens, default=0)
         if fast is not None:
-            outputs_tokens, lp_rows = self.drafter.verify_greedy(sched, self.fast_verify.targets(), fast[1])
+            new_tokens, lp_rows = self.drafter.verify_greedy(sched, self.fast_verify.targets(), fast[1])
         elif num_spec:
-            outputs_tokens, lp_rows = self.drafter.verify(sched, sample_mask, logits)
-        else:                                           # no drafts this step: a plain step
-            outputs_tokens, lp_rows = self._sample(sched, sample_mask, logits)
+            new_tokens, lp_rows = self.drafter.verify(sched, sample_mask, logits)
+        else:
+            new_tokens, lp_rows = self.sampler(sched.seqs, sample_mask, logits)
         t_sample = time.perf_counter()
         if self.executor is not None:
             self.executor.check()               # a rank that died mid-step leaves these tokens meaningless
-        outputs, finished = self._postprocess(sched, sample_mask, outputs_tokens, lp_rows)
+
+        # process outputs: append, stop, detokenize
+        outputs, finished = self._process_outputs(sched, new_tokens, lp_rows)
         if self.drafter is not None:
             self.drafter.shadow_probe(sched.seqs)
         t_end = time.perf_counter()
         self.step_index += 1
         if self.config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
-            multi_step.observe_iteration(self, t_end - t0)        # a decode-only step: one iteration
+            ms.observe_iteration(t_end - t0)    # a decode-only step: one iteration
         if decode_only and (num_spec or self.num_scheduler_steps == 1):     # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
         if observe:
@@ -311,60 +347,131 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
                        "sampling": t_sample - t_mask, "postprocess": t_end - t_sample}
             if constrained:
                 timings["grammar mask"] = t_mask - t_fwd
-            timings.update({k: v for k, v in timer.collect().items()})
+            timings.update(timer.collect())
             self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=graphed,
                             rank_timings=self.collect_rank_timings())
         else:
             self.block_manager.pop_step_stats()
         return outputs
 
-    def _sample(self, sched: SchedulerOutput, sample_mask: list[bool], logits: torch.Tensor):
-        rows, seqs = [], []
-        for seq, m in zip(sched.seqs, sample_mask):
-            if m:
-                seqs.append(seq)
-                rows.append(self._sample_row(seq))
-        if not rows:
-            return [[] for _ in sched.seqs], [None] * len(sched.seqs)
-        tokens, logprobs = sample(logits, rows, self.generator, fused=self.fused_sampling)
-        out_tokens, out_lp = [], []
-        j = 0
-        for m in sample_mask:
-            if m:
-                out_tokens.append([tokens[j]])
-                out_lp.append(None if logprobs is None else [logprobs[j]])
-                j += 1
-            else:
-                out_tokens.append([])
-                out_lp.append(None)
-        return out_tokens, out_lp
+    def _block_step(self, K: int, observe: bool, timer) -> list[RequestOutput]:
+        """A step of pipelined multi-step decode: the next block is launched behind the in-flight one, whose
+        tokens are then processed as one step of K tokens per request."""
+        blk = self.multi_step.run(K, self.arrivals_pending)
+        sched = blk.sched
+        if observe:
+            sched.phases = ["decode"] * len(sched.seqs)
+            sched.total_lens = [seq.num_tokens for seq in sched.seqs]
+        outputs, finished = self._process_outputs(sched, blk.tokens, [None] * len(sched.seqs))
+        if self.drafter is not None:          # auto-off: probes from the block's tokens (the next block runs)
+            self.drafter.shadow_probe(sched.seqs)
+        t_post = time.perf_counter()
+        next_mask_s = self.multi_step.finish()  # a grammar block launched behind this one: masked and sampled
+        t_end = time.perf_counter()
+        self.step_index += 1
+        if observe:
+            timings = {"schedule": blk.t_scheduled - blk.t_start, "forward": blk.t_launched - blk.t_scheduled,
+                       "sampling": blk.t_sample - blk.t_wait + (t_end - t_post - next_mask_s),
+                       "postprocess": t_post - blk.t_sample, **timer.collect()}
+            if blk.mask_s + next_mask_s:
+                timings["grammar mask"] = blk.mask_s + next_mask_s
+            self._emit_step(sched, blk.t_start, t_end, finished, timings, cuda_graph=blk.graphed,
+                            num_decode_steps=blk.K, rank_timings=self.collect_rank_timings())
+        else:
+            self.block_manager.pop_step_stats()
+        return outputs
 
-    def _apply_grammars(self, row_seqs: list[Sequence | None], logits: torch.Tensor) -> None:
-        """-inf on the logits of tokens a constrained request's grammar forbids next. row_seqs[r]: the
-        sequence whose next token logits row r samples (None: a draft position). Constrained requests get no
-        drafts, so each has one logits row."""
-        rows = [r for r, seq in enumerate(row_seqs) if seq is not None and seq.matcher is not None
-                and not (seq.matcher.is_stopped() or seq.matcher.is_error())]   # (ended inside a grammar block)
-        if not rows:
-            return
-        self.token_bitmask_for_grammars().apply(logits, [row_seqs[r].matcher for r in rows], rows)
+    def _process_outputs(self, sched: SchedulerOutput, new_tokens: list[list[int]], lp_rows: list
+                         ) -> tuple[list[RequestOutput], list[str]]:
+        outputs, first, finished = self.output_processor.process(sched, new_tokens, lp_rows)
+        for seq in first:
+            self._emit_request("first_token", seq)
+        for seq in finished:
+            self._finished(seq)
+        return outputs, [seq.request_id for seq in finished]
 
-    def token_bitmask_for_grammars(self):
-        if self.token_bitmask is None:
-            from engine.structured.bitmask import TokenBitmask
-            self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
-                                              fused=self.config.fused_token_bitmask and self.kernels == "triton",
-                                              threads=self.config.structured_mask_threads)
-        return self.token_bitmask
+    # ---- events --------------------------------------------------------------------------------
+    def _emit_request(self, kind: str, seq: Sequence, finish_reason: str | None = None,
+                      message: str | None = None) -> None:
+        if self.events.active:
+            self.events.emit(request_event(kind, seq, self.step_index, finish_reason, message))
 
-    def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:
-        p = seq.params
-        toks = seq.token_ids + extra_tokens if extra_tokens else seq.token_ids
-        n_out = len(toks) - seq.num_prompt_tokens
-        banned = None
-        if n_out < p.min_tokens and seq.matcher is None:     # a grammar alone decides when it may end
-            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-        return SampleRow(p, toks if p.needs_penalties else [], seq.num_prompt_tokens, n_out, banned)
+    def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str], timings: dict,
+                   cuda_graph: bool = False, num_decode_steps: int = 1, rank_timings: dict | None = None) -> None:
+        self.events.emit(step_event(
+            sched, self.step_index, t0, t1, finished,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.block_manager.usage, num_blocks=self.num_blocks, timings=timings, cuda_graph=cuda_graph,
+            num_decode_steps=num_decode_steps,
+            spec=self.drafter.pop_step_stats() if self.drafter is not None else None,
+            memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
+            rank_timings=rank_timings, **self.block_manager.pop_step_stats()))
+
+    # ---- introspection (read between steps by the inspector, /metrics and the benchmarks) ---------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return dict(step=self.step_index, num_running=len(self.scheduler.running),
+                    num_waiting=len(self.scheduler.waiting), num_blocks=self.num_blocks,
+                    num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
+                    num_preemptions_total=self.scheduler.num_preemptions,
+                    prefix_cache_queries=bm.total_queries, prefix_cache_hits=bm.total_hits,
+                    max_model_len=self.max_model_len, block_size=self.block_size,
+                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
+                    kernels=self.kernels, model=self.model_name, quantization=self.quantization,
+                    generation_tokens=self.output_processor.num_generation_tokens, **self.stats_total,
+                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    parallel_layout=self.parallel_layout,
+                    **(self.drafter.total_stats() if self.drafter is not None else {}))
+
+    def memory_stats(self) -> dict:
+        """Memory now, in bytes: `allocated` / `max_allocated` from the CUDA caching allocator on a GPU (weights,
+        KV pool, activations, graphs), on a CPU the engine's own tensors (weights + KV pool); `kv_pool` the
+        whole KV pool; `kv_reserved` the slots of blocks held by requests; `kv_used` those holding a token."""
+        reserved, used = self.block_manager.slot_usage(self.scheduler.running)
+        pool = self.num_blocks * self.block_size * self.slot_bytes
+        if self.device.type == "cuda":
+            alloc, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
+        else:
+            alloc = peak = self.weight_bytes + pool
+        return dict(allocated=alloc, max_allocated=peak, kv_pool=pool, kv_reserved=reserved * self.slot_bytes,
+                    kv_used=used * self.slot_bytes, reserved_slots=reserved, used_slots=used)
+
+    def kv_snapshot(self) -> dict:
+        pool = self.block_manager.pool
+        holders = list(self.scheduler.running) + [s for s in self.scheduler.waiting if s.block_table]
+        return dict(num_blocks=self.num_blocks, block_size=self.block_size, ref_counts=list(pool.ref_counts),
+                    cached=[h is not None for h in pool.block_hash],
+                    block_tables={s.request_id: list(s.block_table) for s in holders},
+                    num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
+                    kv_cache_layout=self.config.kv_cache_layout)
+
+    def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
+        """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""
+        if self.executor is None:
+            return None
+        ahead = self.multi_step.inflight
+        return self.executor.collect_timings(keep=ahead.K if ahead is not None else 0)
+
+    def profile_step(self) -> None:
+        """Run the next step under torch.profiler; its per-kernel table lands in `last_profile`."""
+        self._profile_next = True
+
+    def _profiled_step(self) -> list[RequestOutput]:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            outs = self._step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        rows = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+            rows.append(dict(name=e.key, count=e.count, cpu_time_ms=e.self_cpu_time_total / 1e3,
+                             device_time_ms=dev_us / 1e3))
+        key = "device_time_ms" if self.device.type == "cuda" else "cpu_time_ms"
+        rows.sort(key=lambda r: -r[key])
+        self.last_profile = rows[:40]
+        return outs
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def stop_workers(self) -> None:
@@ -383,8 +490,8 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             self.abort_request(seq.request_id)
         self.stop_workers()
         self.runner.graphs = None
-        self._inflight = None
-        self.drafter = self.fast_verify = None  # a draft model and its KV pool go with it
+        self.multi_step.inflight = None
+        self.drafter = self.fast_verify = self.output_processor.drafter = self.multi_step.drafter = None
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         self.runner.kv_cache = None

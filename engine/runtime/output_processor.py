@@ -1,5 +1,5 @@
-"""Output processing of LLMEngine: a step's sampled tokens -> sequences (stop conditions, detokenization,
-logprobs, finishing and block commits) -> RequestOutputs."""
+"""Output processing: a step's sampled tokens -> sequences (stop conditions, detokenization, logprobs, finishing
+and block commits) -> RequestOutputs."""
 from __future__ import annotations
 
 import time
@@ -13,11 +13,20 @@ from engine.core.sequence import Sequence
 
 
 class OutputProcessor:
-    """Mixed into LLMEngine; uses its scheduler, block manager, detokenizer, drafter and event emitters."""
+    def __init__(self, scheduler, block_manager, detok, eos_token_ids: set[int], max_model_len: int,
+                 enable_kv_cache: bool):
+        self.scheduler, self.block_manager, self.detok = scheduler, block_manager, detok
+        self.eos_token_ids, self.max_model_len, self.enable_kv_cache = eos_token_ids, max_model_len, enable_kv_cache
+        self.drafter = None                    # spec.Drafter: accepted drafts' KV and blocks
+        self.final_outputs_only = False        # LLM.generate: skip building per-step streaming outputs
+        self.num_generation_tokens = 0
 
-    def _postprocess(self, sched: SchedulerOutput, sample_mask, new_tokens: list[list[int]], lp_rows):
+    def process(self, sched: SchedulerOutput, new_tokens: list[list[int]], lp_rows: list
+                ) -> tuple[list[RequestOutput], list[Sequence], list[Sequence]]:
+        """Append each scheduled sequence's new tokens -> (outputs, sequences that got their first token,
+        sequences that finished: the scheduler has freed their blocks)."""
         now = time.perf_counter()
-        outputs, finished = [], []
+        outputs, first, finished = [], [], []
         for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
             if seq.is_finished:  # aborted meanwhile
                 continue
@@ -31,7 +40,7 @@ class OutputProcessor:
             m = seq.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
-                self._emit_req("first_token", seq)
+                first.append(seq)
             m.last_token_time = now
             m.token_times.append(now)
             added = []
@@ -40,7 +49,7 @@ class OutputProcessor:
             for t_i, tok in enumerate(toks):
                 seq.append_token(tok)
                 added.append(tok)
-                self.stats_total["generation_tokens"] += 1
+                self.num_generation_tokens += 1
                 if seq.logprobs is not None and lp_rows[i] is not None:
                     seq.logprobs.append(self._logprob_entry(lp_rows[i][t_i], tok, seq.params.logprobs))
                 reason = self._check_stop_token(seq, tok)
@@ -59,21 +68,16 @@ class OutputProcessor:
                 reason = "stop"
             if reason:
                 self.scheduler.finish(seq, reason)
-                if seq.matcher is not None:
-                    self.num_constrained -= 1
                 m.finished_time = now
-                self.seqs.pop(seq.request_id, None)
-                self.stats_total["finished"] += 1
-                finished.append(seq.request_id)
-                self._emit_req("finished", seq, finish_reason=reason)
+                finished.append(seq)
             else:
-                if not self.config.enable_kv_cache:
+                if not self.enable_kv_cache:
                     seq.num_computed_tokens = 0      # the baseline forgets its cache every step
                 else:
                     self.block_manager.commit_computed(seq)
             if seq.is_finished or not self.final_outputs_only:
-                outputs.append(self._make_output(seq, added))
-        return outputs, finished
+                outputs.append(self.make_output(seq, added))
+        return outputs, first, finished
 
     def _check_stop_token(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -105,7 +109,7 @@ class OutputProcessor:
             entry += [Logprob(int(t), float(v), self.detok.decode_one(int(t))) for v, t in zip(vals, idx)]
         return entry
 
-    def _make_output(self, seq: Sequence, added: list[int]) -> RequestOutput:
+    def make_output(self, seq: Sequence, added: list[int]) -> RequestOutput:
         upto = streamable_len(seq)
         delta = seq.text[seq.sent_text_len:upto]
         seq.sent_text_len = max(seq.sent_text_len, upto)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.worker.host_copy import HostCopy
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.sequence import Sequence
 
 
 _philox_rngs: dict[int, random.Random] = {}     # per engine seed: one Philox seed per fused draw
@@ -155,3 +159,39 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow], generator: tor
             g = _seeded_generator(rows[i].params.seed, rows[i].position, probs.device)
             tokens[i] = torch.multinomial(probs[j], 1, generator=g)[0]
     return tokens, raw_logprobs
+
+
+class Sampler:
+    """The step's sampling stage: one SampleRow per sampled sequence, then one sampling call for the batch.
+    fused: the Triton Gumbel-max sampler on CUDA (True, or "one_launch"); generator: unseeded draws."""
+
+    def __init__(self, eos_token_ids: set[int], generator: torch.Generator, fused: bool | str = False):
+        self.eos_token_ids, self.generator, self.fused = eos_token_ids, generator, fused
+
+    def row(self, seq: "Sequence", extra_tokens: list[int] | None = None) -> SampleRow:
+        """seq's next token's row; extra_tokens: drafts appended before it (a verify step's later positions)."""
+        p = seq.params
+        toks = seq.token_ids + extra_tokens if extra_tokens else seq.token_ids
+        n_out = len(toks) - seq.num_prompt_tokens
+        banned = None
+        if n_out < p.min_tokens and seq.matcher is None:     # a grammar alone decides when it may end
+            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        return SampleRow(p, toks if p.needs_penalties else [], seq.num_prompt_tokens, n_out, banned)
+
+    def __call__(self, seqs: list["Sequence"], sample_mask: list[bool], logits: torch.Tensor
+                 ) -> tuple[list[list[int]], list]:
+        """logits [rows, V], one row per sequence whose mask is set -> (new tokens per sequence, logprob rows)."""
+        rows = [self.row(seq) for seq, m in zip(seqs, sample_mask) if m]
+        if not rows:
+            return [[] for _ in seqs], [None] * len(seqs)
+        tokens, logprobs = sample(logits, rows, self.generator, fused=self.fused)
+        out_tokens, out_lp, j = [], [], 0
+        for m in sample_mask:
+            if m:
+                out_tokens.append([tokens[j]])
+                out_lp.append(None if logprobs is None else [logprobs[j]])
+                j += 1
+            else:
+                out_tokens.append([])
+                out_lp.append(None)
+        return out_tokens, out_lp

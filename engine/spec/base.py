@@ -259,7 +259,7 @@ class Drafter(ShadowProbes):
             drafts = list(seq.spec_token_ids[:k])
             if not plain:
                 for j in range(k + 1):
-                    rows.append(eng._sample_row(seq, drafts[:j]))
+                    rows.append(eng.sampler.row(seq, drafts[:j]))
             groups.append((i, seq, drafts, r))
             r += k + 1
         new_tokens: list[list[int]] = [[] for _ in sched.seqs]
@@ -292,7 +292,7 @@ class Drafter(ShadowProbes):
                 q = self._q.pop(seq.request_id, None)
                 if q is not None:
                     q = q[:k]
-                gen = eng.generator if p.seed is None else \
+                gen = eng.sampler.generator if p.seed is None else \
                     _seeded_generator(p.seed, seq.num_output_tokens, pr.device)
                 toks = rejection_sample(pr, drafts, q, gen)
             new_tokens[i] = toks

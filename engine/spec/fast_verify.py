@@ -32,7 +32,7 @@ class FastVerify:
         """The verify graph key (P, Q, None) if this step can take the fast path, else None."""
         eng = self.engine
         g = eng.runner.graphs
-        if g is None or not self.enabled or eng.num_constrained or eng.runner.executor is not None:
+        if g is None or not self.enabled or eng.structured.num_constrained or eng.runner.executor is not None:
             return None
         ks = sched.num_spec_tokens
         kmax = max(ks, default=0)

@@ -120,7 +120,7 @@ class ModelDrafter(Drafter):
     def _pick(self, seqs: list[Sequence], logits: torch.Tensor, qs: list[list]) -> list[int]:
         """Next draft token per seq; sampled requests draw from q and record it."""
         eng = self.engine
-        rows = [eng._sample_row(s, s.spec_token_ids) for s in seqs]
+        rows = [eng.sampler.row(s, s.spec_token_ids) for s in seqs]
         if any(r.banned or r.params.needs_penalties for r in rows):   # draft under the target's rules
             logits = logits.clone()
             for i, r in enumerate(rows):
@@ -134,7 +134,7 @@ class ModelDrafter(Drafter):
             for n, i in enumerate(sampled):
                 p = seqs[i].params
                 if p.seed is None:
-                    gen = eng.generator
+                    gen = eng.sampler.generator
                 else:
                     gen = _seeded_generator(p.seed ^ _DRAFT_SEED_SALT, rows[i].position, probs.device)
                 toks[i] = torch.multinomial(probs[n], 1, generator=gen)[0]

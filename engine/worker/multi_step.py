@@ -24,6 +24,7 @@ a one-iteration block allows any sampling parameter but logprobs, a longer one n
 on the host (penalties, min_tokens).
 """
 from __future__ import annotations
+from __future__ import annotations
 
 import time
 from dataclasses import dataclass
@@ -55,6 +56,21 @@ class InFlight:
     mds: list[AttentionMetadata] | None = None     # a grammar block's iterations, launched one at a time
 
 
+@dataclass
+class BlockTokens:
+    """A finished block's tokens on the host, for the engine's output processing."""
+    sched: SchedulerOutput
+    K: int
+    tokens: list[list[int]]         # [B, K]
+    graphed: bool
+    t_start: float
+    t_scheduled: float
+    t_launched: float
+    t_wait: float                   # the host began waiting for the tokens
+    t_sample: float                 # they arrived
+    mask_s: float                   # host seconds of grammar masks in this step
+
+
 def _plain(seq: Sequence) -> bool:
     p = seq.params
     return (seq.matcher is None and not p.needs_penalties and p.logprobs is None
@@ -69,261 +85,254 @@ def _in_grammar_block(seq: Sequence) -> bool:
                                                              seq.num_output_tokens >= p.min_tokens)
 
 
-def plan(engine, ahead: InFlight | None = None) -> int:
-    """How many decode iterations the next block may run (0: take a normal step). With `ahead`, the block
-    would follow that in-flight one, whose K tokens per request are not known on the host yet. A batch
-    with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0."""
-    sch = engine.scheduler
-    grammar = engine.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
-    K = engine.num_scheduler_steps if not grammar or engine.config.structured_multi_step else 1
-    if (not engine.structured_overlap if grammar else K <= 1) or not engine.config.enable_kv_cache \
-            or not sch.running:
-        return 0
-    if engine.drafter is not None and engine.drafter.blocks_fast_path(sch.running):
-        return 0                                    # a request drafts (or probes) within the block
-    if _admit_now(engine):
-        return 0                                    # admit the newcomers with a normal step
-    if len(sch.running) > engine.config.max_num_batched_tokens:
-        return 0
-    extra = ahead.K if ahead else 0
-    inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
-    room, longest = engine.max_model_len, 0
-    kept = _block_seqs(engine, extra)
-    kept_ids = {id(s) for s in kept}
-    for seq in sch.running:
-        if inflight is not None:
-            if id(seq) not in inflight:
-                return 0
-        elif seq.num_computed_tokens != seq.num_tokens - 1:
-            return 0
-        if not (seq.params.logprobs is None if grammar else _plain(seq)):
-            return 0                                # (a grammar block samples with the host up to date)
-        if id(seq) not in kept_ids:
-            continue                                # ends in the block in flight: it bounds nothing here
-        if grammar and not _in_grammar_block(seq):
-            K = 1
-        room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
-        longest = max(longest, _left(seq, extra))
-    if engine.config.multi_step_trim:               # no iteration that every request would discard
-        K = min(K, longest)
-    K = min(K, room, _time_cap(engine)) if K > 1 else min(K, room)
-    bm = engine.block_manager
-    need = sum(bm.blocks_needed(s, s.num_computed_tokens + extra + K) for s in kept)
-    return K if K >= (1 if grammar else 2) and need <= bm.pool.num_free else 0
-
-
-def _admit_now(engine) -> bool:
-    """Break the decode pipeline for a normal (prefill) step when newcomers can be admitted: once
-    `multi_step_admit_min` batch slots are free, or as many as there are newcomers. A prefill step runs
-    eagerly and costs several decode iterations of host time, so while the batch is full, admitting a few
-    requests per step instead of one each time a request finishes keeps the GPU busy."""
-    sch, cfg = engine.scheduler, engine.config
-    if cfg.scheduling_policy == "priority" and sch.waiting and sch.running \
-            and sch.waiting.peek().params.priority < sch.running[-1].params.priority:
-        return True                     # a better request waits: a normal step lets the scheduler preempt
-    free = cfg.max_num_seqs - len(sch.running)
-    if free <= 0 or not (sch.waiting or engine.arrivals_pending):
-        return False
-    want = len(sch.waiting) + (1 if engine.arrivals_pending else 0)
-    need = cfg.multi_step_admit_min if cfg.multi_step_admit_min is not None else max(1, cfg.max_num_seqs // 32)
-    return free >= min(want, need)
-
-
-def _time_cap(engine) -> int:
-    """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration (at least 2):
-    a block's tokens reach the clients together, so its length is the inter-token latency they see."""
-    budget = engine.config.multi_step_max_ms
-    if not budget:
-        return engine.num_scheduler_steps
-    if engine.decode_iter_s is None:
-        return 1                                    # one plain decode step measures it first
-    # never below 2: a block of one iteration cannot be pipelined behind the one in flight, and the GPU
-    # would idle through every host round trip (num_scheduler_steps=1 turns multi-step off instead)
-    return max(2, int(budget / 1e3 / engine.decode_iter_s))
-
-
-def observe_iteration(engine, seconds: float) -> None:
-    """Fold one decode iteration's measured time into the running estimate (recent batches weigh most)."""
-    est = engine.decode_iter_s
-    engine.decode_iter_s = seconds if est is None else 0.5 * est + 0.5 * seconds
-
-
 def _left(seq: Sequence, extra: int) -> int:
     """Tokens seq may still produce after the `extra` in flight (none: it ends within the block in flight)."""
     return seq.params.max_tokens - seq.num_output_tokens - extra
 
 
-def _block_seqs(engine, extra: int) -> list[Sequence]:
-    """The requests a block computes: with EngineConfig.multi_step_trim, not those ending in the block in flight."""
-    trim = extra and engine.config.multi_step_trim
-    return [s for s in engine.scheduler.running if not trim or _left(s, extra) > 0]
+class MultiStepDecoder:
+    """Plans, launches and pipelines decode blocks; the engine post-processes each block's tokens as one step.
+    num_steps: iterations per block (EngineConfig.num_scheduler_steps, resolved); structured_overlap: batches
+    with a constrained request run grammar blocks."""
 
+    def __init__(self, config, scheduler, runner, sampler, structured, max_model_len: int, num_steps: int,
+                 structured_overlap: bool):
+        self.config, self.scheduler, self.runner = config, scheduler, runner
+        self.sampler, self.structured = sampler, structured
+        self.max_model_len, self.num_steps, self.structured_overlap = max_model_len, num_steps, structured_overlap
+        self.drafter = None
+        self.inflight: InFlight | None = None      # a launched block
+        self.decode_iter_s: float | None = None    # measured seconds per decode iteration (multi_step_max_ms)
+        self._last_block_done: float | None = None
 
-def schedule(engine, K: int, extra: int = 0) -> SchedulerOutput:
-    """Every request of the block computes K tokens (1 known + K - 1 sampled on the way), after `extra` tokens
-    still in flight; blocks for all of them are taken now."""
-    out = SchedulerOutput()
-    for seq in _block_seqs(engine, extra):
-        engine.block_manager.allocate(seq, extra + K)
-        out.seqs.append(seq)
-        out.num_new_tokens.append(K)
-        out.num_spec_tokens.append(0)
-        out.computed_before.append(seq.num_computed_tokens + extra)
-    return out
+    @property
+    def enabled(self) -> bool:
+        return self.num_steps > 1 or self.structured_overlap
 
+    # ---- planning ------------------------------------------------------------------------------
+    def plan(self, arrivals_pending: bool, ahead: InFlight | None = None) -> int:
+        """How many decode iterations the next block may run (0: take a normal step). With `ahead`, the block
+        would follow that in-flight one, whose K tokens per request are not known on the host yet. A batch
+        with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0."""
+        sch, cfg = self.scheduler, self.config
+        grammar = self.structured.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
+        K = self.num_steps if not grammar or cfg.structured_multi_step else 1
+        if (not self.structured_overlap if grammar else K <= 1) or not cfg.enable_kv_cache or not sch.running:
+            return 0
+        if self.drafter is not None and self.drafter.blocks_fast_path(sch.running):
+            return 0                                    # a request drafts (or probes) within the block
+        if self._admit_now(arrivals_pending):
+            return 0                                    # admit the newcomers with a normal step
+        if len(sch.running) > cfg.max_num_batched_tokens:
+            return 0
+        extra = ahead.K if ahead else 0
+        inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
+        room, longest = self.max_model_len, 0
+        kept = self._block_seqs(extra)
+        kept_ids = {id(s) for s in kept}
+        for seq in sch.running:
+            if inflight is not None:
+                if id(seq) not in inflight:
+                    return 0
+            elif seq.num_computed_tokens != seq.num_tokens - 1:
+                return 0
+            if not (seq.params.logprobs is None if grammar else _plain(seq)):
+                return 0                                # (a grammar block samples with the host up to date)
+            if id(seq) not in kept_ids:
+                continue                                # ends in the block in flight: it bounds nothing here
+            if grammar and not _in_grammar_block(seq):
+                K = 1
+            room = min(room, self.max_model_len - (seq.num_tokens + extra) + 1)
+            longest = max(longest, _left(seq, extra))
+        if cfg.multi_step_trim:                         # no iteration that every request would discard
+            K = min(K, longest)
+        K = min(K, room, self._time_cap()) if K > 1 else min(K, room)
+        ok = K >= (1 if grammar else 2) and sch.can_schedule_block(kept, extra + K)
+        return K if ok else 0
 
-def prepare(runner, sched: SchedulerOutput, K: int) -> list[AttentionMetadata]:
-    """One metadata per iteration (views of [K, B] tensors packed once on the host)."""
-    seqs, bs, dev = sched.seqs, runner.block_size, runner.device
-    B = len(seqs)
-    start = np.asarray(sched.computed_before, dtype=np.int64)                # [B]
-    pos = start[None, :] + np.arange(K, dtype=np.int64)[:, None]              # [K, B]
-    width = max(len(s.block_table) for s in seqs)
-    tables = np.zeros((B, width), dtype=np.int64)
-    for i, s in enumerate(seqs):
-        tables[i, :len(s.block_table)] = s.block_table
-    slots = np.take_along_axis(tables, (pos // bs).T, axis=1).T * bs + pos % bs   # [K, B]
-    packed = np.concatenate([pos, slots, pos + 1]).astype(np.int64)          # [3K, B]
-    packed_d = torch.from_numpy(packed).to(dev, non_blocking=True)
-    pos_d, slots_d = packed_d[:K], packed_d[K:2 * K]
-    lens_d = packed_d[2 * K:].to(torch.int32)
-    tables_d = torch.from_numpy(tables.astype(np.int32)).to(dev, non_blocking=True)
-    arange = torch.arange(B + 1, device=dev)
-    cu_q, logits_idx = arange.to(torch.int32), arange[:B]
-    mds = []
-    for j in range(K):
-        lens = (start + j + 1).tolist()
-        mds.append(AttentionMetadata(
-            positions=pos_d[j], slot_mapping=slots_d[j], cu_seqlens_q=cu_q, seq_lens=lens_d[j],
-            block_tables=tables_d, logits_indices=logits_idx, q_lens=[1] * B, seq_lens_cpu=lens,
-            max_seqlen_q=1, max_seqlen_k=max(lens), block_size=bs))
-    return mds
+    def _admit_now(self, arrivals_pending: bool) -> bool:
+        """Break the decode pipeline for a normal (prefill) step when newcomers can be admitted: once
+        `multi_step_admit_min` batch slots are free, or as many as there are newcomers. A prefill step runs
+        eagerly and costs several decode iterations of host time, so while the batch is full, admitting a few
+        requests per step instead of one each time a request finishes keeps the GPU busy."""
+        sch, cfg = self.scheduler, self.config
+        if cfg.scheduling_policy == "priority" and sch.waiting and sch.running \
+                and sch.waiting.peek().params.priority < sch.running[-1].params.priority:
+            return True                     # a better request waits: a normal step lets the scheduler preempt
+        free = cfg.max_num_seqs - len(sch.running)
+        if free <= 0 or not (sch.waiting or arrivals_pending):
+            return False
+        want = len(sch.waiting) + (1 if arrivals_pending else 0)
+        need = cfg.multi_step_admit_min if cfg.multi_step_admit_min is not None else max(1, cfg.max_num_seqs // 32)
+        return free >= min(want, need)
 
+    def _time_cap(self) -> int:
+        """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration (at least 2):
+        a block's tokens reach the clients together, so its length is the inter-token latency they see."""
+        budget = self.config.multi_step_max_ms
+        if not budget:
+            return self.num_steps
+        if self.decode_iter_s is None:
+            return 1                                    # one plain decode step measures it first
+        # never below 2: a block of one iteration cannot be pipelined behind the one in flight, and the GPU
+        # would idle through every host round trip (num_scheduler_steps=1 turns multi-step off instead)
+        return max(2, int(budget / 1e3 / self.decode_iter_s))
 
-def launch(engine, K: int, ahead: InFlight | None = None, sample: bool = True) -> InFlight:
-    """Schedule and launch K iterations without a host sync. After an in-flight block, the first input
-    ids are that block's last sampled tokens, gathered on the device. A grammar block (a constrained
-    request in the batch) launches its first forward only, sampled here or, with sample=False, by the
-    caller's `sample_grammar_block` once the tokens before it are on the host."""
-    t0 = time.perf_counter()
-    sched = schedule(engine, K, ahead.K if ahead else 0)
-    t_sched = time.perf_counter()
-    dev = engine.runner.device
-    if ahead is None:
-        ids = torch.tensor([s.token_ids[c] for s, c in zip(sched.seqs, sched.computed_before)],
-                           dtype=torch.int64).to(dev, non_blocking=True)
-    else:
-        row = {id(s): i for i, s in enumerate(ahead.sched.seqs)}
-        idx = torch.tensor([row[id(s)] for s in sched.seqs], dtype=torch.int64).to(dev, non_blocking=True)
-        ids = ahead.tokens[:, -1].index_select(0, idx)
-    mds = prepare(engine.runner, sched, K)
-    if any(s.matcher is not None for s in sched.seqs):
-        logits = engine.runner.execute(ids, mds[0])                         # [B, V]
-        blk = InFlight(sched, K, None, None, mds[0].graphed, t0, t_sched, time.perf_counter(), logits, mds=mds)
-        return sample_grammar_block(engine, blk) if sample else blk
-    rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
-    greedy = [r.params.greedy for r in rows]
-    toks = []
-    for md in mds:
-        logits = engine.runner.execute(ids, md)                              # [B, V]
-        ids = sample_unseeded(logits, rows, greedy, engine.generator, engine.fused_sampling)
-        toks.append(ids)
-    tokens = torch.stack(toks, 1)                                            # [B, K]
-    return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
+    def observe_iteration(self, seconds: float) -> None:
+        """Fold one decode iteration's measured time into the running estimate (recent batches weigh most)."""
+        est = self.decode_iter_s
+        self.decode_iter_s = seconds if est is None else 0.5 * est + 0.5 * seconds
 
+    def _block_seqs(self, extra: int) -> list[Sequence]:
+        """The requests a block computes: with EngineConfig.multi_step_trim, not those ending in the block in
+        flight."""
+        trim = extra and self.config.multi_step_trim
+        return [s for s in self.scheduler.running if not trim or _left(s, extra) > 0]
 
-def sample_grammar_block(engine, blk: InFlight) -> InFlight | None:
-    """Mask and sample a grammar block's launched logits, with every token before them on the host: the
-    rows of the requests still running, as a synced step of just those would (None: none is running).
-    Then its later iterations: each forward is launched from the tokens just sampled, and while it runs the
-    host waits for those tokens, feeds them to the grammars and fills the next masks."""
-    seqs = blk.sched.seqs
-    alive = [i for i, s in enumerate(seqs) if not s.is_finished]
-    if not alive:
-        return None
-    dev = blk.logits.device
-    idx = None if len(alive) == len(seqs) else torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
-    rows = [engine._sample_row(seqs[i]) for i in alive]
-    first = [r.position for r in rows]
-    toks, copy = [], None
-    for j in range(blk.K):
-        if copy is not None:
-            host = copy.tolist()                                                          # [B]
-            feed_grammars([seqs[i] for i in alive], [host[i] for i in alive])
-        logits = blk.logits if idx is None else blk.logits.index_select(0, idx)          # [B', V]
-        t = time.perf_counter()
-        engine._apply_grammars([seqs[i] for i in alive], logits)
-        blk.mask_s += time.perf_counter() - t
-        tokens = _sample_iteration(engine, logits, rows, first, j, idx, len(seqs))                 # [B]
-        toks.append(tokens)
-        if j + 1 < blk.K:
-            copy = HostCopy(tokens)                 # queued before the next forward, so it lands first
-            blk.logits = engine.runner.execute(tokens, blk.mds[j + 1])
-    blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
-    blk.host = HostCopy(blk.tokens)
-    return blk
+    def drop_finished(self) -> None:
+        """Forget an in-flight block whose every request has ended (aborts, stops)."""
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.sched.seqs):
+            self.inflight = None
 
+    # ---- launching -----------------------------------------------------------------------------
+    def _prepare(self, sched: SchedulerOutput, K: int) -> list[AttentionMetadata]:
+        """One metadata per iteration (views of [K, B] tensors packed once on the host)."""
+        runner = self.runner
+        seqs, bs, dev = sched.seqs, runner.block_size, runner.device
+        B = len(seqs)
+        start = np.asarray(sched.computed_before, dtype=np.int64)                # [B]
+        pos = start[None, :] + np.arange(K, dtype=np.int64)[:, None]              # [K, B]
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((B, width), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        slots = np.take_along_axis(tables, (pos // bs).T, axis=1).T * bs + pos % bs   # [K, B]
+        packed = np.concatenate([pos, slots, pos + 1]).astype(np.int64)          # [3K, B]
+        packed_d = torch.from_numpy(packed).to(dev, non_blocking=True)
+        pos_d, slots_d = packed_d[:K], packed_d[K:2 * K]
+        lens_d = packed_d[2 * K:].to(torch.int32)
+        tables_d = torch.from_numpy(tables.astype(np.int32)).to(dev, non_blocking=True)
+        arange = torch.arange(B + 1, device=dev)
+        cu_q, logits_idx = arange.to(torch.int32), arange[:B]
+        mds = []
+        for j in range(K):
+            lens = (start + j + 1).tolist()
+            mds.append(AttentionMetadata(
+                positions=pos_d[j], slot_mapping=slots_d[j], cu_seqlens_q=cu_q, seq_lens=lens_d[j],
+                block_tables=tables_d, logits_indices=logits_idx, q_lens=[1] * B, seq_lens_cpu=lens,
+                max_seqlen_q=1, max_seqlen_k=max(lens), block_size=bs))
+        return mds
 
-def _sample_iteration(engine, logits: torch.Tensor, rows: list[SampleRow], first: list[int], j: int,
-                      idx: torch.Tensor | None, B: int) -> torch.Tensor:
-    """Sample iteration j of a grammar block from its masked logits [B', V] -> token ids [B] (rows of ended
-    requests: 0, never read). rows: the block's SampleRows, first: their positions at its first iteration."""
-    for r, p in zip(rows, first):                   # (seeds: the host has not appended this block's tokens)
-        r.position = p + j
-    tokens, _ = sample_on_device(logits, rows, engine.generator, engine.fused_sampling)     # [B']
-    if idx is not None:
-        tokens = torch.zeros(B, dtype=torch.int64, device=logits.device).index_copy_(0, idx, tokens)
-    return tokens
+    def _launch(self, K: int, ahead: InFlight | None = None, sample: bool = True) -> InFlight:
+        """Schedule and launch K iterations without a host sync. After an in-flight block, the first input
+        ids are that block's last sampled tokens, gathered on the device. A grammar block (a constrained
+        request in the batch) launches its first forward only, sampled here or, with sample=False, by
+        `_sample_grammar_block` once the tokens before it are on the host."""
+        t0 = time.perf_counter()
+        extra = ahead.K if ahead else 0
+        sched = self.scheduler.schedule_block(self._block_seqs(extra), K, extra)
+        t_sched = time.perf_counter()
+        runner = self.runner
+        dev = runner.device
+        if ahead is None:
+            ids = torch.tensor([s.token_ids[c] for s, c in zip(sched.seqs, sched.computed_before)],
+                               dtype=torch.int64).to(dev, non_blocking=True)
+        else:
+            row = {id(s): i for i, s in enumerate(ahead.sched.seqs)}
+            idx = torch.tensor([row[id(s)] for s in sched.seqs], dtype=torch.int64).to(dev, non_blocking=True)
+            ids = ahead.tokens[:, -1].index_select(0, idx)
+        mds = self._prepare(sched, K)
+        if any(s.matcher is not None for s in sched.seqs):
+            logits = runner.execute(ids, mds[0])                                # [B, V]
+            blk = InFlight(sched, K, None, None, mds[0].graphed, t0, t_sched, time.perf_counter(), logits,
+                           mds=mds)
+            return self._sample_grammar_block(blk) if sample else blk
+        rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
+        greedy = [r.params.greedy for r in rows]
+        toks = []
+        for md in mds:
+            logits = runner.execute(ids, md)                                    # [B, V]
+            ids = sample_unseeded(logits, rows, greedy, self.sampler.generator, self.sampler.fused)
+            toks.append(ids)
+        tokens = torch.stack(toks, 1)                                           # [B, K]
+        return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
 
+    def _sample_grammar_block(self, blk: InFlight) -> InFlight | None:
+        """Mask and sample a grammar block's launched logits, with every token before them on the host: the
+        rows of the requests still running, as a synced step of just those would (None: none is running).
+        Then its later iterations: each forward is launched from the tokens just sampled, and while it runs the
+        host waits for those tokens, feeds them to the grammars and fills the next masks."""
+        seqs = blk.sched.seqs
+        alive = [i for i, s in enumerate(seqs) if not s.is_finished]
+        if not alive:
+            return None
+        dev = blk.logits.device
+        idx = None if len(alive) == len(seqs) else torch.tensor(alive, dtype=torch.int64).to(dev, non_blocking=True)
+        rows = [self.sampler.row(seqs[i]) for i in alive]
+        first = [r.position for r in rows]
+        toks, copy = [], None
+        for j in range(blk.K):
+            if copy is not None:
+                host = copy.tolist()                                                      # [B]
+                feed_grammars([seqs[i] for i in alive], [host[i] for i in alive])
+            logits = blk.logits if idx is None else blk.logits.index_select(0, idx)      # [B', V]
+            t = time.perf_counter()
+            self.structured.apply([seqs[i] for i in alive], logits)
+            blk.mask_s += time.perf_counter() - t
+            tokens = self._sample_iteration(logits, rows, first, j, idx, len(seqs))     # [B]
+            toks.append(tokens)
+            if j + 1 < blk.K:
+                copy = HostCopy(tokens)                 # queued before the next forward, so it lands first
+                blk.logits = self.runner.execute(tokens, blk.mds[j + 1])
+        blk.tokens, blk.logits, blk.mds = torch.stack(toks, 1), None, None                  # [B, K]
+        blk.host = HostCopy(blk.tokens)
+        return blk
 
-def step(engine, K: int, observe: bool, timer) -> list:
-    """One engine step of pipelined multi-step decode: launch the next block behind the in-flight one, then
-    wait for the in-flight block's tokens and do its bookkeeping as one step (a grammar block launched
-    here is masked and sampled after that bookkeeping)."""
-    mask_s = 0.0
-    if engine._inflight is None:
-        engine._inflight = launch(engine, K)
-        mask_s += engine._inflight.mask_s
-    prev, engine._inflight = engine._inflight, None
-    K_next = plan(engine, ahead=prev)
-    nxt = launch(engine, K_next, ahead=prev, sample=False) if K_next else None
-    if nxt is not None and nxt.tokens is not None:
-        engine._inflight = nxt
-    t_wait = time.perf_counter()
-    tokens = prev.host.tolist()                                          # [B, K]: the one sync
-    if engine.executor is not None:
-        engine.executor.check()             # a rank that died mid-block leaves these tokens meaningless
-    t_sample = time.perf_counter()
-    # the GPU ran this block from its launch, or from the end of the block before it when it was queued
-    # behind that one
-    began = prev.t_scheduled
-    if engine._last_block_done is not None and prev.t_launched < engine._last_block_done:
-        began = engine._last_block_done
-    observe_iteration(engine, (t_sample - began) / prev.K)
-    if engine.drafter is not None:                  # auto-off: the plain decode iteration it compares against
-        engine.drafter.observe_step(len(prev.sched.seqs), 0, (t_sample - began) / prev.K)
-    engine._last_block_done = t_sample if nxt is not None else None
-    sched = prev.sched
-    if observe:
-        sched.phases = ["decode"] * len(sched.seqs)
-        sched.total_lens = [seq.num_tokens for seq in sched.seqs]
-    outputs, finished = engine._postprocess(sched, [True] * len(sched.seqs), tokens, [None] * len(sched.seqs))
-    if engine.drafter is not None:          # auto-off: probes from the block's tokens (the next block runs)
-        engine.drafter.shadow_probe(sched.seqs)
-    t_post = time.perf_counter()
-    if nxt is not None and nxt.tokens is None:
-        engine._inflight = sample_grammar_block(engine, nxt)
-        mask_s += nxt.mask_s
-    t_end = time.perf_counter()
-    engine.step_index += 1
-    if observe:
-        timings = {"schedule": prev.t_scheduled - prev.t_start, "forward": prev.t_launched - prev.t_scheduled,
-                   "sampling": t_sample - t_wait + (t_end - t_post - (nxt.mask_s if nxt is not None else 0.0)),
-                   "postprocess": t_post - t_sample, **timer.collect()}
-        if mask_s:
-            timings["grammar mask"] = mask_s
-        engine._emit_step(sched, prev.t_start, t_end, finished, timings, cuda_graph=prev.graphed,
-                          num_decode_steps=prev.K, rank_timings=engine.collect_rank_timings())
-    else:
-        engine.block_manager.pop_step_stats()
-    return outputs
+    def _sample_iteration(self, logits: torch.Tensor, rows: list[SampleRow], first: list[int], j: int,
+                          idx: torch.Tensor | None, B: int) -> torch.Tensor:
+        """Sample iteration j of a grammar block from its masked logits [B', V] -> token ids [B] (rows of ended
+        requests: 0, never read). rows: the block's SampleRows, first: their positions at its first iteration."""
+        for r, p in zip(rows, first):                   # (seeds: the host has not appended this block's tokens)
+            r.position = p + j
+        tokens, _ = sample_on_device(logits, rows, self.sampler.generator, self.sampler.fused)     # [B']
+        if idx is not None:
+            tokens = torch.zeros(B, dtype=torch.int64, device=logits.device).index_copy_(0, idx, tokens)
+        return tokens
+
+    # ---- one engine step -----------------------------------------------------------------------
+    def run(self, K: int, arrivals_pending: bool) -> BlockTokens:
+        """Launch the next block behind the in-flight one (or a first block of K iterations), then wait for the
+        in-flight block's tokens. A grammar block launched here is masked and sampled by `finish` once the
+        engine has post-processed these tokens."""
+        mask_s = 0.0
+        if self.inflight is None:
+            self.inflight = self._launch(K)
+            mask_s += self.inflight.mask_s
+        prev, self.inflight = self.inflight, None
+        K_next = self.plan(arrivals_pending, ahead=prev)
+        nxt = self._launch(K_next, ahead=prev, sample=False) if K_next else None
+        self.inflight = nxt
+        t_wait = time.perf_counter()
+        tokens = prev.host.tolist()                                          # [B, K]: the one sync
+        if self.runner.executor is not None:
+            self.runner.executor.check()        # a rank that died mid-block leaves these tokens meaningless
+        t_sample = time.perf_counter()
+        # the GPU ran this block from its launch, or from the end of the block before it when it was queued
+        # behind that one
+        began = prev.t_scheduled
+        if self._last_block_done is not None and prev.t_launched < self._last_block_done:
+            began = self._last_block_done
+        self.observe_iteration((t_sample - began) / prev.K)
+        if self.drafter is not None:            # auto-off: the plain decode iteration it compares against
+            self.drafter.observe_step(len(prev.sched.seqs), 0, (t_sample - began) / prev.K)
+        self._last_block_done = t_sample if nxt is not None else None
+        return BlockTokens(prev.sched, prev.K, tokens, prev.graphed, prev.t_start, prev.t_scheduled,
+                           prev.t_launched, t_wait, t_sample, mask_s)
+
+    def finish(self) -> float:
+        """After post-processing: sample a grammar block launched by `run` -> host seconds of its masks."""
+        nxt = self.inflight
+        if nxt is None or nxt.tokens is not None:
+            return 0.0
+        self.inflight = self._sample_grammar_block(nxt)
+        return nxt.mask_s
