@@ -6,7 +6,7 @@ default), cuBLAS (F.linear) and the unfused kernels it replaces, as % of copy ba
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step. Configs compile in parallel worker processes first.
 Usage: python benchmarks/sweep_gemv.py [--quick] [--shape llama-3.1-8b[,llama-3.2-1b]] [--ms 1,2,4,8]
-       [--table-out winners.json]   (bench_gpu.py / profile.py decode --gemv-table winners.json use them)
+       [--table-out winners.json]   (bench_gpu.py / profiler.py decode --gemv-table winners.json use them)
 (table last; JSON to benchmarks/results/gemv_<device>_<shape>.json)
 """
 from __future__ import annotations

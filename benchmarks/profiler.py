@@ -1,19 +1,19 @@
 """Where the time goes: the benchmarks say how fast, these profiles say why. One subcommand per question:
 
-    python benchmarks/profile.py kernels --engine kvscope|vllm [--shape llama-3.1-8b] [--workload nano|prefill]
+    python benchmarks/profiler.py kernels --engine kvscope|vllm [--shape llama-3.1-8b] [--workload nano|prefill]
         a whole offline run's GPU time per kernel class and top kernels, kvscope or vLLM on the same workload
         (PYTHONPATH=$HOME/vsite for vLLM)                               -> kernels_profile_<engine>_<device>_...
-    python benchmarks/profile.py decode [--shape llama-3.1-8b] [--steps 8] [--pdl 0] [--gemv-table T.json]
+    python benchmarks/profiler.py decode [--shape llama-3.1-8b] [--steps 8] [--pdl 0] [--gemv-table T.json]
         one batch-1 decode step's kernels per iteration, against the HBM floor    -> profile_decode_<device>_<shape>
-    python benchmarks/profile.py steps [--configs default,nochunk] [--model dummy:llama-3.1-8b]
+    python benchmarks/profiler.py steps [--configs default,nochunk] [--model dummy:llama-3.1-8b]
         the engine's own step events of a throughput run, by step kind           -> profile_steps_<device>
-    python benchmarks/profile.py structured [--batch 32] [--mask-threads 0 2 4] [--feed seq par] [--pin 0 1]
+    python benchmarks/profiler.py structured [--batch 32] [--mask-threads 0 2 4] [--feed seq par] [--pin 0 1]
         a constrained decode iteration's host phases and GPU busy time           -> profile_structured_<device>
-    python benchmarks/profile.py launch [--batch 32]
+    python benchmarks/profiler.py launch [--batch 32]
         host cost of a grammar iteration's launches and copies, GPU idle vs busy -> probe_launch_cost_<device>
-    python benchmarks/profile.py spec-steps [--methods none,ngram] [--cost-ratio 2]
+    python benchmarks/profiler.py spec-steps [--methods none,ngram] [--cost-ratio 2]
         on the CPU: what kinds of steps a speculative engine takes against plain decoding  -> spec_steps<tag>
-    python benchmarks/profile.py spec-times --device cuda --model dummy:llama-3.2-1b
+    python benchmarks/profiler.py spec-times --device cuda --model dummy:llama-3.2-1b
         every engine.step() of a speculative engine timed and classed            -> spec_step_times_<device><tag>
 
 Each prints a table and writes its JSON to benchmarks/results/.
@@ -672,7 +672,7 @@ SPEC_FLAGS = ("method flags as bench_spec.py's: +noshadow, +long, +main, +everyb
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python benchmarks/profile.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/profiler.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{kernels,decode,steps,structured,launch,"
                                                                "spec-steps,spec-times}")
 
