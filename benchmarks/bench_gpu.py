@@ -87,17 +87,12 @@ def prefill_workload(n: int = 128, seed: int = 0):
 
 LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enable_pdl=False),
                    "cuda graphs, enable_pdl=True": dict(enable_pdl=True),
-                   "decode_fused_merge=True": dict(decode_fused_merge=True),
                    "cuda graphs, gemv_max_tokens=0": dict(gemv_max_tokens=0), "eager": dict(enable_cuda_graphs=False),
                    # the batch-1 decode kernels one switch at a time, and all back at their previous defaults
                    "gemv_variant=tiled": dict(gemv_variant="tiled"),
                    "gemv_variant=persistent": dict(gemv_variant="persistent"),
-                   "decode_fused_merge=False": dict(decode_fused_merge=False),
                    "sampler_one_launch=False": dict(sampler_one_launch=False),
-                   "1B before (4-launch sampler; no fused merge)": dict(sampler_one_launch=False,
-                                                                        decode_fused_merge=False),
-                   "previous kernels (tiled; no fused merge)": dict(gemv_variant="tiled", decode_fused_merge=False,
-                                                                    enable_pdl=True)}
+                   "previous kernels (tiled; enable_pdl=True)": dict(gemv_variant="tiled", enable_pdl=True)}
 
 
 ABLATIONS = {"kernels=torch": dict(kernels="torch"), "no cuda graphs": dict(enable_cuda_graphs=False),
@@ -107,7 +102,7 @@ ABLATIONS = {"kernels=torch": dict(kernels="torch"), "no cuda graphs": dict(enab
              "multi_step_max_ms=4 (the server's default)": dict(multi_step_max_ms=4.0),
              "multi_step_admit_min=1": dict(multi_step_admit_min=1),
              "no prefix caching": dict(enable_prefix_caching=False),
-             "decode_fused_merge=True": dict(decode_fused_merge=True), "gemv_variant=tiled": dict(gemv_variant="tiled"),
+             "gemv_variant=tiled": dict(gemv_variant="tiled"),
              "fused_qk_norm=False": dict(fused_qk_norm=False),           # Qwen3 (q/k norm) shapes only
              "multi_step_trim=False": dict(multi_step_trim=False)}
 
@@ -213,7 +208,7 @@ def main():
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prefill-requests", type=int, default=128)
     ap.add_argument("--latency-configs", default="cuda graphs,cuda graphs, enable_pdl=False,cuda graphs, gemv_max_tokens=0,"
-                    "eager,previous kernels (tiled; no fused merge)",
+                    "eager,previous kernels (tiled; enable_pdl=True)",
                     help=f"comma-separated, of {list(LATENCY_CONFIGS)}")
     ap.add_argument("--ablations", default="", help="comma-separated ablation names to run (default: all)")
     ap.add_argument("--prefill-ablations", default="", help="ablation names also run on the prefill-heavy workload")

@@ -9,7 +9,10 @@
     python benchmarks/bench_quant.py [--sections kernels,model] [--formats none,fp8,int8,int4] [--requests 256]
                                      [--gemv auto|tc|cuda|both]
 --gemv: the quantized decode GEMVs on tensor cores (kernels/quant_gemv_tc.py), CUDA cores (quant_gemv.py), the
-engine's default (auto: per shape, tensor cores where the sweep found them faster), or all three. Prints tables last; writes benchmarks/results/quant_<device>.json. The GEMVs' launch configs
+engine's default (auto: per shape, tensor cores where the sweep found them faster), or all three. fp8's
+gemm256_fp8act_us: the GEMM with activations quantized per token-group (kernels/quant_gemm_fp8.py's fp8_matmul,
+cuBLAS where torch has it for the shape, else Triton, as EngineConfig.fp8_gemm="auto" picks). Prints tables last;
+writes benchmarks/results/quant_<device>.json. The GEMVs' launch configs
 per shape come from benchmarks/sweep_quant_gemv.py (engine/kernels/quant_gemv.py: QUANT_GEMV_CONFIGS).
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ def _time_us(fn) -> float:
 def bench_kernels() -> list[dict]:
     from engine.kernels.gemv import fused_linear
     from engine.kernels.quant_gemm import quant_matmul
+    from engine.kernels.quant_gemm_fp8 import cublas_supported, fp8_matmul
     from engine.kernels.quant_gemv import quant_fused_linear
     from engine.quant.formats import quantize
     rows = []
@@ -63,7 +67,8 @@ def bench_kernels() -> list[dict]:
                 tc = _time_us(lambda: quant_fused_linear(x1, fmt, t, (N, K), tensor_cores=True))
                 extra = {"gemv1_tc_us": tc, "gemv1_tc_GBs": nbytes / tc / 1e3}
                 if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
-                    extra["gemm256_fp8act_us"] = _time_us(lambda: quant_matmul(xb, fmt, t, (N, K), act_fp8=True))
+                    g = "cublas" if cublas_supported(N, K) else "triton"
+                    extra["gemm256_fp8act_us"] = _time_us(lambda: fp8_matmul(xb, t, gemm=g))
             rows.append(dict(bench="kernel", proj=name, format=fmt or "bf16", MB=nbytes / 1e6, gemv1_us=gemv,
                              gemv1_GBs=nbytes / gemv / 1e3, gemm256_us=gemm, **extra))
     torch.cuda.empty_cache()
@@ -71,11 +76,10 @@ def bench_kernels() -> list[dict]:
 
 
 def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None, packed: bool | None = None,
-                max_num_seqs: int = 256, switches: bool = True, fp8_gemm: str = "auto", fusion: bool = False) -> dict:
+                max_num_seqs: int = 256, group_dots: bool = True, fp8_gemm: str = "auto") -> dict:
     llm = LLM(MODEL, quantization=fmt, max_model_len=2048, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384,
-              quant_gemv_tensor_cores=tensor_cores, quant_gemv_packed=packed, quant_int8_pairs=switches,
-              quant_qkv_split_rope=switches, quant_gemm_group_dots=switches, fp8_gemm=fp8_gemm,
-              fp8_act_fusion=fusion)
+              quant_gemv_tensor_cores=tensor_cores, quant_gemv_packed=packed, quant_gemm_group_dots=group_dots,
+              fp8_gemm=fp8_gemm)
     eng = llm.engine
     wb = weight_bytes(eng.model)
     embed = eng.model.model.embed_tokens.weight
@@ -91,8 +95,8 @@ def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None,
     step = (m.last_token_time - m.first_token_time) / 255
     floor = (step_bytes + kv_tok * 256) / bw
     row = dict(bench="model", format=fmt or "bf16", gemv={True: "tc", False: "cuda", None: "per shape"}[eng.quant_tensor_cores] if fmt else "-",
-               packed=getattr(eng, "quant_packed", None) if fmt else "-", switches=switches if fmt else "-",
-               fp8_gemm=fp8_gemm if fmt == "fp8" else "-", fusion=eng.model.fp8_act_align > 0 if fmt == "fp8" else "-",
+               packed=getattr(eng, "quant_packed", None) if fmt else "-", group_dots=group_dots if fmt else "-",
+               fp8_gemm=fp8_gemm if fmt == "fp8" else "-",
                prefill_ms=(m.first_token_time - m.arrival_time) * 1e3 if hasattr(m, "arrival_time") else None,
                max_num_seqs=max_num_seqs, weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
                kv_blocks=eng.num_blocks, kv_GB=eng.num_blocks * kv_bytes_per_block(eng.model_config, eng.block_size,
@@ -121,15 +125,12 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256,
                     help="the engines' max_num_seqs (1: only the batch-1 decode graph is captured, a faster start; "
                          "the batch-1 figures need no more)")
-    ap.add_argument("--switches", default="on", choices=("on", "off", "both"),
-                    help="the packed GEMV's quant_int8_pairs, quant_qkv_split_rope and quant_gemm_group_dots together")
+    ap.add_argument("--group-dots", default="on", choices=("on", "off", "both"),
+                    help="EngineConfig.quant_gemm_group_dots: the packed int4 prefill GEMM's 8 dots a group")
     ap.add_argument("--fp8-gemm", default="auto", help="EngineConfig.fp8_gemm values for fp8, comma-separated "
-                                                          "(auto, triton, cublas, fused)")
-    ap.add_argument("--fp8-act-fusion", default="off", choices=("on", "off", "both"),
-                    help="EngineConfig.fp8_act_fusion for fp8 (norms and SiLU-and-mul quantize for the GEMMs)")
+                                                          "(auto, triton, cublas)")
     args = ap.parse_args()
-    fus = {"on": [True], "off": [False], "both": [True, False]}[args.fp8_act_fusion]
-    sws = {"on": [True], "off": [False], "both": [False, True]}[args.switches]
+    gds = {"on": [True], "off": [False], "both": [False, True]}[args.group_dots]
     packs = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}[args.packed]
     gemvs = {"auto": [None], "tc": [True], "cuda": [False], "both": [None, True, False]}[args.gemv]
     dev = device_name()
@@ -141,11 +142,11 @@ def main():
     if "model" in args.sections:
         for f in args.formats.split(","):
             fmt = None if f == "none" else f
-            f8s = [(g, fu) for g in args.fp8_gemm.split(",") for fu in fus] if fmt == "fp8" else [("auto", False)]
-            for tc, pk, sw, (f8, fu) in [(t, p, s, g) for p in packs for t in gemvs for s in sws for g in f8s] if fmt \
-                    else [(None, None, True, ("auto", False))]:
+            f8s = args.fp8_gemm.split(",") if fmt == "fp8" else ["auto"]
+            for tc, pk, gd, f8 in [(t, p, d, g) for p in packs for t in gemvs for d in gds for g in f8s] if fmt \
+                    else [(None, None, True, "auto")]:
                 try:
-                    model_rows.append(bench_model(fmt, bw, prompts, outs, tc, pk, args.max_num_seqs, sw, f8, fu))
+                    model_rows.append(bench_model(fmt, bw, prompts, outs, tc, pk, args.max_num_seqs, gd, f8))
                 except Exception as e:  # keep the rest of the table
                     model_rows.append(dict(bench="model", format=f"{f} failed: {type(e).__name__}: {e}"[:160]))
                 print(model_rows[-1], flush=True)
@@ -162,7 +163,7 @@ def main():
                                   "gemm256_us", "gemm256_fp8act_us"])
         print()
     if model_rows:
-        print_table(model_rows, ["format", "gemv", "packed", "switches", "fp8_gemm", "fusion", "prefill_ms", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
+        print_table(model_rows, ["format", "gemv", "packed", "group_dots", "fp8_gemm", "prefill_ms", "weights_GB", "step_GB", "ms_per_token", "decode_step_ms", "floor_ms",
                                  "pct_floor", "kv_blocks", "kv_GB_freed", "nano_tok_s"])
 
 

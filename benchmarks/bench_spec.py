@@ -140,7 +140,6 @@ def switch_drafter(eng, flags: list[str]) -> None:
     d, cfg = eng.drafter, eng.config
     if d is None:
         return
-    d.adaptive = cfg.speculative_adaptive or "a" in flags
     d.auto_off = cfg.speculative_auto_off and "noauto" not in flags
     eng.fast_verify.enabled = cfg.spec_fast_verify and "general" not in flags
     d.shadow_probes = cfg.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
@@ -171,9 +170,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--methods", default="none,ngram,ngram+a,self,self+a,draft,draft+a",
-                    help="a '+a' suffix turns on adaptive draft lengths (Drafter.adaptive), '+noauto' turns "
-                         "auto-off off (Drafter.auto_off)")
+    ap.add_argument("--methods", default="none,ngram,self,draft",
+                    help="a '+noauto' suffix turns auto-off off (Drafter.auto_off); more '+' flags in the module doc")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (fewer CUDA graphs)")
     ap.add_argument("--modes", default="b1,b4")
     ap.add_argument("--workloads", default="rewrite,chat")
@@ -212,14 +210,14 @@ def main():
     # (workload, mode) so that load from other processes on a shared machine hits all methods alike
     engines = {}
     extra = {} if args.max_num_seqs is None else dict(max_num_seqs=args.max_num_seqs)
-    def parse(method: str) -> tuple[str, bool, bool, bool]:
-        """'ngram+a+noauto+eager' -> ('ngram', adaptive, noauto, eager); '+general': see the module doc"""
+    def parse(method: str) -> tuple[str, bool, bool]:
+        """'ngram+noauto+eager' -> ('ngram', noauto, eager); '+general': see the module doc"""
         parts = method.split("+")
-        return parts[0], "a" in parts[1:], "noauto" in parts[1:], "eager" in parts[1:]
+        return parts[0], "noauto" in parts[1:], "eager" in parts[1:]
 
     long_k = {parse(m)[0] for m in chosen if "long" in m.split("+")[1:]}
     for method in chosen:
-        base, _, _, eager = parse(method)
+        base, _, eager = parse(method)
         if (base, eager) not in engines:
             cfg = dict(methods[base], **({"spec_cuda_graphs": False} if eager else {}))
             if base in long_k:          # one engine for both: '+long' switches the long drafts on per run
@@ -233,14 +231,14 @@ def main():
     best: dict = {}
     for wl, mode, rep in itertools.product(args.workloads.split(","), args.modes.split(","), range(args.reps)):
         for method in chosen:
-            base, adaptive, noauto, eager = parse(method)
+            base, noauto, eager = parse(method)
             llm = engines[(base, eager)]
             eng = llm.engine
             switch_drafter(eng, method.split("+")[1:])
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)
             ntok = sum(len(o.token_ids) for o in outs)
-            label = labels[base] + (" adaptive" if adaptive else "") + (" no-auto-off" if noauto else "") + \
+            label = labels[base] + (" no-auto-off" if noauto else "") + \
                 (" eager-verify" if eager else "") + (" general-verify" if "general" in method.split("+") else "") + \
                 (" no-shadow-probes" if "noshadow" in method.split("+") else "") + \
                 (f" long<={args.k_long}" if "long" in method.split("+") else "") + \

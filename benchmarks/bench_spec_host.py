@@ -98,21 +98,21 @@ class StepClock:
             self.sched = sched_fn()
             return self.sched
         eng.scheduler.schedule = schedule
-        post = eng._postprocess
+        process = eng._process_outputs
 
-        def postprocess(sched, mask, new_tokens, lp_rows):
+        def process_outputs(sched, new_tokens, lp_rows):
             self.iters = max((len(t) for t in new_tokens), default=1)
-            return post(sched, mask, new_tokens, lp_rows)
-        eng._postprocess = postprocess
+            return process(sched, new_tokens, lp_rows)
+        eng._process_outputs = process_outputs
         step = eng.step
 
         def timed_step():
             self.model_s, self.sched, self.iters = 0.0, None, 1
-            n0 = eng.stats_total["generation_tokens"]
+            n0 = eng.output_processor.num_generation_tokens
             t = _clock()
             out = step()
             wall = _clock() - t
-            toks = eng.stats_total["generation_tokens"] - n0
+            toks = eng.output_processor.num_generation_tokens - n0
             kind = self._kind()
             self.records.append((kind, self._batch(), wall, self.model_s, toks, self.iters if kind == "block" else 1))
             return out

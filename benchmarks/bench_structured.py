@@ -8,7 +8,7 @@ applying the bitmasks (on CUDA it overlaps the forward in flight). Overhead = on
 
     python benchmarks/bench_structured.py [--model dummy:llama-3.2-1b] [--batch-sizes 1 32]
         [--num-scheduler-steps 8] [--structured-overlap on|off] [--structured-multi-step on|off]
-        [--mask-threads N] [--gpu-wait on|off] [--fused-token-bitmask on|off]
+        [--mask-threads N] [--fused-token-bitmask on|off]
 
 --num-scheduler-steps 8 (the CUDA default) compares constrained decoding against unconstrained multi-step
 decoding; 1 against single steps. The JSON's name carries the settings that differ from the defaults.
@@ -56,9 +56,8 @@ def install_tokenizer(src: Path) -> None:
 
 
 def timed_grammar(eng: LLMEngine) -> list[float]:
-    """Time LLMEngine._apply_grammars per call (host side), and the grammar thread's mask fills of gated
-    blocks (EngineConfig.structured_gpu_wait)."""
-    from engine.structured.bitmask import TokenBitmask
+    """Time the engine's StructuredOutputManager.apply per call (host side: fill and apply the masks, in single
+    steps and grammar blocks alike)."""
     spent: list[float] = []
 
     def timed(inner):
@@ -67,8 +66,7 @@ def timed_grammar(eng: LLMEngine) -> list[float]:
             inner(*a)
             spent.append(time.perf_counter() - t)
         return wrapped
-    eng._apply_grammars = timed(eng._apply_grammars)
-    TokenBitmask.fill_slot = timed(TokenBitmask.fill_slot)
+    eng.structured.apply = timed(eng.structured.apply)
     return spent
 
 
@@ -114,7 +112,6 @@ def main():
                     help="EngineConfig.structured_multi_step (grammar blocks of up to num_scheduler_steps iterations)")
     ap.add_argument("--mask-threads", type=int, default=None,
                     help="EngineConfig.structured_mask_threads (default: the engine's; 0: llguidance's default)")
-    ap.add_argument("--gpu-wait", choices=["on", "off"], default="off", help="EngineConfig.structured_gpu_wait")
     ap.add_argument("--fused-token-bitmask", choices=["on", "off"], default="on",
                     help="EngineConfig.fused_token_bitmask (the Triton kernel; used with triton kernels)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
@@ -134,7 +131,6 @@ def main():
                     structured_overlap=overlap, fused_token_bitmask=args.fused_token_bitmask == "on",
                     structured_multi_step=args.structured_multi_step == "on",
                     **({} if args.mask_threads is None else {"structured_mask_threads": args.mask_threads or None}),
-                    structured_gpu_wait=args.gpu_wait == "on",
                     **({} if gpu else {"cpu_kv_cache_gib": 0.5}))
     if eng.tokenizer is None:
         sys.exit("this model has no tokenizer: pass --tokenizer-dir (a copy of SmolLM2's tokenizer files)")
@@ -162,13 +158,11 @@ def main():
                    f"_overlap-{args.structured_overlap}" if args.structured_overlap != "auto" else "",
                    "_single-grammar-steps" if args.structured_multi_step == "off" else "",
                    f"_threads{args.mask_threads}" if args.mask_threads is not None else "",
-                   "_gpu-wait" if args.gpu_wait == "on" else "",
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
                     structured_multi_step=args.structured_multi_step == "on",
                     structured_mask_threads=eng.config.structured_mask_threads,
-                    structured_gpu_wait=eng.grammar_gate is not None,
-                    fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
+                    fused_token_bitmask=eng.structured.bitmask.fused if eng.structured.bitmask is not None else None,
                     kernels=eng.kernels)
     path = write_json(f"structured_{slug(dev)}{tag}", dict(device=dev, model=name, max_tokens=max_tokens,
                                                             repeats=repeats, **settings, schema=SCHEMA, rows=rows))

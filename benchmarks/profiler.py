@@ -323,7 +323,7 @@ def run_structured(eng, B: int, max_tokens: int, constrained: bool) -> tuple[flo
 
 def cmd_structured(args) -> None:
     """A batch constrained to bench_structured's JSON schema decodes in grammar blocks; each phase of
-    multi_step.sample_grammar_block's loop is wrapped with a host timer, and the GPU's busy time per iteration
+    MultiStepDecoder._sample_grammar_block's loop is wrapped with a host timer, and the GPU's busy time per iteration
     comes from torch.profiler. The GPU idles whenever the host chain (wait for the last tokens, feed the
     grammars, fill and apply the masks, launch the sampler and the next forward) outlasts the forward in flight.
     --mask-threads: structured_mask_threads per constrained run (0: llguidance's default); --feed par: feed the
@@ -345,7 +345,7 @@ def cmd_structured(args) -> None:
     def feed_par(seqs, tokens):
         live = [(s, t) for s, t in zip(seqs, tokens) if s.matcher is not None and not s.is_finished
                 and not (s.matcher.is_stopped() or s.matcher.is_error())]
-        oks = eng.token_bitmask.executor.consume_token_par([(s.matcher, t) for s, t in live])
+        oks = eng.structured.bitmask.executor.consume_token_par([(s.matcher, t) for s, t in live])
         for (s, _), ok in zip(live, oks):
             m = s.matcher
             s.grammar_ahead.append((("stop" if m.is_stopped() else None), None) if ok
@@ -353,10 +353,10 @@ def cmd_structured(args) -> None:
     feed = {"seq": multi_step.feed_grammars, "par": feed_par}
     multi_step.feed_grammars = timed(spent, "feed grammars", lambda *a: feed[mode["feed"]](*a))
     multi_step.sample_on_device = timed(spent, "sample (launch)", multi_step.sample_on_device)
-    eng._apply_grammars = timed(spent, "fill + apply masks", eng._apply_grammars)
+    eng.structured.apply = timed(spent, "fill + apply masks", eng.structured.apply)
     eng.runner.execute = timed(spent, "forward (launch)", eng.runner.execute)
     HostCopy.tolist = timed(spent, "wait for tokens", HostCopy.tolist)
-    multi_step.sample_grammar_block = timed(spent, "grammar block (all)", multi_step.sample_grammar_block)
+    eng.multi_step._sample_grammar_block = timed(spent, "grammar block (all)", eng.multi_step._sample_grammar_block)
     run_structured(eng, 2, 8, True)                 # compile the grammar, warm up
     rows = []
     to_dev = {0: sampler._to_dev,
@@ -365,7 +365,7 @@ def cmd_structured(args) -> None:
     runs = [(False, None, "seq", 0)] + [(True, n or None, f, p) for n in args.mask_threads for f in args.feed
                                         for p in args.pin]
     for constrained, threads, mode["feed"], pin in runs:
-        eng.config.structured_mask_threads, eng.token_bitmask = threads, None
+        eng.structured.mask_threads, eng.structured.bitmask = threads, None     # a new bitmask, these threads
         sampler._to_dev = to_dev[pin]
         label = (f"on, {threads or 'default'} threads, feed {mode['feed']}{', pinned' if pin else ''}"
                  if constrained else "off")
@@ -470,17 +470,16 @@ class StepCounter:
     """Counts one engine's steps by kind from its events, and the multi-step blocks launched cold."""
 
     def __init__(self, eng):
-        from engine.worker import multi_step
         self.c = dict(block_iters=0, blocks=0, cold_blocks=0, plain_steps=0, verify_steps=0, draft_tokens=0,
                       accepted=0, prefill_steps=0)
         eng.events.subscribe(self.on_event)
-        launch = multi_step.launch
+        launch = eng.multi_step._launch
 
-        def counted(engine, K, ahead=None, sample=True):
-            if engine is eng and ahead is None:
+        def counted(K, ahead=None, sample=True):
+            if ahead is None:
                 self.c["cold_blocks"] += 1
-            return launch(engine, K, ahead, sample)
-        multi_step.launch = counted
+            return launch(K, ahead, sample)
+        eng.multi_step._launch = counted
 
     def on_event(self, ev):
         if not hasattr(ev, "num_decode_steps"):
@@ -564,11 +563,10 @@ class StepClock:
     time of the drafter's propose and shadow_probe calls (already inside the steps' times)."""
 
     def __init__(self, eng):
-        from engine.worker import multi_step
         self.eng, self.kind = eng, None
         self.ms: dict[str, float] = defaultdict(float)
         self.n: dict[str, int] = defaultdict(int)
-        step, ms_step, post = eng.step, multi_step.step, eng._postprocess
+        step, ms_step, process = eng.step, eng._block_step, eng._process_outputs
 
         def timed_step():
             self.kind = None
@@ -577,12 +575,12 @@ class StepClock:
             self._add(self.kind or "empty", time.perf_counter() - t)
             return out
 
-        def block_step(engine, K, observe, timer):
-            if engine is eng and self.kind is None:
-                self.kind = "cold" if engine._inflight is None else "block"
-            return ms_step(engine, K, observe, timer)
+        def block_step(K, observe, timer):
+            if self.kind is None:
+                self.kind = "cold" if eng.multi_step.inflight is None else "block"
+            return ms_step(K, observe, timer)
 
-        def postprocess(sched, mask, toks, lp):
+        def process_outputs(sched, toks, lp):
             if self.kind is None:
                 if any(sched.num_spec_tokens):
                     self.kind = "verify"
@@ -590,9 +588,8 @@ class StepClock:
                     self.kind = "prefill"
                 else:
                     self.kind = "plain"
-            return post(sched, mask, toks, lp)
-        eng.step, eng._postprocess = timed_step, postprocess
-        multi_step.step = block_step
+            return process(sched, toks, lp)
+        eng.step, eng._block_step, eng._process_outputs = timed_step, block_step, process_outputs
         d = eng.drafter
         if d is not None:
             for name in ("propose", "shadow_probe"):
@@ -683,7 +680,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=0, help="default: 256 (nano) / 128 (prefill)")
     p.add_argument("--quantization", default="", help="fp8 etc. (both engines)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                   help="kvscope: an EngineConfig field, e.g. --set fp8_act_fusion=true (repeatable)")
+                   help="kvscope: an EngineConfig field, e.g. --set fp8_activations=false (repeatable)")
     p.set_defaults(fn=cmd_kernels)
 
     p = sub.add_parser("decode", help="one batch-1 decode step's kernels against the HBM floor")

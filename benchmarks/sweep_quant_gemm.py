@@ -1,8 +1,8 @@
 """GPU: the FP8 w8a8 GEMM above the decode GEMV (the nano workload's batches), per 8B projection and batch rows M:
-bf16 cuBLAS (F.linear on the unquantized weight), the activations-quantized-inside GEMM (quant_gemm.py,
-EngineConfig.fp8_gemm="fused"), the two-launch path (kernels/quant_gemm_fp8.py: per-token-group quantization,
-then the Triton FP8 GEMM at the rule's config and at each swept config) and cuBLAS's block-wise scaled_mm where
-torch has it. Every output is checked against quant_matmul_ref (activations round-tripped through fp8) first.
+bf16 cuBLAS (F.linear on the unquantized weight), the two-launch path (kernels/quant_gemm_fp8.py:
+per-token-group quantization, then the Triton FP8 GEMM at the rule's config and at each swept config) and cuBLAS's
+block-wise scaled_mm where torch has it. Every output is checked against quant_matmul_ref (activations
+round-tripped through fp8) first.
 Timings: triton.testing.do_bench (L2 cleared before each call), microseconds.
 
     python benchmarks/sweep_quant_gemm.py [--shape llama-3.1-8b] [--ms 32,64,128,256] [--quick]
@@ -24,7 +24,7 @@ import triton.testing  # noqa: E402
 
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from benchmarks.sweep_gemv import shapes_for  # noqa: E402
-from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref  # noqa: E402
+from engine.kernels.quant_gemm import quant_matmul_ref  # noqa: E402
 from engine.kernels.quant_gemm_fp8 import (cublas_supported, gemm_fp8, gemm_fp8_config, gemm_fp8_cublas,  # noqa: E402
                                            quantize_activations_fp8)
 from engine.quant.formats import quantize  # noqa: E402
@@ -64,8 +64,6 @@ def main():
             q, s = quantize_activations_fp8(x)
             row = dict(proj=name, N=N, K=K, M=M)
             row["bf16_us"] = _us(lambda: torch.nn.functional.linear(x, wb))
-            row["fused_err"] = _rel(quant_matmul(x, "fp8", t, (N, K), act_fp8=True), ref)
-            row["fused_us"] = _us(lambda: quant_matmul(x, "fp8", t, (N, K), act_fp8=True))
             row["act_quant_us"] = _us(lambda: quantize_activations_fp8(x))
             row["triton_err"] = _rel(gemm_fp8(q, s, t["weight"], t["weight_scale_inv"], x.dtype), ref)
             row["triton_us"] = _us(lambda: gemm_fp8(q, s, t["weight"], t["weight_scale_inv"], x.dtype))
@@ -107,8 +105,8 @@ def main():
                                                                    cuda=torch.version.cuda, rows=rows,
                                                                    summary=summary))
     print(f"\ndevice: {dev}; torch {torch.__version__} (CUDA {torch.version.cuda}); json: {path}")
-    print_table(rows, ["proj", "M", "bf16_us", "fused_us", "act_quant_us", "triton_us", "triton_best_us",
-                       "triton_best_cfg", "cublas_us", "fused_err", "triton_err", "cublas_err"])
+    print_table(rows, ["proj", "M", "bf16_us", "act_quant_us", "triton_us", "triton_best_us",
+                       "triton_best_cfg", "cublas_us", "triton_err", "cublas_err"])
     print()
     print_table(summary, ["M", "best_config", "sum_us", "rule", "rule_sum_us"])
 
