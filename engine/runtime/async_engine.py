@@ -247,7 +247,7 @@ class EngineLoop:
         """Profile the next step that runs (needs load) and return its per-kernel table."""
         self.call(lambda e: e.profile_step(), timeout)
         t_end = time.time() + timeout
-        while self.engine._profile_next and time.time() < t_end:
+        while self.engine.profile_pending and time.time() < t_end:
             time.sleep(0.05)
         return self.engine.last_profile
 

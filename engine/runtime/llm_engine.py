@@ -456,6 +456,11 @@ class LLMEngine:
         """Run the next step under torch.profiler; its per-kernel table lands in `last_profile`."""
         self._profile_next = True
 
+    @property
+    def profile_pending(self) -> bool:
+        """A profile_step() whose step has not run yet."""
+        return self._profile_next
+
     def _profiled_step(self) -> list[RequestOutput]:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
