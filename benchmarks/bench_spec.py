@@ -139,7 +139,7 @@ def run_mode(llm: LLM, prompts: list[str], mode: str, sp: SamplingParams):
     eng = llm.engine
     if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
         name = "rewrite" if prompts is WORKLOADS["rewrite"] else "chat"
-        texts = token_prompts(name, eng.model_config.vocab_size, len(prompts))
+        texts = token_prompts(name, eng.arch_config.vocab_size, len(prompts))
     else:
         texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     t0 = time.perf_counter()

@@ -116,9 +116,9 @@ def test_sliding_window_config_is_kept_within_the_window_or_refused(tmp_path):
 
 
 def test_qwen2_window_applies_only_when_used():
-    from engine.models.config import ModelConfig
+    from engine.models.config import ModelArchConfig
     base = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=100, sliding_window=32)
-    assert ModelConfig.from_hf(base).sliding_window is None
-    assert ModelConfig.from_hf({**base, "use_sliding_window": True}).sliding_window == 32
-    assert ModelConfig.from_hf({**base, "layer_types": ["full_attention", "sliding_attention"]}).sliding_window == 32
+    assert ModelArchConfig.from_hf(base).sliding_window is None
+    assert ModelArchConfig.from_hf({**base, "use_sliding_window": True}).sliding_window == 32
+    assert ModelArchConfig.from_hf({**base, "layer_types": ["full_attention", "sliding_attention"]}).sliding_window == 32

@@ -5,7 +5,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.worker.model_runner import kv_bytes_per_block
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 
 
 # (max_num_batched_tokens, max_num_seqs) where the config leaves them None: on a GPU a large token budget
@@ -26,7 +26,7 @@ def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfi
     return cfg.replace(**changes) if changes else cfg
 
 
-def derive_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+def derive_max_model_len(cfg: EngineConfig, mcfg: ModelArchConfig) -> int:
     """The longest sequence the engine admits: max_model_len, or the model's limit (capped at 8192, and at the
     sliding window of a model that has one: attention here is full-context, which equals sliding-window
     attention only while no sequence is longer than the window)."""
@@ -50,7 +50,7 @@ def derive_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
     return n
 
 
-def derive_num_blocks(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+def derive_num_blocks(cfg: EngineConfig, mcfg: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> int:
     """KV blocks in the pool: num_kv_blocks, or what the memory budget holds (free GPU memory, or the CPU size)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks

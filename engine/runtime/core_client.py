@@ -50,7 +50,7 @@ class FrontendEngine:
         self.max_model_len = info["max_model_len"]
         self.num_blocks = info["num_blocks"]
         self.block_size = info["block_size"]
-        self.model_config = SimpleNamespace(vocab_size=info["vocab_size"])
+        self.arch_config = SimpleNamespace(vocab_size=info["vocab_size"])
         self.eos_token_ids = set(info["eos_token_ids"])
         self.quantization, self.weight_summary = info["quantization"], info["weight_summary"]
         self.tokenizer = tokenizer

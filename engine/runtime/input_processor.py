@@ -36,7 +36,7 @@ class InputProcessor:
             text, ids = prompt, self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
-            V = self.model_config.vocab_size
+            V = self.arch_config.vocab_size
             if not all(isinstance(t, int) and 0 <= t < V for t in ids):
                 raise ValueError(f"prompt: token ids must be ints in [0, {V})")
         else:

@@ -19,7 +19,7 @@ from engine.runtime.input_processor import InputProcessor
 from engine.runtime.introspection import Introspection
 from engine.kernels.ops import get_ops, pdl_supported
 from engine.worker.model_runner import ModelRunner, kv_bytes_per_block
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.loader import build_model, load_tokenizer, resolve
 from engine.runtime.output_processor import OutputProcessor
 from engine.quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weight_bytes
@@ -74,7 +74,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         torch.manual_seed(config.seed)
 
         hf_cfg, weights, tok_folder = resolve(config.model)
-        self.model_config = mcfg = ModelConfig.from_hf(hf_cfg)
+        self.arch_config = mcfg = ModelArchConfig.from_hf(hf_cfg)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = derive_max_model_len(config, mcfg)
         spec_margin = config.max_speculative_tokens + 1
@@ -97,7 +97,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             self.stop_workers()
             raise
 
-    def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelConfig,
+    def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelArchConfig,
                spec_margin: int, gemv_max_tokens: int, gemv_pdl: bool) -> None:
         ex = self.executor
         fp8_act = config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.sample.sampler import _apply_penalties, _seeded_generator, filtered_probs
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import Sequence
@@ -57,7 +57,7 @@ def load_draft_model(engine):
     cfg = engine.config
     name, seed = parse_draft_model(cfg.draft_model, cfg.seed)
     hf_cfg, weights, _ = resolve(name)
-    dcfg = ModelConfig.from_hf(hf_cfg)
+    dcfg = ModelArchConfig.from_hf(hf_cfg)
     model = build_model(hf_cfg, weights, engine.ops, engine.device, engine.dtype,
                         max_pos=engine.max_model_len + cfg.num_speculative_tokens + 1, seed=seed)
     model.gemv_max_tokens, model.gemv_pdl = engine.model.gemv_max_tokens, engine.model.gemv_pdl
@@ -79,7 +79,7 @@ class ModelDrafter(Drafter):
     def __init__(self, engine, self_speculative: bool):
         super().__init__(engine)
         self.shared = self_speculative
-        mcfg = engine.model_config
+        mcfg = engine.arch_config
         self.vocab_size = mcfg.vocab_size
         if self_speculative:
             self.method = "self"

@@ -6,17 +6,17 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kernels.metadata import AttentionMetadata
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.worker.timing import NullTimer
 
 
-def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(mcfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class ModelRunner:
-    def __init__(self, model, mcfg: ModelConfig, config: EngineConfig, device: torch.device,
+    def __init__(self, model, mcfg: ModelArchConfig, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, max_model_len: int):
         self.model, self.mcfg, self.config = model, mcfg, config
         self.device, self.dtype = device, dtype

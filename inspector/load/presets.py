@@ -37,7 +37,7 @@ class EngineInfo:
         mml = getattr(eng, "max_model_len", None) or cfg.max_model_len or 2048
         tok = getattr(eng, "tokenizer", None)
         vocab = getattr(tok, "vocab_size", None) or 32000
-        mv = getattr(getattr(eng, "model_config", None), "vocab_size", None)
+        mv = getattr(getattr(eng, "arch_config", None), "vocab_size", None)
         if mv:
             vocab = min(vocab, mv)
         return cls(num_blocks=int(getattr(eng, "num_blocks", 512)), block_size=int(getattr(eng, "block_size", cfg.block_size)),

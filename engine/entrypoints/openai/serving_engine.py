@@ -257,4 +257,4 @@ class OpenAIServing:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "kvscope",
             "root": str(eng.config.model or name), "parent": None, "max_model_len": eng.max_model_len,
-            "vocab_size": int(getattr(getattr(eng, "model_config", None), "vocab_size", 0) or 0)}]}
+            "vocab_size": int(getattr(getattr(eng, "arch_config", None), "vocab_size", 0) or 0)}]}
