@@ -128,9 +128,9 @@ SHADOW_FLAGS = ("main", "everyblock", "noeveryblock", "confirm", "noconfirm", "p
 def set_shadow_flags(d, flags: list[str]) -> None:
     """Per-run switches of one engine's drafter: '+main' = every_block, confirm and prefetch off, '+X' / '+noX'."""
     cfg = d.engine.config
-    for attr, name, default in (("every_block", "everyblock", cfg.spec_shadow_every_block),
-                                ("confirm", "confirm", cfg.spec_shadow_confirm),
-                                ("prefetch_prompts", "prefetch", cfg.spec_prefetch)):
+    for attr, name, default in (("every_block", "everyblock", cfg.speculative_config.spec_shadow_every_block),
+                                ("confirm", "confirm", cfg.speculative_config.spec_shadow_confirm),
+                                ("prefetch_prompts", "prefetch", cfg.speculative_config.spec_prefetch)):
         on = False if "main" in flags else default
         setattr(d, attr, (on or name in flags) and f"no{name}" not in flags)
 
@@ -225,12 +225,12 @@ def main():
             eng = llm.engine
             if eng.drafter:
                 eng.drafter.adaptive = adaptive
-                eng.drafter.auto_off = eng.config.speculative_auto_off and not noauto
-                eng.fast_verify.enabled = eng.config.spec_fast_verify and "general" not in method.split("+")
+                eng.drafter.auto_off = eng.config.speculative_config.speculative_auto_off and not noauto
+                eng.fast_verify.enabled = eng.config.speculative_config.spec_fast_verify and "general" not in method.split("+")
                 flags = method.split("+")[1:]
-                eng.drafter.shadow_probes = eng.config.spec_shadow_probes and eng.drafter.supports_shadow \
+                eng.drafter.shadow_probes = eng.config.speculative_config.spec_shadow_probes and eng.drafter.supports_shadow \
                     and "noshadow" not in flags
-                eng.drafter.k = eng.config.max_speculative_tokens if "long" in flags else eng.drafter.k_base
+                eng.drafter.k = eng.config.speculative_config.max_speculative_tokens if "long" in flags else eng.drafter.k_base
                 set_shadow_flags(eng.drafter, flags)
             before = eng.drafter.total_stats() if eng.drafter else None
             outs, wall = run_mode(llm, WORKLOADS[wl], mode, sp)

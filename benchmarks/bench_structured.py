@@ -166,7 +166,7 @@ def main():
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
                     structured_multi_step=args.structured_multi_step == "on",
-                    structured_mask_threads=eng.config.structured_mask_threads,
+                    structured_mask_threads=eng.config.structured_output_config.structured_mask_threads,
                     structured_gpu_wait=eng.grammar_gate is not None,
                     fused_token_bitmask=eng.token_bitmask.fused if eng.token_bitmask is not None else None,
                     kernels=eng.kernels)

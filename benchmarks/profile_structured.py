@@ -106,7 +106,7 @@ def main():
     runs = [(False, None, "seq", 0)] + [(True, n or None, f, p) for n in args.mask_threads for f in args.feed
                                         for p in args.pin]
     for constrained, threads, mode["feed"], pin in runs:
-        eng.config.structured_mask_threads, eng.token_bitmask = threads, None
+        eng.config, eng.token_bitmask = eng.config.replace(structured_mask_threads=threads), None
         sampler._to_dev = to_dev[pin]
         label = (f"on, {threads or 'default'} threads, feed {mode['feed']}{', pinned' if pin else ''}"
                  if constrained else "off")

@@ -106,9 +106,9 @@ def main():
         eng = llm.engine
         d = eng.drafter
         if d is not None:
-            d.shadow_probes = eng.config.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
+            d.shadow_probes = eng.config.speculative_config.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
             set_shadow_flags(d, flags)
-            d.k = eng.config.max_speculative_tokens if "long" in flags or over.get("num_speculative_tokens_max") \
+            d.k = eng.config.speculative_config.max_speculative_tokens if "long" in flags or over.get("num_speculative_tokens_max") \
                 else d.k_base
         for wl in args.workloads.split(","):
             texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in WORKLOADS[wl]]

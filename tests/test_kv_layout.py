@@ -60,7 +60,7 @@ def _check_accounting(eng, ev):
     m = ev.memory
     assert (m["reserved_slots"], m["used_slots"]) == (st["reserved_slots"], st["used_slots"])
     assert m["kv_reserved"] == m["reserved_slots"] * eng.slot_bytes and m["kv_used"] <= m["kv_reserved"]
-    if eng.config.kv_cache_layout == "contiguous":
+    if eng.config.cache_config.kv_cache_layout == "contiguous":
         assert m["reserved_slots"] == len(kv["block_tables"]) * 64        # max_model_len slots each
     _check_accounting.steps += 1
 

@@ -24,7 +24,7 @@ def parallel_layout(tp: int, device: torch.device) -> str:
 def start_workers(config: EngineConfig, hf_cfg: dict, weights: Path | None, device: torch.device,
                   dtype: torch.dtype, kernels: str, max_pos: int, gemv_max_tokens: int,
                   gemv_pdl: bool) -> TPExecutor:
-    tp = config.tensor_parallel_size
+    tp = config.parallel_config.tensor_parallel_size
     mcfg = ModelArchConfig.from_hf(hf_cfg)
     for rank in range(tp):
         shard_layout(mcfg, tp, rank)                # a clear error before any process starts

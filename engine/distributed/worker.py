@@ -77,7 +77,7 @@ def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
     ops = get_ops(args["kernels"])
     weights = None if args["weights"] is None else Path(args["weights"])
     model = build_model(args["hf_config"], weights, ops, device, dtype, max_pos=args["max_pos"],
-                        seed=config.seed, tp=tp)
+                        seed=config.model_config.seed, tp=tp)
     model.gemv_max_tokens, model.gemv_pdl = args["gemv_max_tokens"], args["gemv_pdl"]
     model.set_kernel_options(config)
     conn.send(("loaded",))

@@ -153,9 +153,9 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kernel_options(self, config) -> None:
         """EngineConfig.gemv_variant (a Triton launch option; the torch ops ignore it) and fused_qk_norm."""
-        self.gemv_variant = config.gemv_variant
+        self.gemv_variant = config.kernel_config.gemv_variant
         for layer in self.model.layers:
-            layer.self_attn.fused_qk_norm = config.fused_qk_norm
+            layer.self_attn.fused_qk_norm = config.kernel_config.fused_qk_norm
 
 
     def forward(self, input_ids: torch.Tensor, md: AttentionMetadata,

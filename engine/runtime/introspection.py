@@ -21,7 +21,7 @@ class Introspection:
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     kernels=self.kernels, model=self.model_name, quantization=self.quantization,
                     **self.stats_total,
-                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
                     parallel_layout=self.parallel_layout,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))
 
@@ -45,7 +45,7 @@ class Introspection:
                     cached=[h is not None for h in pool.block_hash],
                     block_tables={s.request_id: list(s.block_table) for s in holders},
                     num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
-                    kv_cache_layout=self.config.kv_cache_layout)
+                    kv_cache_layout=self.config.cache_config.kv_cache_layout)
 
     def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
         """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""

@@ -56,39 +56,42 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             config = EngineConfig(**overrides)
         elif overrides:
             config = config.replace(**overrides)
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.model_config.device)
         self.config = config = with_device_defaults(config, self.device)
         self.dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
-            if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.kernels = config.kernels if config.kernels != "auto" else \
+            if config.model_config.dtype == "auto" else _DTYPES[config.model_config.dtype]
+        self.kernels = config.kernel_config.kernels if config.kernel_config.kernels != "auto" else \
             ("triton" if self.device.type == "cuda" else "torch")
         self.ops = get_ops(self.kernels)
-        self.fused_sampling = self.kernels == "triton" and ("one_launch" if config.sampler_one_launch else True)
-        self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
+        self.fused_sampling = self.kernels == "triton" and (
+            "one_launch" if config.kernel_config.sampler_one_launch else True)
+        self.num_scheduler_steps = config.scheduler_config.num_scheduler_steps or (
+            8 if self.device.type == "cuda" else 1)
         self._inflight: multi_step.InFlight | None = None      # a launched multi-step block
-        self.structured_overlap = config.structured_overlap if config.structured_overlap is not None \
+        self.structured_overlap = config.structured_output_config.structured_overlap \
+            if config.structured_output_config.structured_overlap is not None \
             else self.device.type == "cuda"                    # pipelined one-iteration blocks with grammars
         self.arrivals_pending = False      # set by EngineLoop while submitted requests wait in its inbox
         self.decode_iter_s: float | None = None     # measured seconds per decode iteration (multi_step_max_ms)
         self._last_block_done: float | None = None
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.model_config.seed)
 
-        hf_cfg, weights, tok_folder = resolve(config.model)
+        hf_cfg, weights, tok_folder = resolve(config.model_config.model)
         self.arch_config = mcfg = ModelArchConfig.from_hf(hf_cfg)
-        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.model_name = config.model_config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = derive_max_model_len(config, mcfg)
-        spec_margin = config.max_speculative_tokens + 1
-        gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
-            (1 if self.kernels == "triton" else 0)
-        pdl = config.enable_pdl
+        spec_margin = config.speculative_config.max_speculative_tokens + 1
+        gemv_max_tokens = config.kernel_config.gemv_max_tokens \
+            if config.kernel_config.gemv_max_tokens is not None else (1 if self.kernels == "triton" else 0)
+        pdl = config.kernel_config.enable_pdl
         if pdl is None:                     # auto: off where a decode linear takes the persistent GEMV
             from engine.kernels.gemv import persistent_linears
-            pdl = not (self.kernels == "triton" and config.tensor_parallel_size == 1
-                       and persistent_linears(mcfg, config.gemv_variant, self.device))
+            pdl = not (self.kernels == "triton" and config.parallel_config.tensor_parallel_size == 1
+                       and persistent_linears(mcfg, config.kernel_config.gemv_variant, self.device))
         gemv_pdl = pdl and self.kernels == "triton" and pdl_supported(self.device)
         self.executor = None
-        self.parallel_layout = parallel_layout(config.tensor_parallel_size, self.device)
-        if config.tensor_parallel_size > 1:
+        self.parallel_layout = parallel_layout(config.parallel_config.tensor_parallel_size, self.device)
+        if config.parallel_config.tensor_parallel_size > 1:
             self.executor = start_workers(config, hf_cfg, weights, self.device, self.dtype, self.kernels,
                                           self.max_model_len + spec_margin, gemv_max_tokens, gemv_pdl)
         try:
@@ -100,28 +103,28 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
     def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelArchConfig,
                spec_margin: int, gemv_max_tokens: int, gemv_pdl: bool) -> None:
         ex = self.executor
-        fp8_act = config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \
+        fp8_act = config.kernel_config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device) >= (8, 9)
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
-                                 max_pos=self.max_model_len + spec_margin, seed=config.seed,
+                                 max_pos=self.max_model_len + spec_margin, seed=config.model_config.seed,
                                  tp=ex.tp if ex is not None else SINGLE,
-                                 quantization=config.quantization, fp8_activations=fp8_act,
-                                 int4_group_size=config.int4_group_size)
+                                 quantization=config.model_config.quantization, fp8_activations=fp8_act,
+                                 int4_group_size=config.model_config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
-        tc = config.quant_gemv_tensor_cores
+        tc = config.kernel_config.quant_gemv_tensor_cores
         if tc is None and not (self.kernels == "triton" and self.device.type == "cuda"
                                and torch.cuda.get_device_capability(self.device) >= (8, 0)):
             tc = False
         self.quant_tensor_cores = tc            # None: per shape, where the sweep found tensor cores faster
-        pk = config.quant_gemv_packed
+        pk = config.kernel_config.quant_gemv_packed
         if pk is None:
             pk = self.kernels == "triton" and self.device.type == "cuda" \
                 and torch.cuda.get_device_capability(self.device) >= (9, 0)
         self.quant_packed = bool(pk) and self.kernels == "triton"
         if self.model.quantization:
-            set_packed(self.model, self.quant_packed, config.quant_gemm_group_dots)
+            set_packed(self.model, self.quant_packed, config.kernel_config.quant_gemm_group_dots)
         set_tensor_cores(self.model, tc)
-        set_fp8_gemm(self.model, config.fp8_gemm)        # the fp8 layers that quantize activations (fp8_act)
+        set_fp8_gemm(self.model, config.kernel_config.fp8_gemm)   # the fp8 layers that quantize activations (fp8_act)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
         self.model.set_kernel_options(config)
@@ -129,12 +132,12 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
         self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype)   # this rank's heads
-        self.block_size = config.block_size
-        cap = (self.num_blocks - 1) * config.block_size
+        self.block_size = config.cache_config.block_size
+        cap = (self.num_blocks - 1) * config.cache_config.block_size
         if cap < self.max_model_len:
-            if config.max_model_len is not None:
+            if config.model_config.max_model_len is not None:
                 raise ValueError(f"EngineConfig.num_kv_blocks: {self.num_blocks - 1} usable blocks of "
-                                 f"{config.block_size} tokens hold {cap} tokens, less than max_model_len "
+                                 f"{config.cache_config.block_size} tokens hold {cap} tokens, less than max_model_len "
                                  f"({self.max_model_len}); one sequence could never fit")
             self.max_model_len = cap
         if self.max_model_len < 2:
@@ -142,9 +145,10 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.eos_token_ids = set(mcfg.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        prefix = config.enable_prefix_caching and config.enable_kv_cache
-        reserve = -(-self.max_model_len // config.block_size) if config.kv_cache_layout == "contiguous" else 0
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, prefix, reserve)
+        prefix = config.cache_config.enable_prefix_caching and config.cache_config.enable_kv_cache
+        reserve = -(-self.max_model_len // config.cache_config.block_size) \
+            if config.cache_config.kv_cache_layout == "contiguous" else 0
+        self.block_manager = BlockManager(self.num_blocks, config.cache_config.block_size, prefix, reserve)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
                                   self.max_model_len + spec_margin)
@@ -162,21 +166,21 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         self.token_bitmask = None               # structured.bitmask.TokenBitmask, made for the first constraint
         self.num_constrained = 0                # unfinished requests with a grammar (0: no mask work at all)
         self.events = EventBus()
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.step_index = 0
         self._ids = itertools.count()
-        self._timer = make_timer(True, self.device) if config.enable_step_timings else NullTimer()
+        self._timer = make_timer(True, self.device) if config.observability_config.enable_step_timings else NullTimer()
         self._profile_next = False
         self.final_outputs_only = False        # LLM.generate: skip building per-step streaming outputs
         self.last_profile: list[dict] | None = None
         self.stats_total = dict(prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
         self.drafter = self.fast_verify = None
-        if config.speculative_method:
+        if config.speculative_config.speculative_method:
             from engine.spec import FastVerify, make_drafter
             self.drafter = make_drafter(self)
             self.fast_verify = FastVerify(self)
-        if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
+        if self.device.type == "cuda" and config.kernel_config.enable_cuda_graphs and self.kernels == "triton":
             from engine.worker.cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
             if ex is not None:
@@ -187,7 +191,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id: {seq.request_id!r} is already in use")
-        limit = self.config.max_waiting_requests
+        limit = self.config.scheduler_config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             self._emit_req("rejected", seq, message="waiting queue full")
             raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests)")
@@ -302,7 +306,7 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
             self.drafter.shadow_probe(sched.seqs)
         t_end = time.perf_counter()
         self.step_index += 1
-        if self.config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
+        if self.config.scheduler_config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
             multi_step.observe_iteration(self, t_end - t0)        # a decode-only step: one iteration
         if decode_only and (num_spec or self.num_scheduler_steps == 1):     # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
@@ -353,8 +357,9 @@ class LLMEngine(InputProcessor, OutputProcessor, StepEvents, Introspection):
         if self.token_bitmask is None:
             from engine.structured.bitmask import TokenBitmask
             self.token_bitmask = TokenBitmask(self.grammar_compiler.mask_vocab_size, self.device,
-                                              fused=self.config.fused_token_bitmask and self.kernels == "triton",
-                                              threads=self.config.structured_mask_threads)
+                                              fused=self.config.structured_output_config.fused_token_bitmask
+                                              and self.kernels == "triton",
+                                              threads=self.config.structured_output_config.structured_mask_threads)
         return self.token_bitmask
 
     def _sample_row(self, seq: Sequence, extra_tokens: list[int] | None = None) -> SampleRow:

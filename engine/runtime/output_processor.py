@@ -67,7 +67,7 @@ class OutputProcessor:
                 finished.append(seq.request_id)
                 self._emit_req("finished", seq, finish_reason=reason)
             else:
-                if not self.config.enable_kv_cache:
+                if not self.config.cache_config.enable_kv_cache:
                     seq.num_computed_tokens = 0      # the baseline forgets its cache every step
                 else:
                     self.block_manager.commit_computed(seq)

@@ -31,7 +31,8 @@ class StepEvents:
         if n == 1 and start == seq.num_tokens - 1:
             return "decode"
         # the no-cache baseline recomputes a decoding request's whole prefix every step
-        return "decode" if not self.config.enable_kv_cache and start == 0 and n == seq.num_tokens else "prefill"
+        return "decode" if not self.config.cache_config.enable_kv_cache and start == 0 and n == seq.num_tokens \
+            else "prefill"
 
     def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str],
                    timings: dict, cuda_graph: bool = False, num_decode_steps: int = 1,

@@ -75,15 +75,15 @@ def plan(engine, ahead: InFlight | None = None) -> int:
     with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0."""
     sch = engine.scheduler
     grammar = engine.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
-    K = engine.num_scheduler_steps if not grammar or engine.config.structured_multi_step else 1
-    if (not engine.structured_overlap if grammar else K <= 1) or not engine.config.enable_kv_cache \
+    K = engine.num_scheduler_steps if not grammar or engine.config.structured_output_config.structured_multi_step else 1
+    if (not engine.structured_overlap if grammar else K <= 1) or not engine.config.cache_config.enable_kv_cache \
             or not sch.running:
         return 0
     if engine.drafter is not None and engine.drafter.blocks_fast_path(sch.running):
         return 0                                    # a request drafts (or probes) within the block
     if _admit_now(engine):
         return 0                                    # admit the newcomers with a normal step
-    if len(sch.running) > engine.config.max_num_batched_tokens:
+    if len(sch.running) > engine.config.scheduler_config.max_num_batched_tokens:
         return 0
     extra = ahead.K if ahead else 0
     inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
@@ -104,7 +104,7 @@ def plan(engine, ahead: InFlight | None = None) -> int:
             K = 1
         room = min(room, engine.max_model_len - (seq.num_tokens + extra) + 1)
         longest = max(longest, _left(seq, extra))
-    if engine.config.multi_step_trim:               # no iteration that every request would discard
+    if engine.config.scheduler_config.multi_step_trim:               # no iteration that every request would discard
         K = min(K, longest)
     K = min(K, room, _time_cap(engine)) if K > 1 else min(K, room)
     bm = engine.block_manager
@@ -118,21 +118,22 @@ def _admit_now(engine) -> bool:
     eagerly and costs several decode iterations of host time, so while the batch is full, admitting a few
     requests per step instead of one each time a request finishes keeps the GPU busy."""
     sch, cfg = engine.scheduler, engine.config
-    if cfg.scheduling_policy == "priority" and sch.waiting and sch.running \
+    if cfg.scheduler_config.scheduling_policy == "priority" and sch.waiting and sch.running \
             and sch.waiting.peek().params.priority < sch.running[-1].params.priority:
         return True                     # a better request waits: a normal step lets the scheduler preempt
-    free = cfg.max_num_seqs - len(sch.running)
+    free = cfg.scheduler_config.max_num_seqs - len(sch.running)
     if free <= 0 or not (sch.waiting or engine.arrivals_pending):
         return False
     want = len(sch.waiting) + (1 if engine.arrivals_pending else 0)
-    need = cfg.multi_step_admit_min if cfg.multi_step_admit_min is not None else max(1, cfg.max_num_seqs // 32)
+    need = cfg.scheduler_config.multi_step_admit_min if cfg.scheduler_config.multi_step_admit_min is not None \
+        else max(1, cfg.scheduler_config.max_num_seqs // 32)
     return free >= min(want, need)
 
 
 def _time_cap(engine) -> int:
     """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration (at least 2):
     a block's tokens reach the clients together, so its length is the inter-token latency they see."""
-    budget = engine.config.multi_step_max_ms
+    budget = engine.config.scheduler_config.multi_step_max_ms
     if not budget:
         return engine.num_scheduler_steps
     if engine.decode_iter_s is None:
@@ -155,7 +156,7 @@ def _left(seq: Sequence, extra: int) -> int:
 
 def _block_seqs(engine, extra: int) -> list[Sequence]:
     """The requests a block computes: with EngineConfig.multi_step_trim, not those ending in the block in flight."""
-    trim = extra and engine.config.multi_step_trim
+    trim = extra and engine.config.scheduler_config.multi_step_trim
     return [s for s in engine.scheduler.running if not trim or _left(s, extra) > 0]
 
 
