@@ -30,7 +30,6 @@ import gradio as gr  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.entrypoints.openai.api_server import SERVER_ENGINE_DEFAULTS  # noqa: E402
 from engine.entrypoints.openai.arrival import ArrivalProtocol  # noqa: E402
-from webui.forms import config_field_specs  # noqa: E402
 from webui.host import EngineHost  # noqa: E402
 from webui.ui import CSS, build_ui  # noqa: E402
 
@@ -140,28 +139,20 @@ def config_from_args(args) -> EngineConfig:
     kw: dict[str, Any] = {"model": args.model or None, "device": args.device, "scheduling_policy": "priority",
                           "tensor_parallel_size": args.tensor_parallel_size,
                           "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]}
-    kinds = {n: k for n, k, _ in config_field_specs()}
+    sets: dict[str, str] = {}
     for item in args.set:
         if "=" not in item:
             raise SystemExit(f"--set {item!r}: expected FIELD=VALUE")
         k, v = item.split("=", 1)
-        if k not in kinds:
-            raise SystemExit(f"--set: unknown EngineConfig field {k!r}; fields: {', '.join(kinds)}")
-        kind = kinds[k]
-        if v.lower() in ("none", "null", ""):
-            kw[k] = None
-        elif kind == "bool":
-            kw[k] = v.lower() in ("1", "true", "yes", "on")
-        elif kind in ("int", "opt_int"):
-            kw[k] = int(v)
-        elif kind in ("float", "opt_float"):
-            kw[k] = float(v)
-        else:
-            kw[k] = v
+        sets[k.strip()] = v
+    unknown = sorted(set(sets) - set(EngineConfig.field_names()))
+    if unknown:
+        raise SystemExit(f"--set: unknown EngineConfig field(s) {unknown}; "
+                         f"fields: {', '.join(EngineConfig.field_names())}")
     try:
-        return EngineConfig(**kw)
+        return EngineConfig.from_strings(sets, **kw)
     except ValueError as e:
-        raise SystemExit(str(e))
+        raise SystemExit(f"--set: {e}")
 
 
 def api_options_from_args(args) -> dict:
@@ -183,7 +174,7 @@ def main(argv=None) -> None:
     host = EngineHost(cfg)
     host.api_options = api_options_from_args(args)
     host.self_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"
-    log.info("loading the engine (%s)…", cfg.model or "bundled SmolLM2-135M-Instruct")
+    log.info("loading the engine (%s)…", cfg.model_config.model or "bundled SmolLM2-135M-Instruct")
     host.start(inspect=not args.api_only)
     app, _ = create_app(host, api_only=args.api_only)
     print(f"kvscope ready on http://{args.host}:{args.port}  ({host.describe()})", flush=True)

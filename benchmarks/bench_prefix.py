@@ -77,7 +77,7 @@ def multi_turn(rng, users, turns, rate, first_len, msg_len, out_len, vocab):
 def run(model: str, workload: str, prefix: bool, scale: float, device: str, seed: int = 0):
     eng = LLMEngine(model=model, device=device, enable_prefix_caching=prefix, max_num_seqs=64,
                     max_model_len=4096, **({"cpu_kv_cache_gib": 1.0} if device == "cpu" else {}))
-    vocab = min(eng.model_config.vocab_size, 49152)
+    vocab = min(eng.arch_config.vocab_size, 49152)
     rng = random.Random(seed)
     gpu = eng.device.type == "cuda"
     if workload == "shared-system":

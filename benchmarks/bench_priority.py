@@ -61,8 +61,8 @@ def run(policy: str, budget: int | None, args) -> dict:
                     e2el_p50_s=s["E2EL"]["p50"] / 1e3, output_tok_s=s["output_throughput"],
                     completed=s["completed"], failed=s["failed"], preemptions=eng.scheduler.num_preemptions,
                     duration_s=s["duration_s"])
-        return dict(policy=policy, max_num_batched_tokens=eng.config.max_num_batched_tokens, turns=turns,
-                    load=load, num_blocks=eng.num_blocks, max_num_seqs=eng.config.max_num_seqs,
+        return dict(policy=policy, max_num_batched_tokens=eng.config.scheduler_config.max_num_batched_tokens, turns=turns,
+                    load=load, num_blocks=eng.num_blocks, max_num_seqs=eng.config.scheduler_config.max_num_seqs,
                     loadavg_1min_after=os.getloadavg()[0])   # this run itself keeps ~2 cores busy
     finally:
         loop.shutdown()

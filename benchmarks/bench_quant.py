@@ -84,7 +84,7 @@ def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None,
     wb = weight_bytes(eng.model)
     embed = eng.model.model.embed_tokens.weight
     step_bytes = wb["total"] - embed.numel() * embed.element_size()       # embeddings: one row per token
-    kv_tok = kv_bytes_per_block(eng.model_config, 1, eng.dtype)
+    kv_tok = kv_bytes_per_block(eng.arch_config, 1, eng.dtype)
     sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
     llm.generate([list(range(2000, 2128))], sp, use_tqdm=False)            # warm-up (another prompt: no cache hit)
     torch.cuda.synchronize()
@@ -99,7 +99,7 @@ def bench_model(fmt, bw: float, prompts, outs, tensor_cores: bool | None = None,
                fp8_gemm=fp8_gemm if fmt == "fp8" else "-",
                prefill_ms=(m.first_token_time - m.arrival_time) * 1e3 if hasattr(m, "arrival_time") else None,
                max_num_seqs=max_num_seqs, weights_GB=wb["total"] / 1e9, step_GB=step_bytes / 1e9,
-               kv_blocks=eng.num_blocks, kv_GB=eng.num_blocks * kv_bytes_per_block(eng.model_config, eng.block_size,
+               kv_blocks=eng.num_blocks, kv_GB=eng.num_blocks * kv_bytes_per_block(eng.arch_config, eng.block_size,
                                                                                   eng.dtype) / 1e9,
                ms_per_token=whole * 1e3, decode_step_ms=step * 1e3, floor_ms=floor * 1e3,
                pct_floor=100 * floor / step)

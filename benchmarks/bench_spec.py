@@ -128,9 +128,9 @@ SHADOW_FLAGS = ("main", "everyblock", "noeveryblock", "confirm", "noconfirm", "p
 def set_shadow_flags(d, flags: list[str]) -> None:
     """Per-run switches of one engine's drafter: '+main' = every_block, confirm and prefetch off, '+X' / '+noX'."""
     cfg = d.engine.config
-    for attr, name, default in (("every_block", "everyblock", cfg.spec_shadow_every_block),
-                                ("confirm", "confirm", cfg.spec_shadow_confirm),
-                                ("prefetch_prompts", "prefetch", cfg.spec_prefetch)):
+    for attr, name, default in (("every_block", "everyblock", cfg.speculative_config.spec_shadow_every_block),
+                                ("confirm", "confirm", cfg.speculative_config.spec_shadow_confirm),
+                                ("prefetch_prompts", "prefetch", cfg.speculative_config.spec_prefetch)):
         on = False if "main" in flags else default
         setattr(d, attr, (on or name in flags) and f"no{name}" not in flags)
 
@@ -140,10 +140,10 @@ def switch_drafter(eng, flags: list[str]) -> None:
     d, cfg = eng.drafter, eng.config
     if d is None:
         return
-    d.auto_off = cfg.speculative_auto_off and "noauto" not in flags
-    eng.fast_verify.enabled = cfg.spec_fast_verify and "general" not in flags
-    d.shadow_probes = cfg.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
-    d.k = cfg.max_speculative_tokens if "long" in flags else d.k_base
+    d.auto_off = cfg.speculative_config.speculative_auto_off and "noauto" not in flags
+    eng.fast_verify.enabled = cfg.speculative_config.spec_fast_verify and "general" not in flags
+    d.shadow_probes = cfg.speculative_config.spec_shadow_probes and d.supports_shadow and "noshadow" not in flags
+    d.k = cfg.speculative_config.max_speculative_tokens if "long" in flags else d.k_base
     set_shadow_flags(d, flags)
 
 
@@ -151,7 +151,7 @@ def run_mode(llm: LLM, prompts: list[str], mode: str, sp: SamplingParams):
     eng = llm.engine
     if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
         name = "rewrite" if prompts is WORKLOADS["rewrite"] else "chat"
-        texts = token_prompts(name, eng.model_config.vocab_size, len(prompts))
+        texts = token_prompts(name, eng.arch_config.vocab_size, len(prompts))
     else:
         texts = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     t0 = time.perf_counter()

@@ -75,7 +75,7 @@ class StepClock:
         model = eng.runner.model
         fwd, logits = model.forward, model.compute_logits
 
-        vocab = eng.model_config.vocab_size
+        vocab = eng.arch_config.vocab_size
 
         def timed(fn, logits_op=False):
             def call(*a, **kw):
@@ -140,7 +140,7 @@ def prompts_for(llm: LLM, workload: str, n: int) -> list:
     eng = llm.engine
     texts = WORKLOADS[workload]
     if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
-        return token_prompts(workload, eng.model_config.vocab_size, n)
+        return token_prompts(workload, eng.arch_config.vocab_size, n)
     return [eng.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
 
 

@@ -161,7 +161,7 @@ def main():
                    "_torch-mask" if args.fused_token_bitmask == "off" else ""])
     settings = dict(num_scheduler_steps=args.num_scheduler_steps, structured_overlap=eng.structured_overlap,
                     structured_multi_step=args.structured_multi_step == "on",
-                    structured_mask_threads=eng.config.structured_mask_threads,
+                    structured_mask_threads=eng.config.structured_output_config.structured_mask_threads,
                     fused_token_bitmask=eng.structured.bitmask.fused if eng.structured.bitmask is not None else None,
                     kernels=eng.kernels)
     path = write_json(f"structured_{slug(dev)}{tag}", dict(device=dev, model=name, max_tokens=max_tokens,

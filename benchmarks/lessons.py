@@ -35,7 +35,7 @@ def graph_timing(setup: Setup, interval: int, batch: int = 64, output_len: int =
     sampled = 0
     for rep in range(repeats):
         for n, eng in engines.items():
-            r = run(eng, random_prompts(batch, 32, eng.model_config.vocab_size, rep), greedy(output_len))
+            r = run(eng, random_prompts(batch, 32, eng.arch_config.vocab_size, rep), greedy(output_len))
             dec = [s for s in r.steps if s.num_prefill_tokens == 0]
             arms[n].append(sum(s.num_decode_tokens for s in dec) / sum(s.end - s.start for s in dec))
             if n:

@@ -1,248 +1,178 @@
-"""EngineConfig: one flat, validated dataclass holding every switch of the engine."""
+"""EngineConfig: every switch of the engine, in sections as vLLM's VllmConfig (model_config, cache_config, ...).
+
+Each section validates its own fields; EngineConfig validates what spans sections. Flat keywords route to
+their section, as vLLM's EngineArgs do: `EngineConfig(model="dummy:tiny", block_size=32)`. Reads name the
+section: `config.cache_config.block_size`. `parse_value` turns a field's text (a CLI flag, `--set`, a form box)
+into its value, from the field's type annotation.
+"""
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
+import re
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
 
-_SCHEDULING = ("continuous", "static")
-_POLICIES = ("fcfs", "priority")
-_KERNELS = ("auto", "torch", "triton")
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_SPEC = (None, "ngram", "draft", "self")
-_LAYOUTS = ("paged", "contiguous")
-_QUANT = (None, "fp8", "int8", "int4")
-_GEMV_VARIANTS = ("auto", "tiled", "persistent")
+# the values a field may take (None: the field's "off" / "derive it" value)
+CHOICES: dict[str, tuple] = {
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "quantization": (None, "fp8", "int8", "int4"),
+    "kv_cache_layout": ("paged", "contiguous"),
+    "scheduling": ("continuous", "static"),
+    "scheduling_policy": ("fcfs", "priority"),
+    "speculative_method": (None, "ngram", "draft", "self"),
+    "kernels": ("auto", "torch", "triton"),
+    "gemv_variant": ("auto", "tiled", "persistent"),
+    "fp8_gemm": ("auto", "triton", "cublas"),
+}
 
 
-@dataclass
-class EngineConfig:
-    model: str | None = None            # HF folder, preset name ("dummy:llama-3.2-1b"), or None = bundled SmolLM2
-    device: str = "auto"                # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                 # auto: bfloat16 on cuda, float32 on cpu
-    seed: int = 0                       # random weights of presets and unseeded sampling
-    quantization: str | None = None     # decoder projection weights: None (dtype), "fp8" (block-wise 128x128),
-    #                                     "int8" (per-channel), "int4" (group-wise, 128); quantized on load, or
-    #                                     detected from a pre-quantized checkpoint's quantization_config
-    int4_group_size: int = 128          # int4: weights per (scale, min) group along K: 32, 64 or 128
-    quant_gemv_tensor_cores: bool | None = None  # quantized decode linears (fused GEMVs) on tensor cores:
-    #                                     weights decoded to 16-bit in registers, tl.dot on the rows padded to 16
-    #                                     (kernels/quant_gemv_tc.py); None: with triton on cuda >= sm80, for
-    #                                     the shapes where the sweep found them faster (QUANT_GEMV_TC_CONFIGS)
-    quant_gemv_packed: bool | None = None  # quantized decode linears on the packed-word GEMV
-    #                                     (kernels/quant_gemv_packed.py: int32 word loads, inline-PTX decodes,
-    #                                     split-K): int4 is repacked on load to the words layout and always
-    #                                     takes it; int8 too, fp8 where QUANT_GEMV_PACKED_CONFIGS lists the shape,
-    #                                     unless the tensor-core GEMV has the shape. None: on with
-    #                                     triton on cuda >= sm90; False: the earlier kernels (ablation)
-    quant_gemm_group_dots: bool = True  # packed, int4 (groups of 128) prefill GEMM: 8 dots a group on the raw codes
-    #                                     of each nibble slice; False: the slices interleaved into one dequantized tile
-    fp8_activations: bool = True        # fp8 steps above gemv_max_tokens quantize activations per token-group
-    #                                     and multiply on FP8 tensor cores (cuda >= sm89, triton); else bf16 dots
-    fp8_gemm: str = "auto"              # that FP8 GEMM (kernels/quant_gemm_fp8.py): "triton" (activations
-    #                                     quantized once, then FP8 dots), "cublas" (torch's block-wise scaled_mm;
-    #                                     sm90, CUDA >= 12.9); auto: cublas where torch has it, else triton
-    # KV cache
-    block_size: int = 16
-    num_kv_blocks: int | None = None    # None: derived from the memory budget below
-    gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_gib: float = 1.0
-    enable_kv_cache: bool = True        # False: recompute the whole prefix every step (baseline)
-    enable_prefix_caching: bool = True
-    kv_cache_layout: str = "paged"      # "paged" | "contiguous": the baseline of the paging lesson, which reserves
-    #                                     ceil(max_model_len / block_size) blocks for a request when it is admitted
-    #                                     (max_model_len slots, as a per-request max-length cache does) and never
-    #                                     shares them (no prefix caching); the same kernels run
-    # scheduler
-    max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on cuda, 2048 on cpu
-    max_num_seqs: int | None = None     # running requests; None: 256 on cuda (the CUDA-graph sizes), 128 on cpu
-    max_model_len: int | None = None    # None: the model's max_position_embeddings (capped at 8192)
-    enable_chunked_prefill: bool = True
-    scheduling: str = "continuous"      # "continuous" | "static" (a batch runs until all finish)
-    scheduling_policy: str = "fcfs"     # "fcfs" | "priority": waiting requests by (SamplingParams.priority,
-    #                                     arrival); a better one may preempt a worse running one (as vLLM)
-    max_waiting_requests: int | None = None  # None: unbounded waiting queue
-    # execution
-    kernels: str = "auto"               # auto: triton on cuda, torch on cpu
-    enable_cuda_graphs: bool = True     # decode-only steps on cuda
-    cuda_graph_max_batch: int = 256
-    mixed_cuda_graphs: bool = True      # steps mixing prefill chunks and decodes replay a CUDA graph per token
-    #                                     bucket (up to mixed_cuda_graph_max_tokens): no Python kernel launches
-    mixed_cuda_graph_max_tokens: int = 2048
-    enable_step_timings: bool = True    # per-region forward timings in step events
-    graph_timing_interval: int = 200    # every N-th graph-eligible forward runs eagerly under the CUDA-event
-    #                                     timer instead of replaying its graph (same outputs), so graph-replayed
-    #                                     decoding still gets a per-region breakdown (StepEvent.timings_sampled);
-    #                                     costs about (eager/graph time - 1) / N; 0: never (graphed steps untimed)
-    num_scheduler_steps: int | None = None  # decode iterations per host round trip when the batch is
-    #                                         decode-only (multi-step); None: 8 on cuda, 1 on cpu
-    multi_step_max_ms: float | None = None  # a multi-step block runs at most about this long (from the
-    #                                         measured time per iteration, never below 2 iterations), so streamed
-    #                                         tokens reach clients this often; None: num_scheduler_steps always
-    multi_step_trim: bool = True        # a multi-step block leaves out the requests that reach max_tokens within the
-    #                                     block in flight and runs no iteration past its longest request's
-    #                                     max_tokens; False: every running request, num_scheduler_steps iterations
-    multi_step_admit_min: int | None = None  # while multi-step decode runs and the batch is full, newcomers
-    #                                         wait until this many slots are free (or all of them fit);
-    #                                         None: max_num_seqs // 32; 1: a prefill step at every free slot
-    gemv_max_tokens: int | None = None  # steps of at most this many tokens run fused GEMV linears (norm,
-    #                                         SiLU-mul, residual add inside); None: 1 with triton kernels, 0 = off
-    tensor_parallel_size: int = 1       # ranks sharding the model Megatron-style (one worker process per extra
-    #                                     rank; NCCL on cuda, gloo on cpu); cuda ranks use consecutive devices
-    enable_pdl: bool | None = None      # those linears launch as programmatic dependents on Hopper+ (their
-    #                                         first weight tile is fetched while the previous kernel finishes);
-    #                                         None: on unless a decode linear takes the persistent GEMV (at the 8B
-    #                                         shape on an H200, PDL on 4.87 vs off 4.44 ms/token with it)
-    gemv_variant: str = "auto"          # the bf16 fused GEMV's launch: "auto" (kernels/gemv.py GEMV_CONFIGS, swept
-    #                                     per projection shape on an H200; the rule elsewhere), "tiled" (the rule:
-    #                                     programs of BLOCK_N rows walking K), "persistent" (a few programs per SM,
-    #                                     the prologue once per program, whole-K rows streamed a tile or two ahead)
-    fused_qk_norm: bool = True          # q/k RMSNorm (Qwen3) in place on the qkv views, a tile of tokens a program;
-    #                                     False: q/k copied contiguous, then one program per (token, head) row
-    sampler_one_launch: bool = True     # the Triton Gumbel-max sampler sizes its grid to the chip (batch 1: 251
-    #                                     programs of 512 logits, not 16 of 8192) and its last program per row
-    #                                     reduces the chunk winners: one launch per iteration instead of four
-    # speculative decoding
-    speculative_method: str | None = None
-    num_speculative_tokens: int = 3
-    num_speculative_tokens_max: int | None = None  # n-gram: a request whose last verify accepted all of its k
-    #                                     drafts drafts 2k next time, up to this (a rejection: back to
-    #                                     num_speculative_tokens); verify graphs are captured for it too; None: off
-    draft_model: str | None = None
-    ngram_min: int = 1
-    ngram_max: int = 4
-    draft_layers: int = 8
-    speculative_auto_off: bool = True   # per request, stop drafting while the measured acceptance would not pay
-    #                                     for the measured cost of drafting + verifying (re-probed now and then)
-    spec_cuda_graphs: bool = True       # verify steps (k+1 tokens per request) and self-drafting steps replay
-    #                                     CUDA graphs per (batch, k) bucket; False: they run eagerly
-    spec_cuda_graph_max_batch: int = 32  # largest batch whose verify / draft steps are captured
-    spec_fast_verify: bool = True       # a verify step whose requests all decode plain-greedy is packed straight
-    #                                     into the padded graph layout and verified from the device argmax (one
-    #                                     small copy back); False: the general path (packed, gathered logits)
-    spec_shadow_every_block: bool = True  # shadow probes: a request whose drafting is off is replayed after every
-    #                                     multi-step block from where the last replay ended (no 16-token gap, no
-    #                                     doubling); False: after the gap (README)
-    spec_shadow_confirm: bool = True    # shadow probes: a replay that would turn drafting on holds the pipeline
-    #                                     after the block in flight, whose replay must agree before drafting resumes
-    #                                     (no extra lag: that block returns before any draft could run anyway)
-    spec_prefetch: bool = True          # n-gram: a prompt is indexed while its prefill's forward runs, not at the
-    #                                     first proposal (a pipeline start, with the device idle)
-    spec_shadow_probes: bool = True     # auto-off: a request whose drafting is off is probed from its own output
-    #                                     (the draft the proposer would have made earlier, compared with the
-    #                                     tokens produced since), not by a verify step, so probes never leave the
-    #                                     multi-step pipeline; drafters that can draft for an earlier position
-    #                                     (n-gram); the first probe of a request still verifies (if it drafts)
-    # structured output
-    structured_overlap: bool | None = None  # decode batches with a constrained request run pipelined blocks of
-    #                                         one iteration: the next forward starts from the sampled tokens
-    #                                         still on the device while the host advances the grammars and
-    #                                         fills the next masks; None: on cuda; False: one synced step each
-    structured_multi_step: bool = True  # grammar blocks run up to num_scheduler_steps iterations, the host
-    #                                     filling each iteration's masks while the GPU runs its forward (no
-    #                                     scheduler or post-processing round trip per token); False: one each
-    structured_mask_threads: int | None = 2  # llguidance threads that fill a step's masks (None: its default,
-    #                                     80% of the CPUs up to 32; more threads cost more wake-ups than they
-    #                                     save at batch 32 on the H200 host: 2 measured best)
-    fused_token_bitmask: bool = True    # with triton kernels, one Triton launch applies the packed bitmask to
-    #                                     the constrained rows; False (or kernels="torch"): torch ops
+class _Checks:
+    """need(): the `EngineConfig.<field>: <what is wrong> (got <value>)` error of a section's validation."""
+
+    def need(self, cond: bool, name: str, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"EngineConfig.{name}: {msg} (got {getattr(self, name)!r})")
+
+    def need_choice(self, name: str) -> None:
+        self.need(getattr(self, name) in CHOICES[name], name, f"must be one of {CHOICES[name]}")
+
+    def need_bool(self, *names: str) -> None:
+        for name in names:
+            self.need(isinstance(getattr(self, name), bool), name, "must be a bool")
+
+    def need_tristate(self, *names: str) -> None:
+        for name in names:
+            v = getattr(self, name)
+            self.need(v is None or isinstance(v, bool), name, "must be None, True or False")
+
+    def need_int(self, name: str, lo: int, hi: int | None = None, optional: bool = False) -> None:
+        v = getattr(self, name)
+        if optional and v is None:
+            return
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+        what = f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"
+        self.need(ok, name, f"must be None or {what}" if optional else f"must be {what}")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Checks):
+    """The model and the numbers it runs in."""
+    model: str | None = None            # HF folder, preset ("dummy:llama-3.2-1b"), or None: the bundled SmolLM2-135M
+    device: str = "auto"                # "cpu", "cuda", "cuda:N", or "auto": cuda when available
+    dtype: str = "auto"                 # weights and activations; auto: bfloat16 on cuda, float32 on cpu
+    seed: int = 0                       # seeds random preset weights and unseeded sampling
+    quantization: str | None = None     # decoder linears: fp8 (128x128 blocks), int8 (per channel), int4 (groups)
+    int4_group_size: int = 128          # int4: weights per (scale, min) group along K
+    max_model_len: int | None = None    # longest sequence; None: the model's max_position_embeddings, at most 8192
 
     def __post_init__(self):
-        self.validate()
+        self.need(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
+                  "device", "must be 'auto', 'cpu' or 'cuda[:N]'")
+        self.need_choice("dtype")
+        self.need_choice("quantization")
+        self.need(self.int4_group_size in (32, 64, 128), "int4_group_size", "must be 32, 64 or 128")
+        self.need_int("max_model_len", 2, optional=True)
 
-    def validate(self) -> None:
-        def need(cond: bool, name: str, msg: str):
-            if not cond:
-                raise ValueError(f"EngineConfig.{name}: {msg} (got {getattr(self, name)!r})")
 
-        need(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
-             and self.block_size & (self.block_size - 1) == 0,
-             "block_size", "must be a power of two in [1, 256]")
-        need(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),
-             "num_kv_blocks", "must be None or an int >= 2")
-        need(0.05 <= self.gpu_memory_utilization <= 0.98, "gpu_memory_utilization", "must be in [0.05, 0.98]")
-        need(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", "must be > 0")
-        need(self.max_num_batched_tokens is None
-             or (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1),
-             "max_num_batched_tokens", "must be None or an int >= 1")
-        need(self.max_num_seqs is None or (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1),
-             "max_num_seqs", "must be None or an int >= 1")
-        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2),
-             "max_model_len", "must be None or an int >= 2")
-        need(self.kv_cache_layout in _LAYOUTS, "kv_cache_layout", f"must be one of {_LAYOUTS}")
-        need(isinstance(self.graph_timing_interval, int) and self.graph_timing_interval >= 0,
-             "graph_timing_interval", "must be an int >= 0 (0 = never)")
-        need(self.scheduling in _SCHEDULING, "scheduling", f"must be one of {_SCHEDULING}")
-        need(self.scheduling_policy in _POLICIES, "scheduling_policy", f"must be one of {_POLICIES}")
-        need(self.kernels in _KERNELS, "kernels", f"must be one of {_KERNELS}")
-        need(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}")
-        need(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
-             "device", "must be 'auto', 'cpu' or 'cuda[:N]'")
-        need(self.quantization in _QUANT, "quantization", f"must be one of {_QUANT}")
-        need(self.int4_group_size in (32, 64, 128), "int4_group_size", "must be 32, 64 or 128")
-        need(self.speculative_method in _SPEC, "speculative_method", f"must be one of {_SPEC}")
-        need(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
-             "num_speculative_tokens", "must be an int in [1, 16]")
-        need(self.num_speculative_tokens_max is None or (
+@dataclass(frozen=True)
+class CacheConfig(_Checks):
+    """The KV cache: its blocks, its size and how requests share it."""
+    block_size: int = 16                # tokens per KV block
+    num_kv_blocks: int | None = None    # blocks in the KV pool; None: what the memory budget holds
+    gpu_memory_utilization: float = 0.85  # cuda: share of the memory free after the weights for activations + KV
+    cpu_kv_cache_gib: float = 1.0       # cpu: the KV pool's size in GiB
+    enable_kv_cache: bool = True        # False: every step recomputes each request's whole prefix
+    enable_prefix_caching: bool = True  # requests reuse the cached blocks of a prompt prefix they share
+    kv_cache_layout: str = "paged"      # "contiguous": a request reserves max_model_len slots when admitted, unshared
+
+    def __post_init__(self):
+        self.need(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
+                  and self.block_size & (self.block_size - 1) == 0, "block_size", "must be a power of two in [1, 256]")
+        self.need_int("num_kv_blocks", 2, optional=True)
+        self.need(isinstance(self.gpu_memory_utilization, (int, float))
+                  and 0.05 <= self.gpu_memory_utilization <= 0.98, "gpu_memory_utilization", "must be in [0.05, 0.98]")
+        self.need(isinstance(self.cpu_kv_cache_gib, (int, float)) and self.cpu_kv_cache_gib > 0,
+                  "cpu_kv_cache_gib", "must be > 0")
+        self.need_bool("enable_kv_cache", "enable_prefix_caching")
+        self.need_choice("kv_cache_layout")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Checks):
+    """What runs in a step, and how many decode iterations a step launches."""
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on cuda, 256 on cpu
+    max_num_seqs: int | None = None     # running requests; None: 256 on cuda, 128 on cpu
+    enable_chunked_prefill: bool = True  # a long prompt is prefilled in chunks over several steps, beside decodes
+    scheduling: str = "continuous"      # "static": a batch runs until all of its requests finish
+    scheduling_policy: str = "fcfs"     # "priority": by (SamplingParams.priority, arrival), preempting worse ones
+    max_waiting_requests: int | None = None  # waiting-queue bound (beyond it add_request raises); None: unbounded
+    num_scheduler_steps: int | None = None  # decode iterations per host round trip (multi-step); None: 8 cuda, 1 cpu
+    multi_step_max_ms: float | None = None  # a multi-step block's time limit (>= 2 iterations); None: no limit
+    multi_step_trim: bool = True        # a block stops at its longest request's max_tokens and drops finished ones
+    multi_step_admit_min: int | None = None  # full batch: newcomers wait for this many free slots; None: seqs // 32
+
+    def __post_init__(self):
+        self.need_int("max_num_batched_tokens", 1, optional=True)
+        self.need_int("max_num_seqs", 1, optional=True)
+        self.need_bool("enable_chunked_prefill", "multi_step_trim")
+        self.need_choice("scheduling")
+        self.need_choice("scheduling_policy")
+        self.need_int("max_waiting_requests", 1, optional=True)
+        self.need_int("num_scheduler_steps", 1, 64, optional=True)
+        self.need(self.multi_step_max_ms is None or (isinstance(self.multi_step_max_ms, (int, float))
+                                                     and self.multi_step_max_ms > 0),
+                  "multi_step_max_ms", "must be None or > 0 (milliseconds)")
+        self.need_int("multi_step_admit_min", 1, optional=True)
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Checks):
+    """How the model is split over devices."""
+    tensor_parallel_size: int = 1       # ranks sharding the model (a worker process per extra rank; NCCL or gloo)
+
+    def __post_init__(self):
+        self.need_int("tensor_parallel_size", 1, 64)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(_Checks):
+    """Speculative decoding: who drafts, how many tokens, and when drafting pays."""
+    speculative_method: str | None = None  # "ngram" (prompt lookup), "draft" (draft_model), "self" (layer skip)
+    num_speculative_tokens: int = 3     # drafts per request per step
+    num_speculative_tokens_max: int | None = None  # ngram: k doubles after a fully accepted verify, up to this
+    draft_model: str | None = None      # "draft": the drafting model (HF folder or preset)
+    ngram_min: int = 1                  # ngram: shortest suffix matched in the request's tokens
+    ngram_max: int = 4                  # ngram: longest suffix matched
+    draft_layers: int = 8               # "self": the target's first layers that draft
+    speculative_auto_off: bool = True   # per request, no drafting while measured acceptance does not pay for it
+    spec_cuda_graphs: bool = True       # verify and self-drafting steps replay CUDA graphs per (batch, k) bucket
+    spec_cuda_graph_max_batch: int = 32  # largest batch whose verify and draft steps are captured
+    spec_fast_verify: bool = True       # all-greedy verify steps pack straight into the graph layout, device argmax
+    spec_shadow_every_block: bool = True  # shadow probes replay after every multi-step block; False: after a gap
+    spec_shadow_confirm: bool = True    # drafting resumes only when the next block's shadow replay agrees
+    spec_prefetch: bool = True          # ngram: a prompt is indexed while its prefill runs
+    spec_shadow_probes: bool = True     # auto-off probes a request from its own output instead of a verify step
+
+    def __post_init__(self):
+        self.need_choice("speculative_method")
+        self.need_int("num_speculative_tokens", 1, 16)
+        self.need(self.num_speculative_tokens_max is None or (
             isinstance(self.num_speculative_tokens_max, int)
             and self.num_speculative_tokens <= self.num_speculative_tokens_max <= 16),
             "num_speculative_tokens_max", "must be None or an int in [num_speculative_tokens, 16]")
-        need(self.num_speculative_tokens_max is None or self.speculative_method in (None, "ngram"),
-             "num_speculative_tokens_max", "applies to n-gram drafting only (model drafts cost a forward each)")
-        need(1 <= self.ngram_min <= self.ngram_max, "ngram_min", "must satisfy 1 <= ngram_min <= ngram_max")
-        need(self.draft_layers >= 1, "draft_layers", "must be >= 1")
-        need(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
-             "max_waiting_requests", "must be None or >= 1")
-        need(self.num_scheduler_steps is None or (isinstance(self.num_scheduler_steps, int)
-                                                   and 1 <= self.num_scheduler_steps <= 64),
-             "num_scheduler_steps", "must be None or an int in [1, 64]")
-        need(self.multi_step_max_ms is None or (isinstance(self.multi_step_max_ms, (int, float))
-                                                 and self.multi_step_max_ms > 0),
-             "multi_step_max_ms", "must be None or > 0 (milliseconds)")
-        need(self.multi_step_admit_min is None or (isinstance(self.multi_step_admit_min, int)
-                                                    and self.multi_step_admit_min >= 1),
-             "multi_step_admit_min", "must be None or an int >= 1")
-        need(self.gemv_max_tokens is None or (isinstance(self.gemv_max_tokens, int)
-                                               and 0 <= self.gemv_max_tokens <= 16),
-             "gemv_max_tokens", "must be None or an int in [0, 16]")
-        need(self.gemv_variant in _GEMV_VARIANTS, "gemv_variant", f"must be one of {_GEMV_VARIANTS}")
-        need(isinstance(self.fused_qk_norm, bool), "fused_qk_norm", "must be a bool")
-        need(isinstance(self.multi_step_trim, bool), "multi_step_trim", "must be a bool")
-        need(isinstance(self.sampler_one_launch, bool), "sampler_one_launch", "must be a bool")
-        need(self.enable_pdl in (None, True, False), "enable_pdl", "must be None, True or False")
-        need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
-             "tensor_parallel_size", "must be an int in [1, 64]")
-        if self.tensor_parallel_size > 1:
-            need(self.speculative_method is None, "speculative_method",
-                 "is not supported with tensor_parallel_size > 1 (the drafter would run on rank 0 alone)")
-        need(1 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "must be in [1, 1024]")
-        need(isinstance(self.mixed_cuda_graph_max_tokens, int) and 16 <= self.mixed_cuda_graph_max_tokens <= 8192,
-             "mixed_cuda_graph_max_tokens", "must be an int in [16, 8192]")
-        need(isinstance(self.spec_cuda_graph_max_batch, int) and 1 <= self.spec_cuda_graph_max_batch <= 256,
-             "spec_cuda_graph_max_batch", "must be an int in [1, 256]")
-        need(isinstance(self.spec_shadow_probes, bool), "spec_shadow_probes", "must be a bool")
-        need(isinstance(self.spec_shadow_every_block, bool), "spec_shadow_every_block", "must be a bool")
-        need(isinstance(self.spec_shadow_confirm, bool), "spec_shadow_confirm", "must be a bool")
-        need(isinstance(self.spec_prefetch, bool), "spec_prefetch", "must be a bool")
-        need(self.quant_gemv_tensor_cores in (None, True, False), "quant_gemv_tensor_cores",
-             "must be None, True or False")
-        need(self.quant_gemv_packed in (None, True, False), "quant_gemv_packed", "must be None, True or False")
-        need(isinstance(self.quant_gemm_group_dots, bool), "quant_gemm_group_dots", "must be a bool")
-        need(self.fp8_gemm in ("auto", "triton", "cublas"), "fp8_gemm", "must be 'auto', 'triton' or 'cublas'")
-        need(self.structured_overlap in (None, True, False), "structured_overlap", "must be None, True or False")
-        need(isinstance(self.fused_token_bitmask, bool), "fused_token_bitmask", "must be a bool")
-        need(isinstance(self.structured_multi_step, bool), "structured_multi_step", "must be a bool")
-        need(self.structured_mask_threads is None or (isinstance(self.structured_mask_threads, int)
-                                                      and not isinstance(self.structured_mask_threads, bool)
-                                                      and 1 <= self.structured_mask_threads <= 256),
-             "structured_mask_threads", "must be None or an int in 1..256")
-        need(self.speculative_method != "draft" or self.draft_model is not None,
-             "draft_model", "is required when speculative_method='draft'")
-        if not self.enable_chunked_prefill and None not in (self.max_model_len, self.max_num_batched_tokens):
-            need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
-                 f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
-                 "or a long prompt could never be scheduled")
-        if not self.enable_kv_cache:
-            need(self.speculative_method is None, "speculative_method",
-                 "needs the KV cache (enable_kv_cache=True)")
+        self.need(self.num_speculative_tokens_max is None or self.speculative_method in (None, "ngram"),
+                  "num_speculative_tokens_max", "applies to n-gram drafting only (model drafts cost a forward each)")
+        self.need(self.speculative_method != "draft" or self.draft_model is not None,
+                  "draft_model", "is required when speculative_method='draft'")
+        self.need(isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)
+                  and 1 <= self.ngram_min <= self.ngram_max, "ngram_min", "must satisfy 1 <= ngram_min <= ngram_max")
+        self.need_int("draft_layers", 1)
+        self.need_bool("speculative_auto_off", "spec_cuda_graphs", "spec_fast_verify", "spec_shadow_every_block",
+                       "spec_shadow_confirm", "spec_prefetch", "spec_shadow_probes")
+        self.need_int("spec_cuda_graph_max_batch", 1, 256)
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -251,17 +181,311 @@ class EngineConfig:
             return 0
         return max(self.num_speculative_tokens, self.num_speculative_tokens_max or 0)
 
+
+@dataclass(frozen=True)
+class StructuredOutputConfig(_Checks):
+    """Grammar-constrained decoding: how masks are filled and applied."""
+    structured_overlap: bool | None = None  # grammar decode runs pipelined one-iteration blocks; None: on cuda
+    structured_multi_step: bool = True  # grammar blocks run up to num_scheduler_steps iterations
+    structured_mask_threads: int | None = 2  # llguidance threads filling a step's masks; None: llguidance's default
+    fused_token_bitmask: bool = True    # triton kernels: one Triton launch applies the masks; False: torch ops
+
+    def __post_init__(self):
+        self.need_tristate("structured_overlap")
+        self.need_bool("structured_multi_step", "fused_token_bitmask")
+        self.need_int("structured_mask_threads", 1, 256, optional=True)
+
+
+@dataclass(frozen=True)
+class KernelConfig(_Checks):
+    """Which kernels run a forward, and which steps replay CUDA graphs."""
+    kernels: str = "auto"               # auto: triton on cuda, torch on cpu
+    enable_cuda_graphs: bool = True     # cuda: decode-only steps replay CUDA graphs
+    cuda_graph_max_batch: int = 256     # largest decode batch captured
+    mixed_cuda_graphs: bool = True      # steps mixing prefill chunks and decodes replay a graph per token bucket
+    mixed_cuda_graph_max_tokens: int = 2048  # largest token bucket captured for mixed steps
+    gemv_max_tokens: int | None = None  # steps up to this many tokens run fused GEMV linears; None: 1 on triton, 0 off
+    enable_pdl: bool | None = None      # Hopper+: fused GEMVs launch as programmatic dependents; None: per GEMV variant
+    gemv_variant: str = "auto"          # bf16 fused GEMV launch: "tiled", "persistent", auto: kernels/gemv.py's table
+    fused_qk_norm: bool = True          # Qwen3 q/k RMSNorm in place on the qkv views, a tile of tokens per program
+    sampler_one_launch: bool = True     # the Triton sampler's grid fits the chip and reduces in one launch
+    quant_gemv_tensor_cores: bool | None = None  # quantized decode GEMVs on tensor cores; None: per shape, sm80+
+    quant_gemv_packed: bool | None = None  # quantized decode GEMVs on the packed-word kernel; None: triton on sm90+
+    quant_gemm_group_dots: bool = True  # int4 packed prefill GEMM: 8 dots per group on the raw nibble codes
+    fp8_activations: bool = True        # fp8 steps above gemv_max_tokens multiply on FP8 tensor cores (sm89+)
+    fp8_gemm: str = "auto"              # that FP8 GEMM: "triton", "cublas" (torch scaled_mm), auto: cublas if present
+
+    def __post_init__(self):
+        self.need_choice("kernels")
+        self.need_bool("enable_cuda_graphs", "mixed_cuda_graphs", "fused_qk_norm", "sampler_one_launch",
+                       "quant_gemm_group_dots", "fp8_activations")
+        self.need_int("cuda_graph_max_batch", 1, 1024)
+        self.need_int("mixed_cuda_graph_max_tokens", 16, 8192)
+        self.need_int("gemv_max_tokens", 0, 16, optional=True)
+        self.need_tristate("enable_pdl", "quant_gemv_tensor_cores", "quant_gemv_packed")
+        self.need_choice("gemv_variant")
+        self.need_choice("fp8_gemm")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig(_Checks):
+    """What the engine measures about its own steps."""
+    enable_step_timings: bool = True    # per-region forward timings in step events
+    graph_timing_interval: int = 200    # every N-th graph-eligible forward runs eagerly to be timed; 0: never
+
+    def __post_init__(self):
+        self.need_bool("enable_step_timings")
+        self.need_int("graph_timing_interval", 0)
+
+
+# section attribute -> its class, in the order fields are listed (forms, flags, to_dict)
+SECTIONS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "speculative_config": SpeculativeConfig,
+    "structured_output_config": StructuredOutputConfig,
+    "kernel_config": KernelConfig,
+    "observability_config": ObservabilityConfig,
+}
+# flat field name -> the section attribute holding it
+FIELD_SECTION: dict[str, str] = {f.name: attr for attr, cls in SECTIONS.items() for f in fields(cls)}
+
+
+@dataclass(frozen=True, init=False)
+class EngineConfig:
+    """The engine's configuration: one section per concern. Frozen: change it with replace()."""
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig
+    structured_output_config: StructuredOutputConfig
+    kernel_config: KernelConfig
+    observability_config: ObservabilityConfig
+
+    def __init__(self, *, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None, parallel_config: ParallelConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None,
+                 structured_output_config: StructuredOutputConfig | None = None,
+                 kernel_config: KernelConfig | None = None, observability_config: ObservabilityConfig | None = None,
+                 **flat: Any):
+        """Sections given whole, flat fields routed to their section (applied over a section given whole)."""
+        unknown = sorted(set(flat) - set(FIELD_SECTION))
+        if unknown:
+            raise ValueError(f"EngineConfig: unknown field(s) {unknown}")
+        given = dict(model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config,
+                     parallel_config=parallel_config, speculative_config=speculative_config,
+                     structured_output_config=structured_output_config, kernel_config=kernel_config,
+                     observability_config=observability_config)
+        for attr, cls in SECTIONS.items():
+            section = given[attr]
+            changes = {k: v for k, v in flat.items() if FIELD_SECTION[k] == attr}
+            if section is None:
+                section = cls(**changes)
+            elif not isinstance(section, cls):
+                raise TypeError(f"EngineConfig.{attr}: must be a {cls.__name__} (got {type(section).__name__})")
+            elif changes:
+                section = dataclasses.replace(section, **changes)
+            object.__setattr__(self, attr, section)
+        self.validate()
+
+    def validate(self) -> None:
+        """The checks that span sections (each section checked its own fields when it was made)."""
+        m, c, s = self.model_config, self.cache_config, self.scheduler_config
+        p, sp = self.parallel_config, self.speculative_config
+        if p.tensor_parallel_size > 1:
+            sp.need(sp.speculative_method is None, "speculative_method",
+                    "is not supported with tensor_parallel_size > 1 (the drafter would run on rank 0 alone)")
+        if not s.enable_chunked_prefill and None not in (m.max_model_len, s.max_num_batched_tokens):
+            s.need(s.max_num_batched_tokens >= m.max_model_len, "max_num_batched_tokens",
+                   f"must be >= max_model_len ({m.max_model_len}) when chunked prefill is off, "
+                   "or a long prompt could never be scheduled")
+        if not c.enable_kv_cache:
+            sp.need(sp.speculative_method is None, "speculative_method", "needs the KV cache (enable_kv_cache=True)")
+
+    def __getattr__(self, name: str):
+        if name in FIELD_SECTION:           # a flat read: say where the field lives now
+            raise AttributeError(f"EngineConfig.{name}: read it as config.{FIELD_SECTION[name]}.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field by its flat name (EngineConfig(**d) builds it back)."""
+        out = {}
+        for attr in SECTIONS:
+            out.update(asdict(getattr(self, attr)))
+        return out
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        return list(FIELD_SECTION)
 
     def replace(self, **changes) -> "EngineConfig":
-        d = self.to_dict()
-        unknown = set(changes) - set(d)
+        """A copy with flat fields (or whole sections) changed, validated again."""
+        return EngineConfig(**{**{attr: getattr(self, attr) for attr in SECTIONS}, **changes})
+
+    @classmethod
+    def from_strings(cls, values: Mapping[str, Any], **typed: Any) -> "EngineConfig":
+        """A config from field -> text (each parsed by parse_value), over typed flat keywords."""
+        unknown = sorted(set(values) - set(FIELD_SECTION))
         if unknown:
-            raise ValueError(f"EngineConfig: unknown field(s) {sorted(unknown)}")
-        d.update(changes)
-        return EngineConfig(**d)
+            raise ValueError(f"EngineConfig: unknown field(s) {unknown}")
+        return cls(**{**typed, **{k: parse_value(k, v) for k, v in values.items()}})
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """A config from the flags of add_cli_args (attributes of `args` that are not fields are ignored)."""
+        return cls(**{name: getattr(args, name) for name in FIELD_SECTION if hasattr(args, name)})
+
+
+# ---------------------------------------------------------------------------------- strings to values
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_NONE = ("none", "null", "")
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One flat field, as parsers and forms need it."""
+    name: str
+    section: str                        # its section attribute ("cache_config")
+    type: type                          # bool, int, float or str
+    optional: bool                      # None is a value (the engine decides, or the feature is off)
+    default: Any
+    choices: tuple | None               # CHOICES[name], if any
+    help: str                           # the field's comment in this file
+
+    @property
+    def kind(self) -> str:
+        """bool, opt_bool, choice, int, opt_int, float, opt_float, str or opt_str."""
+        if self.choices is not None:
+            return "choice"
+        return ("opt_" if self.optional else "") + self.type.__name__
+
+
+def _comments() -> dict[str, str]:
+    """Each section field's comment in this file (flag help, form help); empty where the source is absent."""
+    try:
+        text = Path(__file__).read_text()
+    except OSError:
+        return {}
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^    (\w+): [^\n#]*?# ?([^\n]*)$", text, re.M)
+            if m.group(1) in FIELD_SECTION}
+
+
+def _spec(section: str, f: dataclasses.Field, comments: dict[str, str]) -> FieldSpec:
+    parts = [p.strip() for p in str(f.type).split("|")]
+    base = [p for p in parts if p != "None"]
+    assert len(base) == 1 and base[0] in _TYPES, f"EngineConfig.{f.name}: unsupported annotation {f.type!r}"
+    return FieldSpec(f.name, section, _TYPES[base[0]], "None" in parts, f.default, CHOICES.get(f.name),
+                     comments.get(f.name, ""))
+
+
+_COMMENTS = _comments()
+FIELD_SPECS: dict[str, FieldSpec] = {f.name: _spec(attr, f, _COMMENTS) for attr, cls in SECTIONS.items()
+                                     for f in fields(cls)}
+
+
+def field_specs() -> list[FieldSpec]:
+    return list(FIELD_SPECS.values())
+
+
+def parse_value(name: str, value: Any) -> Any:
+    """A field's value from text ("32", "true", "auto", "none") or from an already-typed value (a form's
+    number or checkbox). bool: 1/true/yes/on, 0/false/no/off; `bool | None`: also auto/none -> None;
+    optional fields: none/null/empty -> None, and "off" for a choice that has None. Ranges and choices are
+    checked when the config is built."""
+    spec = FIELD_SPECS.get(name)
+    if spec is None:
+        raise ValueError(f"EngineConfig: unknown field(s) {[name]}")
+
+    def bad(what: str):
+        return ValueError(f"EngineConfig.{name}: must be {what} (got {value!r})")
+
+    if isinstance(value, str):
+        text = value.strip()
+        low = text.lower()
+        if spec.optional and (low in _NONE or (spec.type is bool and low == "auto")
+                              or (spec.choices is not None and low == "off" and "off" not in spec.choices)):
+            return None
+        if spec.type is bool:
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise bad("true or false" + (" or auto" if spec.optional else ""))
+        if spec.type is int:
+            try:
+                return int(text)
+            except ValueError:
+                raise bad("an int" + (" or none" if spec.optional else "")) from None
+        if spec.type is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise bad("a number" + (" or none" if spec.optional else "")) from None
+        return text
+    if value is None:
+        if spec.optional:
+            return None
+        raise bad("set")
+    if spec.type is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad("true or false")
+    if spec.type is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):
+            return int(value)
+        raise bad("an int")
+    if spec.type is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad("a number")
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------- command-line flags
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None) -> None:
+    """One flag per field, grouped by section: `--max-num-seqs 64`; bools (and `bool | None`, whose default is
+    auto) as `--enable-prefix-caching / --no-enable-prefix-caching`; "none" sets an optional field to None.
+    `defaults` overrides the fields' defaults."""
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - set(FIELD_SPECS))
+    if unknown:
+        raise ValueError(f"EngineConfig: unknown field(s) {unknown}")
+    groups = {attr: parser.add_argument_group(f"engine: {attr} ({cls.__name__})") for attr, cls in SECTIONS.items()}
+    for spec in FIELD_SPECS.values():
+        default = defaults.get(spec.name, spec.default)
+        group = groups[spec.section]
+        if spec.type is bool:
+            group.add_argument(flag_name(spec.name), dest=spec.name, action=argparse.BooleanOptionalAction,
+                               default=default, help=_help(spec, "auto" if default is None else default))
+            continue
+        if spec.choices is not None:
+            metavar = "{" + ",".join("none" if c is None else str(c) for c in spec.choices) + "}"
+        else:
+            metavar = spec.type.__name__.upper() + ("|none" if spec.optional else "")
+        group.add_argument(flag_name(spec.name), dest=spec.name, type=_flag_parser(spec.name), default=default,
+                           metavar=metavar, help=_help(spec, "none" if default is None else default))
+
+
+def _help(spec: FieldSpec, default) -> str:
+    return (spec.help + f" (default: {default})").replace("%", "%%").strip()
+
+
+def _flag_parser(name: str):
+    def parse(text: str):
+        try:
+            return parse_value(name, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = name                 # argparse names the field in its errors
+    return parse

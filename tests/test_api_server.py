@@ -299,7 +299,7 @@ def test_disconnect_while_waiting_non_stream(srv, loop):
 
 
 def test_flood_gets_503_and_accepted_complete(srv, loop):
-    limit = loop.config.max_waiting_requests
+    limit = loop.config.scheduler_config.max_waiting_requests
 
     async def flood():
         c = AsyncOpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=60)

@@ -39,9 +39,9 @@ def test_cli_defaults_and_engine_flags():
                        "--gpu-memory-utilization", "0.5", "--api-key", "k"])
     assert a.host == "127.0.0.1"                               # never exposed unless asked
     cfg = engine_config_from_args(a)
-    assert (cfg.model, cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.max_waiting_requests,
-            cfg.gpu_memory_utilization) == ("dummy:tiny", 4, False, 256, 0.5)
-    assert engine_config_from_args(ap.parse_args(["--max-waiting-requests", "none"])).max_waiting_requests is None
+    assert (cfg.model_config.model, cfg.scheduler_config.max_num_seqs, cfg.cache_config.enable_prefix_caching, cfg.scheduler_config.max_waiting_requests,
+            cfg.cache_config.gpu_memory_utilization) == ("dummy:tiny", 4, False, 256, 0.5)
+    assert engine_config_from_args(ap.parse_args(["--max-waiting-requests", "none"])).scheduler_config.max_waiting_requests is None
     assert server_kwargs(a)["api_key"] == "k" and server_kwargs(a)["request_timeout"] == 600.0
 
 

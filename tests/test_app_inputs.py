@@ -100,16 +100,16 @@ def test_engine_settings_form_covers_every_field_and_roundtrips():
         forms.config_from_form(names, vals)
     vals[names.index("block_size")] = 16
     vals[names.index("max_model_len")] = 0          # 0 / empty means "derive"
-    assert forms.config_from_form(names, vals).max_model_len is None
+    assert forms.config_from_form(names, vals).model_config.max_model_len is None
     vals[names.index("gemv_max_tokens")] = 0        # ... except where 0 is a setting: fused linears off
-    assert forms.config_from_form(names, vals).gemv_max_tokens == 0
+    assert forms.config_from_form(names, vals).kernel_config.gemv_max_tokens == 0
     vals[names.index("gemv_max_tokens")] = ""
-    assert forms.config_from_form(names, vals).gemv_max_tokens is None
+    assert forms.config_from_form(names, vals).kernel_config.gemv_max_tokens is None
     i = names.index("structured_overlap")                # a `bool | None` field: auto / on / off
     assert vals[i] == "auto"
     for choice, value in (("on", True), ("off", False), ("auto", None)):
         vals[i] = choice
-        assert forms.config_from_form(names, vals).structured_overlap is value
+        assert forms.config_from_form(names, vals).structured_output_config.structured_overlap is value
     vals[i] = "sometimes"
     with pytest.raises(ValueError, match="structured_overlap"):
         forms.config_from_form(names, vals)
@@ -118,7 +118,7 @@ def test_engine_settings_form_covers_every_field_and_roundtrips():
 def test_cli_args():
     args = A.parse_args(["--model", "dummy:tiny", "--set", "num_kv_blocks=32", "--set", "enable_prefix_caching=false"])
     cfg = A.config_from_args(args)
-    assert cfg.model == "dummy:tiny" and cfg.num_kv_blocks == 32 and not cfg.enable_prefix_caching
+    assert cfg.model_config.model == "dummy:tiny" and cfg.cache_config.num_kv_blocks == 32 and not cfg.cache_config.enable_prefix_caching
     assert args.host == "127.0.0.1"
     with pytest.raises(SystemExit):
         A.config_from_args(A.parse_args(["--set", "bogus=1"]))

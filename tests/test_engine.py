@@ -178,7 +178,7 @@ def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
     outs = run_requests(eng, prompts, params)
     assert [len(o.token_ids) for o in outs] == [7, 12, 9, 16]
     assert any(e.num_decode_steps > 1 for e in steps)
-    V = eng.model_config.vocab_size
+    V = eng.arch_config.vocab_size
     assert all(0 <= t < V for o in outs for t in o.token_ids)
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
 

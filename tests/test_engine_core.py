@@ -12,7 +12,7 @@ from engine.runtime import step_events
 from engine.runtime.detokenizer import Detokenizer, check_stop_strings, streamable_len
 from engine.events import RequestEvent, StepEvent
 from engine.kernels.ops import get_ops
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.presets import preset_config
 from engine.core.sequence import Sequence
@@ -56,7 +56,7 @@ def test_sharded_safetensors_load_like_single_file_and_pickles_are_refused(tmp_p
     ("llama-3.1-8b", 8.030, (32, 8)), ("qwen3-0.6b", 0.596, (16, 8)),
 ])
 def test_presets_have_the_real_shapes(name, params_b, heads):
-    cfg = ModelConfig.from_hf(preset_config(name))
+    cfg = ModelArchConfig.from_hf(preset_config(name))
     with torch.device("meta"):                        # shapes only: no memory
         model = LlamaForCausalLM(cfg, get_ops("torch"), max_pos=1)
     n = sum(p.numel() for p in model.parameters())

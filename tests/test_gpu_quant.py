@@ -171,7 +171,7 @@ def _run(model="dummy:qwen2-0.5b", check=None, **cfg):
     eng = LLMEngine(model=model, device="cuda", max_model_len=512, max_num_seqs=8,
                     max_num_batched_tokens=256, num_kv_blocks=256, **cfg)
     seen = check(eng) if check else None
-    ids = add_random_requests(eng, (5, 300, 37, 1), max_tokens=16, vocab=min(150000, eng.model_config.vocab_size))
+    ids = add_random_requests(eng, (5, 300, 37, 1), max_tokens=16, vocab=min(150000, eng.arch_config.vocab_size))
     outs = drain(eng)
     eng.close()
     toks = [outs[i].token_ids for i in ids]

@@ -173,13 +173,13 @@ def test_gemv_resolve_config():
 def test_persistent_linears_turn_auto_pdl_off():
     """enable_pdl=None: PDL stays on unless a decode linear takes the persistent GEMV (8B shape on CUDA)."""
     from engine.kernels.gemv import persistent_linears, resolve_config
-    from engine.models.config import ModelConfig
+    from engine.models.config import ModelArchConfig
     from engine.models.presets import preset_config
     cuda = torch.device("cuda")
-    big = ModelConfig.from_hf(preset_config("llama-3.1-8b"))
+    big = ModelArchConfig.from_hf(preset_config("llama-3.1-8b"))
     assert (4096, 4096) in persistent_linears(big, "auto", cuda) and not persistent_linears(big, "tiled", cuda)
     assert not persistent_linears(big, "auto", torch.device("cpu"))
-    assert not persistent_linears(ModelConfig.from_hf(preset_config("llama-3.2-1b")), "auto", cuda)
+    assert not persistent_linears(ModelArchConfig.from_hf(preset_config("llama-3.2-1b")), "auto", cuda)
     assert resolve_config(1, 2048, 8192, "auto", cuda)[0] == "persistent"   # 1B down: persistent, PDL kept on
 
 

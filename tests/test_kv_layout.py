@@ -60,7 +60,7 @@ def _check_accounting(eng, ev):
     m = ev.memory
     assert (m["reserved_slots"], m["used_slots"]) == (st["reserved_slots"], st["used_slots"])
     assert m["kv_reserved"] == m["reserved_slots"] * eng.slot_bytes and m["kv_used"] <= m["kv_reserved"]
-    if eng.config.kv_cache_layout == "contiguous":
+    if eng.config.cache_config.kv_cache_layout == "contiguous":
         assert m["reserved_slots"] == len(kv["block_tables"]) * 64        # max_model_len slots each
     _check_accounting.steps += 1
 
@@ -116,9 +116,9 @@ def test_sliding_window_config_is_kept_within_the_window_or_refused(tmp_path):
 
 
 def test_qwen2_window_applies_only_when_used():
-    from engine.models.config import ModelConfig
+    from engine.models.config import ModelArchConfig
     base = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=100, sliding_window=32)
-    assert ModelConfig.from_hf(base).sliding_window is None
-    assert ModelConfig.from_hf({**base, "use_sliding_window": True}).sliding_window == 32
-    assert ModelConfig.from_hf({**base, "layer_types": ["full_attention", "sliding_attention"]}).sliding_window == 32
+    assert ModelArchConfig.from_hf(base).sliding_window is None
+    assert ModelArchConfig.from_hf({**base, "use_sliding_window": True}).sliding_window == 32
+    assert ModelArchConfig.from_hf({**base, "layer_types": ["full_attention", "sliding_attention"]}).sliding_window == 32

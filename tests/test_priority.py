@@ -39,7 +39,7 @@ def test_sampling_params_priority_must_be_an_int(bad):
 
 def test_priority_values_and_policy_validation():
     assert SamplingParams().priority == 0 and SamplingParams(priority=-3).priority == -3
-    assert EngineConfig().scheduling_policy == "fcfs"
+    assert EngineConfig().scheduler_config.scheduling_policy == "fcfs"
     with pytest.raises(ValueError, match=r"EngineConfig.scheduling_policy: must be one of \('fcfs', 'priority'\)"):
         EngineConfig(scheduling_policy="lifo")
 

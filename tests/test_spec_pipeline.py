@@ -36,9 +36,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_speculative_tokens_max"):
         EngineConfig(speculative_method="self", num_speculative_tokens=2, num_speculative_tokens_max=4)
     cfg = EngineConfig(speculative_method="ngram", num_speculative_tokens=4, num_speculative_tokens_max=8)
-    assert cfg.max_speculative_tokens == 8
-    assert EngineConfig().max_speculative_tokens == 0
-    assert EngineConfig(speculative_method="ngram", num_speculative_tokens=4).max_speculative_tokens == 4
+    assert cfg.speculative_config.max_speculative_tokens == 8
+    assert EngineConfig().speculative_config.max_speculative_tokens == 0
+    assert EngineConfig(speculative_method="ngram", num_speculative_tokens=4).speculative_config.max_speculative_tokens == 4
 
 
 def _run(target, prompts, sp, monkeypatch=None, **cfg):

@@ -13,7 +13,7 @@ from engine.runtime.async_engine import EngineLoop
 from engine.distributed.parallel_state import TensorParallel
 from engine.kernels.ops import get_ops
 from engine.distributed.sharding import shard_layout
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.loader import build_model, resolve
 from engine.models.presets import preset_config
 from inspector.figures.timings import timings_spec
@@ -61,12 +61,12 @@ def full_and_shards(model: str, size: int):
 def test_uneven_heads_split_by_kv_group():
     """SmolLM2's 9 heads / 3 KV heads over 2 ranks: 6 + 3 query heads, 2 + 1 KV heads (its weights are read
     by these slices in test_smollm2_tp2_same_greedy_tokens)."""
-    cfg = ModelConfig.from_hf(preset_config("smollm2-135m"))
+    cfg = ModelArchConfig.from_hf(preset_config("smollm2-135m"))
     lays = [shard_layout(cfg, 2, r) for r in range(2)]
     assert [(x.q_start, x.num_heads, x.kv_start, x.num_kv_heads) for x in lays] == [(0, 6, 0, 2), (6, 3, 2, 1)]
     assert [(x.i_start, x.intermediate, x.v_start, x.vocab) for x in lays] == [(0, 768, 0, 24576),
                                                                                (768, 768, 24576, 24576)]
-    eight = [shard_layout(ModelConfig.from_hf(preset_config("llama-3.1-8b")), 16, r) for r in (0, 1, 15)]
+    eight = [shard_layout(ModelArchConfig.from_hf(preset_config("llama-3.1-8b")), 16, r) for r in (0, 1, 15)]
     assert [(x.q_start, x.num_heads, x.kv_start) for x in eight] == [(0, 2, 0), (2, 2, 0), (30, 2, 7)]  # replicated
 
 

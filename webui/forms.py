@@ -1,12 +1,11 @@
 """UI inputs to engine objects: every bad value gets a clear message naming its field."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
+from engine.config import FIELD_SPECS, EngineConfig, field_specs, parse_value
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from inspector import load as L
 from inspector import metrics as M
@@ -155,17 +154,16 @@ def make_slo(ttft, tpot, e2el) -> M.SLO:
                  e2el_ms=parse_num(e2el, "E2EL SLO (ms)", lo=0, lo_exclusive=True, allow_none=True) or None)
 
 
-# engine settings form: every EngineConfig field, typed
-CHOICES = {"device": ["auto", "cpu", "cuda"], "dtype": ["auto", "float32", "float16", "bfloat16"],
-            "scheduling": ["continuous", "static"], "scheduling_policy": ["fcfs", "priority"],
-            "kernels": ["auto", "torch", "triton"], "kv_cache_layout": ["paged", "contiguous"],
-            "speculative_method": ["off", "ngram", "draft", "self"], "quantization": ["none", "fp8", "int8", "int4"]}
-_NONE_CHOICE = {"speculative_method": "off", "quantization": "none"}   # the choice that stands for None
+# engine settings form: every EngineConfig field, typed (engine.config.FIELD_SPECS)
+_NONE_LABEL = {"speculative_method": "off"}             # the label of a choice field's None ("none" otherwise)
+CHOICES = {spec.name: [(_NONE_LABEL.get(spec.name, "none") if c is None else c) for c in spec.choices]
+           for spec in field_specs() if spec.choices is not None}
+CHOICES["device"] = ["auto", "cpu", "cuda"]             # a dropdown that also takes "cuda:N"
 TRISTATE = {"auto": None, "on": True, "off": False}     # `bool | None` fields (None: the engine decides)
-_OPTIONAL_INT = {"num_kv_blocks", "max_model_len", "max_waiting_requests"}
-_OPTIONAL_STR = {"model", "draft_model"}
 _ZERO_IS_A_VALUE = {"gemv_max_tokens"}           # optional ints where 0 means "off", not "default"
-FIELD_HELP = {
+# the form's help under each field: the field's comment in engine/config.py, or a note on the form's conventions
+FIELD_HELP = {spec.name: spec.help for spec in field_specs() if spec.help}
+FIELD_HELP.update({
     "model": "HF folder, dummy:<preset> (random weights), or empty for the bundled SmolLM2-135M-Instruct",
     "num_kv_blocks": "0 or empty: derived from the memory budget", "max_model_len": "0 or empty: the model's (≤ 8192)",
     "max_waiting_requests": "0 or empty: unbounded queue",
@@ -187,78 +185,43 @@ FIELD_HELP = {
                                "to 16); auto: on with Triton on CUDA sm80+",
     "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "
                             "GPUs, gloo on CPU); num_heads must split by KV-head groups",
-}
+    "structured_mask_threads": "llguidance threads filling a step's masks; 0 or empty: llguidance's default",
+    "multi_step_admit_min": "full batch: newcomers wait for this many free slots; 0 or empty: max_num_seqs // 32",
+})
 
 
 def config_field_specs() -> list[tuple[str, str, Any]]:
     """(name, kind, default) for every EngineConfig field; kind in bool/opt_bool/choice/int/opt_int/float/opt_float/
     str/opt_str."""
-    out = []
-    for f in dataclasses.fields(EngineConfig):
-        d = f.default if f.default is not dataclasses.MISSING else None
-        ann = str(f.type).replace(" ", "")          # e.g. "int|None" (fields added later are typed too)
-        if f.name in CHOICES:
-            kind = "choice"
-        elif f.name in _OPTIONAL_INT or (d is None and ann.startswith("int")):
-            kind = "opt_int"
-        elif f.name in _OPTIONAL_STR or (d is None and ann.startswith("str")):
-            kind = "opt_str"
-        elif d is None and ann.startswith("float"):
-            kind = "opt_float"
-        elif d is None and ann.startswith("bool"):
-            kind = "opt_bool"
-        elif isinstance(d, bool):
-            kind = "bool"
-        elif isinstance(d, int):
-            kind = "int"
-        elif isinstance(d, float):
-            kind = "float"
-        else:
-            kind = "str"
-        out.append((f.name, kind, d))
-    return out
+    return [(spec.name, "choice" if spec.name in CHOICES else spec.kind, spec.default) for spec in field_specs()]
 
 
 def config_from_form(names: list[str], values: list) -> EngineConfig:
-    kinds = {n: k for n, k, _ in config_field_specs()}
+    """The form's values (checkboxes, numbers, dropdown labels, text) -> EngineConfig, through
+    engine.config.parse_value. Form conventions: an optional number left empty or 0 is None (but where 0 is
+    a setting), a `bool | None` dropdown is auto / on / off, a choice's "none" / "off" label is None."""
     kw = {}
     for name, v in zip(names, values):
-        kind = kinds[name]
-        if kind == "bool":
-            kw[name] = bool(v)
-        elif kind == "choice":
-            kw[name] = None if (name in _NONE_CHOICE and v in (_NONE_CHOICE[name], "", None)) else str(v)
-        elif kind == "opt_int":
-            x = parse_num(v, name, integer=True, allow_none=True)
-            kw[name] = None if x is None or (x == 0 and name not in _ZERO_IS_A_VALUE) else x
-        elif kind == "opt_float":
-            kw[name] = parse_num(v, name, allow_none=True)
-        elif kind == "opt_bool":
-            if v not in TRISTATE and v not in (None, ""):
-                raise ValueError(f"{name}: must be one of {list(TRISTATE)} (got {v!r})")
-            kw[name] = TRISTATE.get(v)
-        elif kind == "int":
-            kw[name] = parse_num(v, name, integer=True)
-        elif kind == "float":
-            kw[name] = parse_num(v, name)
-        elif kind == "opt_str":
-            kw[name] = (str(v).strip() or None) if v is not None else None
-        else:
-            kw[name] = str(v)
+        if isinstance(v, float) and math.isnan(v):
+            v = None
+        x = parse_value(name, v)
+        if FIELD_SPECS[name].kind == "opt_int" and x == 0 and name not in _ZERO_IS_A_VALUE:
+            x = None
+        kw[name] = x
     return EngineConfig(**kw)
 
 
 def config_form_values(cfg: EngineConfig, names: list[str]) -> list:
+    """The form's values showing `cfg` (the inverse of config_from_form)."""
     out = []
     d = cfg.to_dict()
-    kinds = {n: k for n, k, _ in config_field_specs()}
     for n in names:
-        v = d[n]
-        if n in _NONE_CHOICE:
-            v = v or _NONE_CHOICE[n]
-        elif kinds.get(n) == "opt_str":
+        v, kind = d[n], FIELD_SPECS[n].kind
+        if n in CHOICES and v is None:
+            v = _NONE_LABEL.get(n, "none")
+        elif kind == "opt_str":
             v = v or ""
-        elif kinds.get(n) == "opt_bool":
+        elif kind == "opt_bool":
             v = next(k for k, b in TRISTATE.items() if b is v)
         out.append(v)
     return out

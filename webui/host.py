@@ -179,7 +179,7 @@ class EngineHost:
         if loop is None:
             return f"engine {self.state}"
         eng = loop.engine
-        return (f"{getattr(eng, 'model_name', self.config.model)} · {getattr(eng, 'device', '?')} · "
+        return (f"{getattr(eng, 'model_name', self.config.model_config.model)} · {getattr(eng, 'device', '?')} · "
                 f"{str(getattr(eng, 'dtype', '')).replace('torch.', '')} · "
                 f"{getattr(eng, 'quantization', None) or 'unquantized'} weights · "
                 f"{getattr(eng, 'kernels', '')} kernels · "

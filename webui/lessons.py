@@ -38,8 +38,9 @@ def lessons_tab(host: EngineHost) -> None:
 
         def run_fn(name, model_choice, sweep):
             cfg = host.config
-            model = "dummy:tiny" if model_choice.startswith("dummy") else cfg.model
-            setup = Setup(model=model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, scale=sweep)
+            model = "dummy:tiny" if model_choice.startswith("dummy") else cfg.model_config.model
+            setup = Setup(model=model, device=cfg.model_config.device, dtype=cfg.model_config.dtype,
+                          seed=cfg.model_config.seed, scale=sweep)
             t0 = time.perf_counter()
             try:
                 res = run_lesson(name, setup)

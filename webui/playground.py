@@ -82,7 +82,7 @@ def playground_tab(host: EngineHost) -> None:
 
         def _run_stream(prompt, params, session: str, rid: str):
             loop = host.require_loop()
-            if loop.engine.config.scheduling_policy == "priority":
+            if loop.engine.config.scheduler_config.scheduling_policy == "priority":
                 params = dataclasses.replace(params, priority=PLAYGROUND_PRIORITY)
             stream = loop.submit(prompt, params, request_id=rid)
             host._active[session] = stream

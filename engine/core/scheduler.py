@@ -95,7 +95,7 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.max_model_len = max_model_len
-        self.priority = config.scheduling_policy == "priority"
+        self.priority = config.scheduler_config.scheduling_policy == "priority"
         self.waiting: deque[Sequence] | PriorityWaitingQueue = PriorityWaitingQueue() if self.priority else deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -140,8 +140,8 @@ class Scheduler:
             return self._schedule_priority()
         cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
-        chunked = cfg.enable_chunked_prefill
+        budget = cfg.scheduler_config.max_num_batched_tokens
+        chunked = cfg.scheduler_config.enable_chunked_prefill
 
         # 1. running requests, in admission order
         i = 0
@@ -174,8 +174,8 @@ class Scheduler:
             i += 1
 
         # 2. waiting requests, FCFS (none if anything was preempted; static: only into an empty batch)
-        admit = not out.preempted and (cfg.scheduling == "continuous" or not self.running)
-        while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        admit = not out.preempted and (cfg.scheduler_config.scheduling == "continuous" or not self.running)
+        while admit and self.waiting and budget > 0 and len(self.running) < cfg.scheduler_config.max_num_seqs:
             seq = self.waiting[0]
             num_new = self._fit_waiting(seq, budget)
             if not num_new:
@@ -191,8 +191,9 @@ class Scheduler:
         preempted (their tokens may still be in flight on the device). Empty when none fits."""
         cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
-        while cfg.scheduling == "continuous" and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        budget = cfg.scheduler_config.max_num_batched_tokens
+        while cfg.scheduler_config.scheduling == "continuous" and self.waiting and budget > 0 \
+                and len(self.running) < cfg.scheduler_config.max_num_seqs:
             seq = self.waiting.peek() if self.priority else self.waiting[0]
             num_new = self._fit_waiting(seq, budget)
             if not num_new:
@@ -213,7 +214,7 @@ class Scheduler:
         prefix match is undone unless it fits."""
         self.bm.match_prefix(seq)
         want = seq.num_tokens - seq.num_computed_tokens
-        if not self.config.enable_chunked_prefill and want > budget:
+        if not self.config.scheduler_config.enable_chunked_prefill and want > budget:
             self._undo_match(seq)
             return None
         num_new = min(want, budget)
@@ -239,9 +240,9 @@ class Scheduler:
         equal priorities this is the FCFS step (running first, then waiting by arrival)."""
         cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
-        chunked = cfg.enable_chunked_prefill
-        admit = cfg.scheduling == "continuous" or not self.running   # static: only into an empty batch
+        budget = cfg.scheduler_config.max_num_batched_tokens
+        chunked = cfg.scheduler_config.enable_chunked_prefill
+        admit = cfg.scheduler_config.scheduling == "continuous" or not self.running   # static: only into an empty batch
         evicted: set[int] = set()          # preempted for a waiting request: not readmitted in this step
         served: set[int] = set()
         self.running.sort(key=self._key)   # stable: admissions are inserted in order below
@@ -298,7 +299,7 @@ class Scheduler:
             seq = self.waiting.peek()
             if id(seq) in evicted or (below is not None and seq.params.priority >= below):
                 break
-            if len(self.running) >= cfg.max_num_seqs:
+            if len(self.running) >= cfg.scheduler_config.max_num_seqs:
                 if self._preempt_for(seq, out, evicted):
                     budget += self._take_back(out, served)
                     continue

@@ -5,7 +5,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.worker.model_runner import kv_bytes_per_block
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 
 
 # (max_num_batched_tokens, max_num_seqs) where the config leaves them None: on a GPU a large token budget
@@ -19,49 +19,49 @@ DEVICE_DEFAULTS = {"cuda": (8192, 256), "cpu": (256, 128)}
 def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfig:
     tokens, seqs = DEVICE_DEFAULTS.get(device.type, DEVICE_DEFAULTS["cpu"])
     changes = {}
-    if cfg.max_num_batched_tokens is None:
+    if cfg.scheduler_config.max_num_batched_tokens is None:
         changes["max_num_batched_tokens"] = tokens
-    if cfg.max_num_seqs is None:
+    if cfg.scheduler_config.max_num_seqs is None:
         changes["max_num_seqs"] = seqs
     return cfg.replace(**changes) if changes else cfg
 
 
-def derive_max_model_len(cfg: EngineConfig, mcfg: ModelConfig) -> int:
+def derive_max_model_len(cfg: EngineConfig, mcfg: ModelArchConfig) -> int:
     """The longest sequence the engine admits: max_model_len, or the model's limit (capped at 8192, and at the
     sliding window of a model that has one: attention here is full-context, which equals sliding-window
     attention only while no sequence is longer than the window)."""
     window = mcfg.sliding_window
-    if window is not None and cfg.max_model_len is not None and cfg.max_model_len > window:
-        raise ValueError(f"EngineConfig.max_model_len: {cfg.max_model_len} exceeds the model's sliding_window "
-                         f"({window}); sliding-window attention is not implemented, so sequences must fit "
+    if window is not None and cfg.model_config.max_model_len is not None and cfg.model_config.max_model_len > window:
+        raise ValueError(f"EngineConfig.max_model_len: {cfg.model_config.max_model_len} exceeds the model's "
+                         f"sliding_window ({window}); sliding-window attention is not implemented, so sequences must fit "
                          f"in the window (set max_model_len <= {window})")
-    if cfg.max_model_len is not None:
-        if cfg.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(f"EngineConfig.max_model_len: {cfg.max_model_len} exceeds the model's "
+    if cfg.model_config.max_model_len is not None:
+        if cfg.model_config.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len: {cfg.model_config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({mcfg.max_position_embeddings})")
-        n = cfg.max_model_len
+        n = cfg.model_config.max_model_len
     else:
         n = min(mcfg.max_position_embeddings, 8192, window or 8192)
-    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < n:
-        if cfg.max_model_len is not None:
-            raise ValueError(f"EngineConfig.max_num_batched_tokens: {cfg.max_num_batched_tokens} < "
+    if not cfg.scheduler_config.enable_chunked_prefill and cfg.scheduler_config.max_num_batched_tokens < n:
+        if cfg.model_config.max_model_len is not None:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens: {cfg.scheduler_config.max_num_batched_tokens} < "
                              f"max_model_len ({n}) with chunked prefill off: a long prompt could never run")
-        n = cfg.max_num_batched_tokens
+        n = cfg.scheduler_config.max_num_batched_tokens
     return n
 
 
-def derive_num_blocks(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+def derive_num_blocks(cfg: EngineConfig, mcfg: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> int:
     """KV blocks in the pool: num_kv_blocks, or what the memory budget holds (free GPU memory, or the CPU size)."""
-    if cfg.num_kv_blocks is not None:
-        return cfg.num_kv_blocks
-    per_block = kv_bytes_per_block(mcfg, cfg.block_size, dtype)
+    if cfg.cache_config.num_kv_blocks is not None:
+        return cfg.cache_config.num_kv_blocks
+    per_block = kv_bytes_per_block(mcfg, cfg.cache_config.block_size, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        reserve = cfg.max_num_batched_tokens * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 \
-            + cfg.max_num_seqs * mcfg.vocab_size * 4 * 3 + (1 << 30)
-        budget = int(free * cfg.gpu_memory_utilization) - reserve
+        reserve = cfg.scheduler_config.max_num_batched_tokens \
+            * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 + cfg.scheduler_config.max_num_seqs * mcfg.vocab_size * 4 * 3 + (1 << 30)
+        budget = int(free * cfg.cache_config.gpu_memory_utilization) - reserve
     else:
-        budget = int(cfg.cpu_kv_cache_gib * (1 << 30))
+        budget = int(cfg.cache_config.cpu_kv_cache_gib * (1 << 30))
     n = budget // per_block
     if n < 2:
         raise ValueError(f"EngineConfig: the KV memory budget ({budget / 2**20:.0f} MiB) holds fewer than "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 
 VOCAB_UNIT = 64          # vocabulary shards are padded to a multiple of this many rows (as vLLM does)
 ROW_UNIT = 64            # dummy weights are drawn per block of this many intermediate / vocabulary rows
@@ -36,7 +36,7 @@ class ShardLayout:
     vocab: int           # vocabulary rows here (the last shard is padded with zero rows past vocab_size)
 
 
-def shard_layout(cfg: ModelConfig, size: int, rank: int) -> ShardLayout:
+def shard_layout(cfg: ModelArchConfig, size: int, rank: int) -> ShardLayout:
     """The slice of the model that `rank` of `size` holds; a clear error where the model cannot be split."""
     H, Hk = cfg.num_heads, cfg.num_kv_heads
     if Hk >= size:
@@ -60,13 +60,13 @@ def shard_layout(cfg: ModelConfig, size: int, rank: int) -> ShardLayout:
     return ShardLayout(rank, size, q_start, nq, kv_start, nkv, rank * il, il, rank * vl, vl)
 
 
-def local_config(cfg: ModelConfig, lay: ShardLayout) -> ModelConfig:
-    """The ModelConfig of one rank's shard: the model classes build shard-sized layers from it."""
+def local_config(cfg: ModelArchConfig, lay: ShardLayout) -> ModelArchConfig:
+    """The ModelArchConfig of one rank's shard: the model classes build shard-sized layers from it."""
     return dataclasses.replace(cfg, num_heads=lay.num_heads, num_kv_heads=lay.num_kv_heads,
                                intermediate_size=lay.intermediate, vocab_size=lay.vocab)
 
 
-def hf_slice(rest: str, cfg: ModelConfig, lay: ShardLayout) -> tuple[int, int, int] | None:
+def hf_slice(rest: str, cfg: ModelArchConfig, lay: ShardLayout) -> tuple[int, int, int] | None:
     """HF parameter name (after `model.layers.N.` for layer weights) -> (dim, start, length) of this rank's
     slice, or None for a replicated tensor."""
     d = cfg.head_dim
@@ -85,7 +85,7 @@ def hf_slice(rest: str, cfg: ModelConfig, lay: ShardLayout) -> tuple[int, int, i
     return None
 
 
-def read_shard(sf, name: str, rest: str, cfg: ModelConfig, lay: ShardLayout | None) -> torch.Tensor:
+def read_shard(sf, name: str, rest: str, cfg: ModelArchConfig, lay: ShardLayout | None) -> torch.Tensor:
     """Read only this rank's slice of `name` from an open safetensors file (zero rows past the vocabulary)."""
     if lay is None:
         return sf.get_tensor(name)
@@ -105,7 +105,7 @@ def read_shard(sf, name: str, rest: str, cfg: ModelConfig, lay: ShardLayout | No
 
 
 # ---- dummy weights -----------------------------------------------------------------------------------
-def _units(rest: str, cfg: ModelConfig, lay: ShardLayout) -> tuple[int, int, int] | None:
+def _units(rest: str, cfg: ModelArchConfig, lay: ShardLayout) -> tuple[int, int, int] | None:
     """-> (dim, unit, first unit) of this rank's slice in the full tensor, or None when replicated."""
     sl = hf_slice(rest, cfg, lay)
     if sl is None:
@@ -123,7 +123,7 @@ def _seed(seed: int, name: str, unit: int = 0) -> int:
 
 
 @torch.no_grad()
-def fill_random(p: torch.Tensor, hf_name: str, rest: str, full: int, cfg: ModelConfig, lay: ShardLayout,
+def fill_random(p: torch.Tensor, hf_name: str, rest: str, full: int, cfg: ModelArchConfig, lay: ShardLayout,
                 seed: int) -> None:
     """Fill p (this rank's slice of HF tensor `hf_name`) with N(0, 0.02) drawn per block of rows or columns,
     each block from its own generator: every layout draws the same full tensor and a rank draws only its
@@ -143,7 +143,7 @@ def fill_random(p: torch.Tensor, hf_name: str, rest: str, full: int, cfg: ModelC
         block.copy_(torch.empty(block.shape, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen))
 
 
-def _hf_parts(name: str, cfg: ModelConfig, full: ModelConfig) -> list[tuple[str, str, int, int, int]]:
+def _hf_parts(name: str, cfg: ModelArchConfig, full: ModelArchConfig) -> list[tuple[str, str, int, int, int]]:
     """Our parameter -> [(HF name, HF name after the layer prefix, row offset, rows, full size along the
     split dim)]: q/k/v make qkv_proj and gate/up make gate_up_proj (models/llama.py)."""
     if not name.startswith("model.layers."):
@@ -163,7 +163,7 @@ def _hf_parts(name: str, cfg: ModelConfig, full: ModelConfig) -> list[tuple[str,
 
 
 @torch.no_grad()
-def init_dummy(model, full: ModelConfig, lay: ShardLayout, seed: int) -> None:
+def init_dummy(model, full: ModelArchConfig, lay: ShardLayout, seed: int) -> None:
     """Deterministic random weights for one rank's shard: N(0, 0.02) for matrices and biases, ones for norms;
     the same full model for every tensor_parallel_size."""
     for name, p in model.named_parameters():

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.distributed.executor import TPExecutor
 from engine.distributed.sharding import shard_layout
 
@@ -24,8 +24,8 @@ def parallel_layout(tp: int, device: torch.device) -> str:
 def start_workers(config: EngineConfig, hf_cfg: dict, weights: Path | None, device: torch.device,
                   dtype: torch.dtype, kernels: str, max_pos: int, gemv_max_tokens: int,
                   gemv_pdl: bool) -> TPExecutor:
-    tp = config.tensor_parallel_size
-    mcfg = ModelConfig.from_hf(hf_cfg)
+    tp = config.parallel_config.tensor_parallel_size
+    mcfg = ModelArchConfig.from_hf(hf_cfg)
     for rank in range(tp):
         shard_layout(mcfg, tp, rank)                # a clear error before any process starts
     if device.type == "cuda":

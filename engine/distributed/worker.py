@@ -63,7 +63,7 @@ def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
     from engine.config import EngineConfig
     from engine.kernels.ops import get_ops
     from engine.worker.model_runner import ModelRunner
-    from engine.models.config import ModelConfig
+    from engine.models.config import ModelArchConfig
     from engine.models.loader import build_model
     from engine.worker.timing import NullTimer, make_timer
 
@@ -77,11 +77,11 @@ def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
     ops = get_ops(args["kernels"])
     weights = None if args["weights"] is None else Path(args["weights"])
     model = build_model(args["hf_config"], weights, ops, device, dtype, max_pos=args["max_pos"],
-                        seed=config.seed, tp=tp)
+                        seed=config.model_config.seed, tp=tp)
     model.gemv_max_tokens, model.gemv_pdl = args["gemv_max_tokens"], args["gemv_pdl"]
     model.set_kernel_options(config)
     conn.send(("loaded",))
-    mcfg = ModelConfig.from_hf(args["hf_config"])
+    mcfg = ModelArchConfig.from_hf(args["hf_config"])
     runner = None
     timer = make_timer(True, device)
     while True:

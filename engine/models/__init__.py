@@ -1,4 +1,4 @@
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 
-__all__ = ["ModelConfig", "LlamaForCausalLM"]
+__all__ = ["ModelArchConfig", "LlamaForCausalLM"]

@@ -1,4 +1,4 @@
-"""ModelConfig: the architecture facts the engine needs, read from a Hugging Face config.json."""
+"""ModelArchConfig: the architecture facts the engine needs, read from a Hugging Face config.json."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,7 +12,7 @@ SUPPORTED_ARCHS = {
 
 
 @dataclass
-class ModelConfig:
+class ModelArchConfig:
     arch: str                        # "llama" | "qwen2" | "qwen3"
     hidden_size: int
     intermediate_size: int
@@ -36,7 +36,7 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> "ModelArchConfig":
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = SUPPORTED_ARCHS.get(archs[0])
         if arch is None:

@@ -14,10 +14,10 @@ from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.kernels.metadata import AttentionMetadata
 from engine.quant.linear import fused_linear, fused_qkv_rope_store, qkv_rope_fusable
 from engine.worker.timing import NullTimer
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 
 
-def rope_cos_sin(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
+def rope_cos_sin(cfg: ModelArchConfig, max_pos: int) -> torch.Tensor:
     """[max_pos, head_dim] float32: cos | sin of position * inv_freq (HF's default and llama3 rope)."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelArchConfig, ops):
         super().__init__()
         self.ops = ops
         self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -103,7 +103,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelArchConfig, ops):
         super().__init__()
         self.ops = ops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -116,7 +116,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelArchConfig, ops):
         super().__init__()
         self.ops = ops
         self.self_attn = Attention(cfg, ops)
@@ -126,7 +126,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelArchConfig, ops):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
@@ -134,7 +134,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, max_pos: int, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelArchConfig, ops, max_pos: int, tp: TensorParallel = SINGLE):
         """With tensor parallelism cfg is this rank's shard (engine/distributed/sharding.py): its heads, its
         intermediate rows, its vocabulary rows; o_proj / down_proj outputs are partial sums until all-reduced."""
         super().__init__()
@@ -153,9 +153,9 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kernel_options(self, config) -> None:
         """EngineConfig.gemv_variant (a Triton launch option; the torch ops ignore it) and fused_qk_norm."""
-        self.gemv_variant = config.gemv_variant
+        self.gemv_variant = config.kernel_config.gemv_variant
         for layer in self.model.layers:
-            layer.self_attn.fused_qk_norm = config.fused_qk_norm
+            layer.self_attn.fused_qk_norm = config.kernel_config.fused_qk_norm
 
 
     def forward(self, input_ids: torch.Tensor, md: AttentionMetadata,

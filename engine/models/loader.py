@@ -14,7 +14,7 @@ from engine.quant.linear import prepare_model, quantize_model
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.distributed.sharding import ShardLayout, init_dummy, local_config, read_shard, shard_layout
 from engine.models.bundled import DEFAULT_CACHE, ensure_bundled
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.presets import preset_config
 
@@ -61,7 +61,7 @@ def load_tokenizer(folder: Path | None):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def _fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+def _fused_targets(cfg: ModelArchConfig) -> dict[str, tuple[str, int, int]]:
     """HF parameter suffix -> (our suffix, row offset, rows)."""
     h, hk, d, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim, cfg.intermediate_size
     del d
@@ -155,7 +155,7 @@ def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, d
     same full model for every tensor_parallel_size. quantization: quantize the decoder projections on load
     ("fp8" | "int8" | "int4"), unless the checkpoint is pre-quantized (then its format is used);
     fp8_activations, int4_group_size: see EngineConfig."""
-    full = ModelConfig.from_hf(hf_cfg)
+    full = ModelArchConfig.from_hf(hf_cfg)
     fmt, prequantized = resolve_quantization(hf_cfg, weights, quantization)
     if fmt is not None and tp.size > 1:
         raise ValueError("EngineConfig.quantization: not supported with tensor_parallel_size > 1 yet")

@@ -186,7 +186,7 @@ class EngineLoop:
             raise RuntimeError("engine loop is shut down")
         seqs = [self.engine.make_sequence(p, sp, rid if rid is not None else "pending", arrival)
                 for p, sp, rid in requests]
-        limit = self.engine.config.max_waiting_requests
+        limit = self.engine.config.scheduler_config.max_waiting_requests
         streams = []
         with self._inbox_lock:
             if self._stop:

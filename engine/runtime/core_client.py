@@ -51,7 +51,7 @@ class FrontendEngine:
         self.max_model_len = info["max_model_len"]
         self.num_blocks = info["num_blocks"]
         self.block_size = info["block_size"]
-        self.model_config = SimpleNamespace(vocab_size=info["vocab_size"])
+        self.arch_config = SimpleNamespace(vocab_size=info["vocab_size"])
         self.eos_token_ids = set(info["eos_token_ids"])
         self.quantization, self.weight_summary = info["quantization"], info["weight_summary"]
         self.tokenizer = tokenizer
@@ -90,7 +90,7 @@ class EngineCoreClient:
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        tok_folder = resolve(config.model)[2]
+        tok_folder = resolve(config.model_config.model)[2]
         self._tokenizer = load_tokenizer(tok_folder)
         self._spawn()
 
@@ -154,7 +154,8 @@ class EngineCoreClient:
         eng = self.engine
         seqs = [eng.make_sequence(p, sp, rid if rid is not None else "pending", arrival) for p, sp, rid in requests]
         with self._inbox_lock:
-            admit_batch(seqs, [rid for _, _, rid in requests], self._streams, eng.config.max_waiting_requests,
+            admit_batch(seqs, [rid for _, _, rid in requests], self._streams,
+                        eng.config.scheduler_config.max_waiting_requests,
                         self._stats.get("num_waiting", 0) + self._sent_since_stats,
                         lambda: f"core-{next(self._ids)}")
             streams = []

@@ -104,7 +104,7 @@ def core_main(config: dict, conn) -> None:
         return
     eng = loop.engine
     info = {"config": eng.config.to_dict(), "model_name": eng.model_name, "max_model_len": eng.max_model_len,
-            "num_blocks": eng.num_blocks, "block_size": eng.block_size, "vocab_size": eng.model_config.vocab_size,
+            "num_blocks": eng.num_blocks, "block_size": eng.block_size, "vocab_size": eng.arch_config.vocab_size,
             "eos_token_ids": sorted(eng.eos_token_ids), "stats": loop.metrics_stats(),
             "quantization": eng.quantization, "weight_summary": eng.weight_summary}
     loop.send(("ready", info))

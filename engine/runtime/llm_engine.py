@@ -28,7 +28,7 @@ from engine.distributed.start import parallel_layout, start_workers
 from engine.runtime.input_processor import InputProcessor
 from engine.kernels.ops import get_ops, pdl_supported
 from engine.worker.model_runner import ModelRunner, kv_bytes_per_block
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.loader import build_model, load_tokenizer, resolve
 from engine.runtime.output_processor import OutputProcessor
 from engine.quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weight_bytes
@@ -66,36 +66,40 @@ class LLMEngine:
             config = EngineConfig(**overrides)
         elif overrides:
             config = config.replace(**overrides)
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.model_config.device)
         self.config = config = with_device_defaults(config, self.device)
         self.dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
-            if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.kernels = config.kernels if config.kernels != "auto" else \
+            if config.model_config.dtype == "auto" else _DTYPES[config.model_config.dtype]
+        self.kernels = config.kernel_config.kernels if config.kernel_config.kernels != "auto" else \
             ("triton" if self.device.type == "cuda" else "torch")
         self.ops = get_ops(self.kernels)
-        self.fused_sampling = self.kernels == "triton" and ("one_launch" if config.sampler_one_launch else True)
-        self.num_scheduler_steps = config.num_scheduler_steps or (8 if self.device.type == "cuda" else 1)
-        self.structured_overlap = config.structured_overlap if config.structured_overlap is not None \
-            else self.device.type == "cuda"                    # pipelined one-iteration blocks with grammars
+        self.fused_sampling = self.kernels == "triton" and (
+            "one_launch" if config.kernel_config.sampler_one_launch else True)
+        self.num_scheduler_steps = config.scheduler_config.num_scheduler_steps or (
+            8 if self.device.type == "cuda" else 1)
+        overlap = config.structured_output_config.structured_overlap
+        # pipelined one-iteration blocks with grammars; auto: on cuda
+        self.structured_overlap = overlap if overlap is not None else self.device.type == "cuda"
         self.arrivals_pending = False      # set by EngineLoop while submitted requests wait in its inbox
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.model_config.seed)
 
-        hf_cfg, weights, tok_folder = resolve(config.model)
-        self.model_config = mcfg = ModelConfig.from_hf(hf_cfg)
-        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        hf_cfg, weights, tok_folder = resolve(config.model_config.model)
+        self.arch_config = mcfg = ModelArchConfig.from_hf(hf_cfg)
+        self.model_name = config.model_config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = derive_max_model_len(config, mcfg)
-        spec_margin = config.max_speculative_tokens + 1
-        gemv_max_tokens = config.gemv_max_tokens if config.gemv_max_tokens is not None else \
-            (1 if self.kernels == "triton" else 0)
-        pdl = config.enable_pdl
+        spec_margin = config.speculative_config.max_speculative_tokens + 1
+        gemv_max_tokens = config.kernel_config.gemv_max_tokens
+        if gemv_max_tokens is None:
+            gemv_max_tokens = 1 if self.kernels == "triton" else 0
+        pdl = config.kernel_config.enable_pdl
         if pdl is None:                     # auto: off where a decode linear takes the persistent GEMV
             from engine.kernels.gemv import persistent_linears
-            pdl = not (self.kernels == "triton" and config.tensor_parallel_size == 1
-                       and persistent_linears(mcfg, config.gemv_variant, self.device))
+            pdl = not (self.kernels == "triton" and config.parallel_config.tensor_parallel_size == 1
+                       and persistent_linears(mcfg, config.kernel_config.gemv_variant, self.device))
         gemv_pdl = pdl and self.kernels == "triton" and pdl_supported(self.device)
         self.executor = None
-        self.parallel_layout = parallel_layout(config.tensor_parallel_size, self.device)
-        if config.tensor_parallel_size > 1:
+        self.parallel_layout = parallel_layout(config.parallel_config.tensor_parallel_size, self.device)
+        if config.parallel_config.tensor_parallel_size > 1:
             self.executor = start_workers(config, hf_cfg, weights, self.device, self.dtype, self.kernels,
                                           self.max_model_len + spec_margin, gemv_max_tokens, gemv_pdl)
         try:
@@ -104,31 +108,31 @@ class LLMEngine:
             self.stop_workers()
             raise
 
-    def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelConfig,
+    def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelArchConfig,
                spec_margin: int, gemv_max_tokens: int, gemv_pdl: bool) -> None:
         ex = self.executor
-        fp8_act = config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \
+        fp8_act = config.kernel_config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device) >= (8, 9)
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
-                                 max_pos=self.max_model_len + spec_margin, seed=config.seed,
+                                 max_pos=self.max_model_len + spec_margin, seed=config.model_config.seed,
                                  tp=ex.tp if ex is not None else SINGLE,
-                                 quantization=config.quantization, fp8_activations=fp8_act,
-                                 int4_group_size=config.int4_group_size)
+                                 quantization=config.model_config.quantization, fp8_activations=fp8_act,
+                                 int4_group_size=config.model_config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
-        tc = config.quant_gemv_tensor_cores
+        tc = config.kernel_config.quant_gemv_tensor_cores
         if tc is None and not (self.kernels == "triton" and self.device.type == "cuda"
                                and torch.cuda.get_device_capability(self.device) >= (8, 0)):
             tc = False
         self.quant_tensor_cores = tc            # None: per shape, where the sweep found tensor cores faster
-        pk = config.quant_gemv_packed
+        pk = config.kernel_config.quant_gemv_packed
         if pk is None:
             pk = self.kernels == "triton" and self.device.type == "cuda" \
                 and torch.cuda.get_device_capability(self.device) >= (9, 0)
         self.quant_packed = bool(pk) and self.kernels == "triton"
         if self.model.quantization:
-            set_packed(self.model, self.quant_packed, config.quant_gemm_group_dots)
+            set_packed(self.model, self.quant_packed, config.kernel_config.quant_gemm_group_dots)
         set_tensor_cores(self.model, tc)
-        set_fp8_gemm(self.model, config.fp8_gemm)        # the fp8 layers that quantize activations (fp8_act)
+        set_fp8_gemm(self.model, config.kernel_config.fp8_gemm)   # the fp8 layers that quantize activations (fp8_act)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
         self.model.set_kernel_options(config)
@@ -136,12 +140,12 @@ class LLMEngine:
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
         self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype)   # this rank's heads
-        self.block_size = config.block_size
-        cap = (self.num_blocks - 1) * config.block_size
+        self.block_size = config.cache_config.block_size
+        cap = (self.num_blocks - 1) * config.cache_config.block_size
         if cap < self.max_model_len:
-            if config.max_model_len is not None:
+            if config.model_config.max_model_len is not None:
                 raise ValueError(f"EngineConfig.num_kv_blocks: {self.num_blocks - 1} usable blocks of "
-                                 f"{config.block_size} tokens hold {cap} tokens, less than max_model_len "
+                                 f"{config.cache_config.block_size} tokens hold {cap} tokens, less than max_model_len "
                                  f"({self.max_model_len}); one sequence could never fit")
             self.max_model_len = cap
         if self.max_model_len < 2:
@@ -149,9 +153,10 @@ class LLMEngine:
         self.eos_token_ids = set(mcfg.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        prefix = config.enable_prefix_caching and config.enable_kv_cache
-        reserve = -(-self.max_model_len // config.block_size) if config.kv_cache_layout == "contiguous" else 0
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, prefix, reserve)
+        prefix = config.cache_config.enable_prefix_caching and config.cache_config.enable_kv_cache
+        reserve = -(-self.max_model_len // config.cache_config.block_size) \
+            if config.cache_config.kv_cache_layout == "contiguous" else 0
+        self.block_manager = BlockManager(self.num_blocks, config.cache_config.block_size, prefix, reserve)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
                                   self.max_model_len + spec_margin)
@@ -167,30 +172,30 @@ class LLMEngine:
         self.detok = Detokenizer(self.tokenizer)
         self.structured = StructuredOutputManager(
             self.tokenizer, mcfg.vocab_size, self.eos_token_ids, self.device,
-            fused_bitmask=config.fused_token_bitmask and self.kernels == "triton",
-            mask_threads=config.structured_mask_threads)
+            fused_bitmask=config.structured_output_config.fused_token_bitmask and self.kernels == "triton",
+            mask_threads=config.structured_output_config.structured_mask_threads)
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, self.block_size,
                                               self.num_blocks, self.structured.compiler)
-        self.sampler = Sampler(self.eos_token_ids, torch.Generator(device=self.device).manual_seed(config.seed),
-                               self.fused_sampling)
+        generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
+        self.sampler = Sampler(self.eos_token_ids, generator, self.fused_sampling)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.detok, self.eos_token_ids,
-                                                self.max_model_len, config.enable_kv_cache)
+                                                self.max_model_len, config.cache_config.enable_kv_cache)
         self.multi_step = MultiStepDecoder(config, self.scheduler, self.runner, self.sampler, self.structured,
                                            self.max_model_len, self.num_scheduler_steps, self.structured_overlap)
         self.events = EventBus()
         self.seqs: dict[str, Sequence] = {}     # unfinished requests by id
         self.step_index = 0
-        self._timer = make_timer(True, self.device) if config.enable_step_timings else NullTimer()
+        self._timer = make_timer(True, self.device) if config.observability_config.enable_step_timings else NullTimer()
         self._profile_next = False
         self.last_profile: list[dict] | None = None
         self.stats_total = dict(prompt_tokens=0, finished=0, aborted=0)
         self.drafter = self.fast_verify = None
-        if config.speculative_method:
+        if config.speculative_config.speculative_method:
             from engine.spec import FastVerify, make_drafter
             self.drafter = make_drafter(self)
             self.fast_verify = FastVerify(self)
             self.output_processor.drafter = self.multi_step.drafter = self.drafter
-        if self.device.type == "cuda" and config.enable_cuda_graphs and self.kernels == "triton":
+        if self.device.type == "cuda" and config.kernel_config.enable_cuda_graphs and self.kernels == "triton":
             from engine.worker.cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
             if ex is not None:
@@ -212,7 +217,7 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence) -> str:
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id: {seq.request_id!r} is already in use")
-        limit = self.config.max_waiting_requests
+        limit = self.config.scheduler_config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             self._emit_request("rejected", seq, message="waiting queue full")
             raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests)")
@@ -287,7 +292,8 @@ class LLMEngine:
                 self._emit_step(sched, t0, time.perf_counter(), [], {"schedule": t_sched - t0})
             return []
         if observe:
-            sched.phases = [phase_of(seq, n - k, start, self.config.enable_kv_cache) for seq, n, start, k in
+            kv = self.config.cache_config.enable_kv_cache
+            sched.phases = [phase_of(seq, n - k, start, kv) for seq, n, start, k in
                             zip(sched.seqs, sched.num_new_tokens, sched.computed_before, sched.num_spec_tokens)]
             sched.total_lens = [seq.num_tokens for seq in sched.seqs]
         sample_mask = [start + n == seq.num_tokens + len(seq.spec_token_ids)
@@ -338,7 +344,7 @@ class LLMEngine:
             self.drafter.shadow_probe(sched.seqs)
         t_end = time.perf_counter()
         self.step_index += 1
-        if self.config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
+        if self.config.scheduler_config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
             ms.observe_iteration(t_end - t0)    # a decode-only step: one iteration
         if decode_only and (num_spec or self.num_scheduler_steps == 1):     # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
@@ -419,7 +425,7 @@ class LLMEngine:
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     kernels=self.kernels, model=self.model_name, quantization=self.quantization,
                     generation_tokens=self.output_processor.num_generation_tokens, **self.stats_total,
-                    tensor_parallel_size=self.config.tensor_parallel_size,
+                    tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
                     parallel_layout=self.parallel_layout,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))
 
@@ -443,7 +449,7 @@ class LLMEngine:
                     cached=[h is not None for h in pool.block_hash],
                     block_tables={s.request_id: list(s.block_table) for s in holders},
                     num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
-                    kv_cache_layout=self.config.kv_cache_layout)
+                    kv_cache_layout=self.config.cache_config.kv_cache_layout)
 
     def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
         """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""

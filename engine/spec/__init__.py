@@ -1,7 +1,7 @@
 """Speculative decoding: drafters (n-gram, draft model, self-speculative layer skip) and lossless verification.
 
-`make_drafter(engine)` builds the drafter named by `engine.config.speculative_method`; the engine calls its
-propose / verify / accept / pop_step_stats / total_stats hooks (see base.py).
+`make_drafter(engine)` builds the drafter named by `engine.config.speculative_config.speculative_method`; the
+engine calls its propose / verify / accept / pop_step_stats / total_stats hooks (see base.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from engine.spec.rejection import greedy_accept, rejection_sample
 
 
 def make_drafter(engine) -> Drafter:
-    method = engine.config.speculative_method
+    method = engine.config.speculative_config.speculative_method
     if method == "ngram":
         return NgramDrafter(engine)
     if method == "self":

@@ -83,12 +83,13 @@ class Drafter(ShadowProbes):
         cfg = engine.config
         # long drafts (EngineConfig.num_speculative_tokens_max): a request whose last verify accepted every one of
         # its k_i drafts may draft 2 k_i next time, up to k_max; a rejection brings it back to k_base
-        self.k_base = cfg.num_speculative_tokens
-        self.k = max(self.k_base, cfg.num_speculative_tokens_max or 0) if self.supports_long else self.k_base
-        self.auto_off = engine.config.speculative_auto_off
-        self.shadow_probes = engine.config.spec_shadow_probes and self.supports_shadow
-        self.every_block = cfg.spec_shadow_every_block      # shadow replays after every block (no probe gap)
-        self.confirm = cfg.spec_shadow_confirm              # a replay's switch on waits for the next one's
+        self.k_base = cfg.speculative_config.num_speculative_tokens
+        self.k = max(self.k_base, cfg.speculative_config.num_speculative_tokens_max or 0) if self.supports_long \
+            else self.k_base
+        self.auto_off = engine.config.speculative_config.speculative_auto_off
+        self.shadow_probes = engine.config.speculative_config.spec_shadow_probes and self.supports_shadow
+        self.every_block = cfg.speculative_config.spec_shadow_every_block  # shadow replays after every block (no gap)
+        self.confirm = cfg.speculative_config.spec_shadow_confirm          # a replay's switch on waits for the next one's
         self.shadow = SpecStats(self.k)         # shadow probes' drafts and how many would have been accepted
         self._accept: dict[str, _Accept] = {}
         self._t_plain: dict[int, float] = {}               # batch bucket -> s per plain decode iteration

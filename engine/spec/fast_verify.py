@@ -20,7 +20,7 @@ from engine.spec.base import plain_greedy
 class FastVerify:
     def __init__(self, engine):
         self.engine = engine
-        self.enabled = engine.config.spec_fast_verify
+        self.enabled = engine.config.speculative_config.spec_fast_verify
         self._cap = (0, 0, 0)       # capacities of the host buffers below (int64, int32, targets)
         self._h64 = self._h32 = self._targets = None    # host staging / result buffers (pinned on CUDA)
         self._n64 = self._n32 = None                    # their numpy views

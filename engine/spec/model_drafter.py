@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.sample.sampler import _apply_penalties, _seeded_generator, filtered_probs
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import Sequence
@@ -55,15 +55,15 @@ def parse_draft_model(spec: str, default_seed: int) -> tuple[str, int]:
 def load_draft_model(engine):
     from engine.models.loader import build_model, resolve
     cfg = engine.config
-    name, seed = parse_draft_model(cfg.draft_model, cfg.seed)
+    name, seed = parse_draft_model(cfg.speculative_config.draft_model, cfg.model_config.seed)
     hf_cfg, weights, _ = resolve(name)
-    dcfg = ModelConfig.from_hf(hf_cfg)
+    dcfg = ModelArchConfig.from_hf(hf_cfg)
     model = build_model(hf_cfg, weights, engine.ops, engine.device, engine.dtype,
-                        max_pos=engine.max_model_len + cfg.num_speculative_tokens + 1, seed=seed)
+                        max_pos=engine.max_model_len + cfg.speculative_config.num_speculative_tokens + 1, seed=seed)
     model.gemv_max_tokens, model.gemv_pdl = engine.model.gemv_max_tokens, engine.model.gemv_pdl
     model.set_kernel_options(engine.config)
-    kv = torch.zeros(2, dcfg.num_layers, engine.num_blocks, cfg.block_size, dcfg.num_kv_heads, dcfg.head_dim,
-                     dtype=engine.dtype, device=engine.device)
+    kv = torch.zeros(2, dcfg.num_layers, engine.num_blocks, cfg.cache_config.block_size, dcfg.num_kv_heads,
+                     dcfg.head_dim, dtype=engine.dtype, device=engine.device)
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.k_cache = kv[0, i]
         layer.self_attn.v_cache = kv[1, i]
@@ -79,12 +79,12 @@ class ModelDrafter(Drafter):
     def __init__(self, engine, self_speculative: bool):
         super().__init__(engine)
         self.shared = self_speculative
-        mcfg = engine.model_config
+        mcfg = engine.arch_config
         self.vocab_size = mcfg.vocab_size
         if self_speculative:
             self.method = "self"
             self.model = engine.model
-            self.num_layers = min(engine.config.draft_layers, mcfg.num_layers)
+            self.num_layers = min(engine.config.speculative_config.draft_layers, mcfg.num_layers)
             self.kv = None
         else:
             self.method = "draft"

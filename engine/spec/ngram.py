@@ -124,9 +124,9 @@ class NgramDrafter(Drafter):
     def __init__(self, engine):
         super().__init__(engine)
         cfg = engine.config
-        self.n_min, self.n_max = cfg.ngram_min, cfg.ngram_max
+        self.n_min, self.n_max = cfg.speculative_config.ngram_min, cfg.speculative_config.ngram_max
         self._index: dict[str, NgramIndex | _History] = {}      # _History: too long to index, scanned instead
-        self.prefetch_prompts = cfg.spec_prefetch
+        self.prefetch_prompts = cfg.speculative_config.spec_prefetch
 
     def draft(self, cands: list[tuple[Sequence, int]]) -> None:
         if len(self._index) > 2 * len(cands) + 256:

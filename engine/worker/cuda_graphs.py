@@ -61,22 +61,24 @@ class CudaGraphRunner:
     def __init__(self, runner, config: EngineConfig, capture: bool = True):
         self.runner = runner
         self.model = runner.model
-        self.max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
+        self.max_batch = min(config.kernel_config.cuda_graph_max_batch, config.scheduler_config.max_num_seqs)
         self.sizes = capture_sizes(self.max_batch)
         self.max_len = runner.max_model_len
         self.max_blocks = -(-self.max_len // runner.block_size)
-        spec = config.speculative_method is not None and config.spec_cuda_graphs
-        self.max_q = config.max_speculative_tokens + 1 if spec else 1
+        spec = config.speculative_config.speculative_method is not None and config.speculative_config.spec_cuda_graphs
+        self.max_q = config.speculative_config.max_speculative_tokens + 1 if spec else 1
         # verify graphs: every Q up to num_speculative_tokens + 1, and the longest drafts' (num_speculative_tokens_max)
         # alone: a step in between is padded up to it
-        self.spec_qs = sorted(set(range(2, config.num_speculative_tokens + 2)) | {self.max_q}) \
+        self.spec_qs = sorted(set(range(2, config.speculative_config.num_speculative_tokens + 2)) | {self.max_q}) \
             if spec and self.max_q > 1 else []
-        self.spec_sizes = capture_sizes(min(config.spec_cuda_graph_max_batch, self.max_batch)) if spec else []
-        self.draft_layers = min(config.draft_layers, runner.mcfg.num_layers) \
-            if spec and config.speculative_method == "self" else None
-        self.mixed_sizes = mixed_token_sizes(min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens)) \
-            if config.mixed_cuda_graphs else []
-        self.max_seqs = config.max_num_seqs + 1     # + the sequence that owns a mixed step's padding tokens
+        self.spec_sizes = capture_sizes(min(config.speculative_config.spec_cuda_graph_max_batch, self.max_batch)) \
+            if spec else []
+        self.draft_layers = min(config.speculative_config.draft_layers, runner.mcfg.num_layers) \
+            if spec and config.speculative_config.speculative_method == "self" else None
+        self.mixed_sizes = mixed_token_sizes(min(config.kernel_config.mixed_cuda_graph_max_tokens,
+                                                 config.scheduler_config.max_num_batched_tokens)) \
+            if config.kernel_config.mixed_cuda_graphs else []
+        self.max_seqs = config.scheduler_config.max_num_seqs + 1  # + the sequence that owns a mixed step's padding
         self.mixed_splits = 1                       # decode splits inside mixed graphs (set at capture)
         self.use_graphs = capture
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}

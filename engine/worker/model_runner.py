@@ -6,21 +6,21 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kernels.metadata import AttentionMetadata
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.worker.timing import NullTimer
 
 
-def kv_bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(mcfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class ModelRunner:
-    def __init__(self, model, mcfg: ModelConfig, config: EngineConfig, device: torch.device,
+    def __init__(self, model, mcfg: ModelArchConfig, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, max_model_len: int):
         self.model, self.mcfg, self.config = model, mcfg, config
         self.device, self.dtype = device, dtype
-        self.block_size = config.block_size
+        self.block_size = config.cache_config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         # [2, layers, num_blocks, block_size, Hk, D]; Hk: this rank's KV heads (model.cfg is its shard)
@@ -49,7 +49,7 @@ class ModelRunner:
     def _timed_eagerly(self) -> bool:
         """A graph-eligible forward: replayed (untimed: a graph records no regions), except every
         graph_timing_interval-th one, whose step then runs all its forwards eagerly under the timer."""
-        n = self.config.graph_timing_interval
+        n = self.config.observability_config.graph_timing_interval
         if not self.timer.enabled or not n:
             return False
         if not self._sampling:

@@ -114,16 +114,17 @@ class MultiStepDecoder:
         """How many decode iterations the next block may run (0: take a normal step). With `ahead`, the block
         would follow that in-flight one, whose K tokens per request are not known on the host yet. A batch
         with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0."""
-        sch, cfg = self.scheduler, self.config
+        sch, sc = self.scheduler, self.config.scheduler_config
         grammar = self.structured.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
-        K = self.num_steps if not grammar or cfg.structured_multi_step else 1
-        if (not self.structured_overlap if grammar else K <= 1) or not cfg.enable_kv_cache or not sch.running:
+        K = self.num_steps if not grammar or self.config.structured_output_config.structured_multi_step else 1
+        if (not self.structured_overlap if grammar else K <= 1) or not self.config.cache_config.enable_kv_cache \
+                or not sch.running:
             return 0
         if self.drafter is not None and self.drafter.blocks_fast_path(sch.running):
             return 0                                    # a request drafts (or probes) within the block
         if self._admit_now(arrivals_pending):
             return 0                                    # admit the newcomers with a normal step
-        if len(sch.running) > cfg.max_num_batched_tokens:
+        if len(sch.running) > sc.max_num_batched_tokens:
             return 0
         extra = ahead.K if ahead else 0
         inflight = {id(s) for s in ahead.sched.seqs} if ahead else None
@@ -144,7 +145,7 @@ class MultiStepDecoder:
                 K = 1
             room = min(room, self.max_model_len - (seq.num_tokens + extra) + 1)
             longest = max(longest, _left(seq, extra))
-        if cfg.multi_step_trim:                         # no iteration that every request would discard
+        if sc.multi_step_trim:                         # no iteration that every request would discard
             K = min(K, longest)
         K = min(K, room, self._time_cap()) if K > 1 else min(K, room)
         ok = K >= (1 if grammar else 2) and sch.can_schedule_block(kept, extra + K)
@@ -155,21 +156,21 @@ class MultiStepDecoder:
         `multi_step_admit_min` batch slots are free, or as many as there are newcomers. A prefill step runs
         eagerly and costs several decode iterations of host time, so while the batch is full, admitting a few
         requests per step instead of one each time a request finishes keeps the GPU busy."""
-        sch, cfg = self.scheduler, self.config
-        if cfg.scheduling_policy == "priority" and sch.waiting and sch.running \
+        sch, sc = self.scheduler, self.config.scheduler_config
+        if sc.scheduling_policy == "priority" and sch.waiting and sch.running \
                 and sch.waiting.peek().params.priority < sch.running[-1].params.priority:
             return True                     # a better request waits: a normal step lets the scheduler preempt
-        free = cfg.max_num_seqs - len(sch.running)
+        free = sc.max_num_seqs - len(sch.running)
         if free <= 0 or not (sch.waiting or arrivals_pending):
             return False
         want = len(sch.waiting) + (1 if arrivals_pending else 0)
-        need = cfg.multi_step_admit_min if cfg.multi_step_admit_min is not None else max(1, cfg.max_num_seqs // 32)
+        need = sc.multi_step_admit_min if sc.multi_step_admit_min is not None else max(1, sc.max_num_seqs // 32)
         return free >= min(want, need)
 
     def _time_cap(self) -> int:
         """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration (at least 2):
         a block's tokens reach the clients together, so its length is the inter-token latency they see."""
-        budget = self.config.multi_step_max_ms
+        budget = self.config.scheduler_config.multi_step_max_ms
         if not budget:
             return self.num_steps
         if self.decode_iter_s is None:
@@ -186,7 +187,7 @@ class MultiStepDecoder:
     def _block_seqs(self, extra: int) -> list[Sequence]:
         """The requests a block computes: with EngineConfig.multi_step_trim, not those ending in the block in
         flight."""
-        trim = extra and self.config.multi_step_trim
+        trim = extra and self.config.scheduler_config.multi_step_trim
         return [s for s in self.scheduler.running if not trim or _left(s, extra) > 0]
 
     def drop_finished(self) -> None:

@@ -40,7 +40,7 @@ def run_lesson(setup: Setup, batches: list[int] | None = None, prompt_len: int =
     bw = hbm_bandwidth(eng.device) if eng.device.type == "cuda" else None
     rows = []
     for b in batches:
-        r = run(eng, random_prompts(b, prompt_len, eng.model_config.vocab_size, setup.seed + b), greedy(output_len))
+        r = run(eng, random_prompts(b, prompt_len, eng.arch_config.vocab_size, setup.seed + b), greedy(output_len))
         tpot = float(np.mean([o.tpot for o in r.outputs.values()]))
         row = dict(batch=b, ms_per_step=tpot * 1e3, decode_tok_s=b / tpot, output_tok_s=r.output_tokens / r.wall)
         if bw:

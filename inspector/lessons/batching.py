@@ -24,7 +24,7 @@ def run_lesson(setup: Setup, num_requests: int | None = None, max_num_seqs: int 
     for mode in ("continuous", "static"):
         eng = setup.engine(scheduling=mode, max_num_seqs=seqs, max_model_len=max_len, enable_prefix_caching=False,
                            **kv_pool(seqs, max_len))
-        prompts = random_prompts(n, prompt_range, eng.model_config.vocab_size, setup.seed)
+        prompts = random_prompts(n, prompt_range, eng.arch_config.vocab_size, setup.seed)
         r = run(eng, prompts, [greedy(k) for k in outs])
         done = sorted(r.outputs.values(), key=lambda o: int(o.request_id.split("-")[1]))
         ttft = [o.metrics.ttft for o in done]

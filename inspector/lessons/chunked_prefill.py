@@ -26,7 +26,7 @@ def run_lesson(setup: Setup, num_decoders: int | None = None, long_prompt: int |
         eng = setup.engine(enable_chunked_prefill=chunked, max_num_batched_tokens=chunk if chunked else max_len,
                            max_model_len=max_len, num_scheduler_steps=1, enable_prefix_caching=False,
                            max_num_seqs=dec + num_long, **kv_pool(dec + num_long, max_len))
-        V = eng.model_config.vocab_size
+        V = eng.arch_config.vocab_size
         longs = random_prompts(num_long, long_prompt, V, setup.seed + 1)
         arrive_at = {output_len // 4 + 3 * i: p for i, p in enumerate(longs)}   # while the decoders run
 

@@ -19,7 +19,7 @@ def run_lesson(setup: Setup, lengths: list[int] | None = None, prompt_len: int =
                            **kv_pool(batch, max_len))
         rows = []
         for L in lengths:
-            r = run(eng, random_prompts(batch, prompt_len, eng.model_config.vocab_size, setup.seed), greedy(L))
+            r = run(eng, random_prompts(batch, prompt_len, eng.arch_config.vocab_size, setup.seed), greedy(L))
             rows.append(dict(output_len=L, output_tok_s=r.output_tokens / r.wall, wall_s=r.wall))
         series["cache on" if on else "cache off"] = rows
         model = eng

@@ -25,7 +25,7 @@ def run_lesson(setup: Setup, batches: list[int] | None = None, prompt_len: int |
                            max_num_batched_tokens=max(max_model_len, min(prompt_len * max(batches), 16384)))
         rows = []
         for b in batches:
-            prompts = random_prompts(b, prompt_len, eng.model_config.vocab_size, setup.seed + b)
+            prompts = random_prompts(b, prompt_len, eng.arch_config.vocab_size, setup.seed + b)
             r = run(eng, prompts, greedy(output_len))
             rows.append(dict(batch=b, max_running=r.max_running, kv_reserved=r.peak("kv_reserved"),
                              kv_used=r.peak("kv_used"), max_allocated=r.peak("max_allocated"),

@@ -75,9 +75,9 @@ def measure_capacity(loop, vocab_size: int, special_ids=(), seed: int = 1234, de
     batch sizes. About 5 s on an idle 2-core CPU with SmolLM2-135M, well under one on a GPU."""
     eng = loop.engine
     cfg = eng.config
-    budget = int(cfg.max_num_batched_tokens)
-    max_seqs = int(cfg.max_num_seqs)
-    mml = int(getattr(eng, "max_model_len", None) or cfg.max_model_len or 2048)
+    budget = int(cfg.scheduler_config.max_num_batched_tokens)
+    max_seqs = int(cfg.scheduler_config.max_num_seqs)
+    mml = int(getattr(eng, "max_model_len", None) or cfg.model_config.max_model_len or 2048)
     kv_tokens = int(eng.num_blocks) * int(eng.block_size)
     rng = np.random.default_rng(seed)
     banned = set(int(t) for t in special_ids)

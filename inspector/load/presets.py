@@ -34,15 +34,17 @@ class EngineInfo:
     def from_loop(cls, loop, capacity: Capacity | None = None) -> "EngineInfo":
         eng = loop.engine
         cfg = eng.config
-        mml = getattr(eng, "max_model_len", None) or cfg.max_model_len or 2048
+        mml = getattr(eng, "max_model_len", None) or cfg.model_config.max_model_len or 2048
         tok = getattr(eng, "tokenizer", None)
         vocab = getattr(tok, "vocab_size", None) or 32000
-        mv = getattr(getattr(eng, "model_config", None), "vocab_size", None)
+        mv = getattr(getattr(eng, "arch_config", None), "vocab_size", None)
         if mv:
             vocab = min(vocab, mv)
-        return cls(num_blocks=int(getattr(eng, "num_blocks", 512)), block_size=int(getattr(eng, "block_size", cfg.block_size)),
-                   max_model_len=int(mml), max_num_batched_tokens=cfg.max_num_batched_tokens,
-                   max_num_seqs=cfg.max_num_seqs, enable_chunked_prefill=cfg.enable_chunked_prefill,
+        return cls(num_blocks=int(getattr(eng, "num_blocks", 512)),
+                   block_size=int(getattr(eng, "block_size", cfg.cache_config.block_size)),
+                   max_model_len=int(mml), max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
+                   max_num_seqs=cfg.scheduler_config.max_num_seqs,
+                   enable_chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
                    vocab_size=int(vocab), chat_template=bool(getattr(tok, "chat_template", None)),
                    capacity=capacity)
 

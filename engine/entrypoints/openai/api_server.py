@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import hmac
 import logging
 import time
@@ -31,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.runtime.async_engine import EngineLoop
-from engine.config import EngineConfig
+from engine.config import EngineConfig, add_cli_args
 
 from engine.entrypoints.openai.arrival import ArrivalProtocol
 from engine.entrypoints.openai.errors import error_body, guarded, http_exception_handler, unauthorized
@@ -197,37 +196,13 @@ class ServerThread:
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def _field_type(annotation: str):
-    a = str(annotation)
-    if a.startswith("bool"):
-        return bool
-    if a.startswith("int"):
-        return int
-    if a.startswith("float"):
-        return float
-    return str
-
-
 def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
-    """One `--field-name` flag per EngineConfig field (booleans get --x / --no-x)."""
-    defaults = defaults or {}
-    group = parser.add_argument_group("engine (EngineConfig)")
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = defaults.get(f.name, f.default)
-        typ = _field_type(f.type)
-        if typ is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            conv = typ
-            if "None" in str(f.type):
-                conv = (lambda t: lambda s: None if s.lower() in ("none", "") else t(s))(typ)
-            group.add_argument(flag, dest=f.name, type=conv, default=default, metavar=typ.__name__.upper())
+    """One `--field-name` flag per EngineConfig field (engine.config.add_cli_args)."""
+    add_cli_args(parser, defaults)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                           if hasattr(args, f.name)})
+    return EngineConfig.from_cli_args(args)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -270,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         loop = EngineLoop(config)
     app = build_app(loop, **server_kwargs(args))
     log.info("serving %s on http://%s:%d (max_waiting_requests=%s)",
-             app.state.kvscope_api.model_name_of(loop), args.host, args.port, loop.config.max_waiting_requests)
+             app.state.kvscope_api.model_name_of(loop), args.host, args.port,
+             loop.config.scheduler_config.max_waiting_requests)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), http=ArrivalProtocol,
                     timeout_graceful_shutdown=5)

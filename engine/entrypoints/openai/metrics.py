@@ -76,14 +76,14 @@ class EngineCollector(Collector):
                           s.get("num_free_blocks", 0))
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV-cache configuration.",
                                  labels=["block_size", "num_blocks", "enable_prefix_caching", "max_model_len"])
-        info.add_metric([str(eng.block_size), str(eng.num_blocks), str(eng.config.enable_prefix_caching),
+        info.add_metric([str(eng.block_size), str(eng.num_blocks), str(eng.config.cache_config.enable_prefix_caching),
                          str(eng.max_model_len)], 1)
         yield info
         yield self._gauge("tensor_parallel_size", "Ranks the model is sharded over (tensor parallelism).",
-                          eng.config.tensor_parallel_size)
+                          eng.config.parallel_config.tensor_parallel_size)
         layout = GaugeMetricFamily(PREFIX + "parallel_config_info", "Parallel layout: ranks, backend, devices.",
                                    labels=["tensor_parallel_size", "layout"])
-        layout.add_metric([str(eng.config.tensor_parallel_size), str(s.get("parallel_layout", ""))], 1)
+        layout.add_metric([str(eng.config.parallel_config.tensor_parallel_size), str(s.get("parallel_layout", ""))], 1)
         yield layout
         yield self._counter("num_preemptions", "Preemptions (a running request lost its KV blocks).",
                             s.get("num_preemptions_total", 0))

@@ -77,7 +77,7 @@ class OpenAIServing:
         return True, "ok"
 
     def overloaded(self, loop: EngineLoop, detail: str) -> APIError:
-        return server_overloaded(loop.engine.config.max_waiting_requests, self.retry_after_s, detail)
+        return server_overloaded(loop.engine.config.scheduler_config.max_waiting_requests, self.retry_after_s, detail)
 
     def check_model(self, model: str | None, loop: EngineLoop) -> None:
         name = self.model_name_of(loop)
@@ -127,7 +127,7 @@ class OpenAIServing:
                                   priority=req.priority, structured_outputs=req.structured_outputs())
         if req.priority:                   # as vLLM: a priority needs the priority policy (a 400 otherwise)
             cfg = getattr(getattr(self.loop_or_none(), "engine", None), "config", None)
-            if getattr(cfg, "scheduling_policy", "fcfs") != "priority":
+            if cfg is None or cfg.scheduler_config.scheduling_policy != "priority":
                 raise ValueError(f"priority: got {req.priority}, but priority scheduling is not enabled on this "
                                  "server (EngineConfig.scheduling_policy is 'fcfs')")
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -256,5 +256,5 @@ class OpenAIServing:
         name = self.model_name_of(loop)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "kvscope",
-            "root": str(eng.config.model or name), "parent": None, "max_model_len": eng.max_model_len,
-            "vocab_size": int(getattr(getattr(eng, "model_config", None), "vocab_size", 0) or 0)}]}
+            "root": str(eng.config.model_config.model or name), "parent": None, "max_model_len": eng.max_model_len,
+            "vocab_size": int(getattr(getattr(eng, "arch_config", None), "vocab_size", 0) or 0)}]}
