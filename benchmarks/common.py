@@ -49,7 +49,7 @@ def write_json(name: str, payload: dict) -> Path:
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
+    widths = {c: max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols}
     print(" | ".join(c.ljust(widths[c]) for c in cols))
     print("-+-".join("-" * widths[c] for c in cols))
     for r in rows:
