@@ -1,4 +1,6 @@
 """Small helpers several test files share (imported as `helpers`: pytest puts tests/ on sys.path)."""
+import copy
+import dataclasses
 import time
 
 import torch
@@ -152,3 +154,95 @@ def scrape_metrics(url: str) -> dict:
 def metric_sum(m: dict, name: str, **labels) -> float:
     """The sum of scrape_metrics samples named `name` whose labels include `labels`."""
     return sum(v for (n, ls), v in m.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))
+
+
+@dataclasses.dataclass
+class RecordedRun:
+    """What a small workload on a real `dummy:tiny` CPU engine emitted (record_engine_run)."""
+    events: list                 # StepEvent and RequestEvent in emission order
+    outputs: dict                # request id -> its final RequestOutput, in finishing order
+    kv: dict                     # kv_snapshot() after the step with the most blocks in use (shared ones first)
+    num_blocks: int
+    block_size: int
+    arrival_steps: dict          # request id -> the step index before which it was added
+
+    @property
+    def steps(self) -> list:
+        from engine.events import StepEvent
+        return [e for e in self.events if isinstance(e, StepEvent)]
+
+    def request_events(self, kind: str | None = None) -> list:
+        from engine.events import RequestEvent
+        return [e for e in self.events if isinstance(e, RequestEvent) and (kind is None or e.kind == kind)]
+
+    @property
+    def records(self) -> list:
+        from inspector.recorder import RequestRecord
+        return [RequestRecord.from_output(o) for o in self.outputs.values()]
+
+    def feed(self, recorder) -> None:
+        """Replay the events into a Recorder, then hand it the finished outputs."""
+        for e in self.events:
+            recorder(e)
+        for o in self.outputs.values():
+            recorder.record_output(o)
+
+    def snapshot(self, **recorder_kw):
+        """A fresh Recorder fed with the whole run; its snapshot, with a copy of the peak-usage kv."""
+        from inspector.recorder import Recorder
+        rec = Recorder(**recorder_kw)
+        self.feed(rec)
+        return rec.snapshot(kv=copy.deepcopy(self.kv))
+
+
+def record_engine_run(num_requests: int = 24, seed: int = 0, num_kv_blocks: int = 16, block_size: int = 16,
+                      max_num_seqs: int = 8, max_num_batched_tokens: int = 128, shared_prefix_blocks: int = 1,
+                      prompt_len: tuple = (8, 40), output_len: tuple = (8, 30), temperature: float = 0.0,
+                      **engine_kw) -> RecordedRun:
+    """Run a small seeded workload on a `dummy:tiny` CPU engine and record every event it emits.
+
+    Requests share a prefix of `shared_prefix_blocks` full blocks (prefix-cache hits) and arrive two at a time
+    every third step (queueing, chunked prefill next to decodes); a small pool preempts. Everything is decided
+    by the seed and step counts, never by the clock: the same arguments give the same scheduling."""
+    from engine import LLMEngine, SamplingParams
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = LLMEngine(model="dummy:tiny", device="cpu", seed=seed, num_kv_blocks=num_kv_blocks,
+                        block_size=block_size, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, **engine_kw)
+        vocab = eng.model_config.vocab_size
+        events: list = []
+        eng.events.subscribe(events.append)
+        g = torch.Generator().manual_seed(seed)
+        prefix = torch.randint(3, vocab, (shared_prefix_blocks * block_size,), generator=g).tolist()
+        pending = []
+        for i in range(num_requests):
+            n = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=g))
+            m = int(torch.randint(output_len[0], output_len[1] + 1, (1,), generator=g))
+            prompt = prefix + torch.randint(3, vocab, (n,), generator=g).tolist()
+            pending.append((f"r{i:02d}", prompt, SamplingParams(temperature=temperature, seed=seed * 1000 + i,
+                                                                 max_tokens=m, ignore_eos=True)))
+        outputs, arrival_steps = {}, {}
+        best, kv = (-1, -1), None
+        step = 0
+        while pending or eng.has_unfinished_requests():
+            if step % 3 == 0:
+                for rid, prompt, sp in pending[:2]:
+                    eng.add_request(prompt, sp, request_id=rid)
+                    arrival_steps[rid] = step
+                del pending[:2]
+            for o in eng.step():
+                if o.finished:
+                    outputs[o.request_id] = o
+            snap = eng.kv_snapshot()
+            in_use = sum(1 for c in snap["ref_counts"] if c > 0)
+            key = (sum(1 for c in snap["ref_counts"] if c > 1) > 0, in_use)
+            if key >= best:
+                best, kv = key, snap
+            step += 1
+        eng.close()
+        return RecordedRun(events=events, outputs=outputs, kv=kv, num_blocks=eng.num_blocks, block_size=block_size,
+                           arrival_steps=arrival_steps)
+    finally:
+        torch.set_num_threads(threads)
