@@ -1,6 +1,7 @@
 """Small helpers several test files share (imported as `helpers`: pytest puts tests/ on sys.path)."""
 import copy
 import dataclasses
+import re
 import time
 
 import torch
@@ -246,3 +247,112 @@ def record_engine_run(num_requests: int = 24, seed: int = 0, num_kv_blocks: int 
                            arrival_steps=arrival_steps)
     finally:
         torch.set_num_threads(threads)
+
+
+class _Truncated(Exception):
+    pass
+
+
+_JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_JSON_NUMBER_PREFIX = re.compile(r"-|-?(0|[1-9][0-9]*)(\.[0-9]*)?([eE][+-]?[0-9]*)?")
+
+
+def json_prefix_kind(text: str) -> str:
+    """"complete" if `text` is one JSON document, "prefix" if it is cut short of one (some continuation would make it
+    valid), ValueError where it can never become valid JSON: how to check a constrained generation that ran out of
+    tokens."""
+    i = 0
+
+    def peek() -> str:
+        if i >= len(text):
+            raise _Truncated
+        return text[i]
+
+    def ws():
+        nonlocal i
+        while i < len(text) and text[i] in " \t\n\r":
+            i += 1
+
+    def expect(word: str):
+        nonlocal i
+        for ch in word:
+            if peek() != ch:
+                raise ValueError(f"expected {word!r} at {i}: {text[i:i + 20]!r}")
+            i += 1
+
+    def string():
+        nonlocal i
+        expect('"')
+        while True:
+            c = peek()
+            i += 1
+            if c == '"':
+                return
+            if c == "\\":
+                e = peek()
+                i += 1
+                if e == "u":
+                    for _ in range(4):
+                        if peek() not in "0123456789abcdefABCDEF":
+                            raise ValueError(f"bad \\u escape at {i}")
+                        i += 1
+                elif e not in '"\\/bfnrt':
+                    raise ValueError(f"bad escape at {i}")
+            elif ord(c) < 0x20:
+                raise ValueError(f"control character in a string at {i}")
+
+    def number():
+        nonlocal i
+        m = _JSON_NUMBER.match(text, i)
+        if _JSON_NUMBER_PREFIX.fullmatch(text, i) and not (m and m.end() == len(text)):
+            raise _Truncated                            # "-", "1.", "2e+": a number cut short
+        if not m:
+            raise ValueError(f"bad number at {i}: {text[i:i + 20]!r}")
+        i = m.end()
+
+    def value():
+        ws()
+        c = peek()
+        if c == "{":
+            container("{", "}", member)
+        elif c == "[":
+            container("[", "]", value)
+        elif c == '"':
+            string()
+        elif c in "tfn":
+            expect({"t": "true", "f": "false", "n": "null"}[c])
+        else:
+            number()
+
+    def member():
+        ws()
+        string()
+        ws()
+        expect(":")
+        value()
+
+    def container(open_: str, close: str, item):
+        nonlocal i
+        expect(open_)
+        ws()
+        if peek() == close:
+            i += 1
+            return
+        while True:
+            item()
+            ws()
+            c = peek()
+            i += 1
+            if c == close:
+                return
+            if c != ",":
+                raise ValueError(f"expected ',' or {close!r} at {i - 1}: {text[i - 1:i + 20]!r}")
+
+    try:
+        value()
+    except _Truncated:
+        return "prefix"
+    ws()
+    if i != len(text):
+        raise ValueError(f"trailing text at {i}: {text[i:i + 20]!r}")
+    return "complete"
