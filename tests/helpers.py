@@ -26,12 +26,14 @@ def run_requests(eng, prompts, params) -> list:
     return [outs[i] for i in ids]
 
 
-def add_random_requests(eng, lengths, max_tokens: int, vocab: int, seed: int = 0) -> list[str]:
-    """Greedy requests (ignore_eos) on random token-id prompts of the given lengths (seeded); their request ids."""
+def add_random_requests(eng, lengths, max_tokens: int, vocab: int, seed: int = 0, **params) -> list[str]:
+    """Greedy requests (ignore_eos) on random token-id prompts of the given lengths (seeded); their request ids.
+    `params`: more SamplingParams fields (logprobs=5, say)."""
     from engine import SamplingParams
     g = torch.Generator().manual_seed(seed)
     return [eng.add_request(torch.randint(0, vocab, (n,), generator=g).tolist(),
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for n in lengths]
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params))
+            for n in lengths]
 
 
 def wait_idle(loop, timeout: float = 5.0) -> dict:
