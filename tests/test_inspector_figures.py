@@ -160,13 +160,18 @@ def test_latency_histograms_are_precomputed(snap):
     assert "no finished requests" in F.latency_spec([])["layout"]["annotations"][0]["text"]
 
 
-def test_throughput_and_kv_usage(snap):
+def test_throughput_and_kv_usage(snap, plain_snap, engine_run):
     spec = F.throughput_spec(snap)
     check(spec)
-    gen = traces(spec, "scatter", "generation tok/s")[0]
-    assert max(gen["y"]) > 0
     kv = traces(spec, "scatter", "KV usage %")[0]
-    assert len(kv["y"]) == len(snap.steps) and 0 <= min(kv["y"]) and max(kv["y"]) <= 100
+    assert kv["y"] == [100 * s.kv_usage for s in snap.steps]
+    # the binned rates integrate to the tokens the engine produced and prefilled
+    spec = F.throughput_spec(plain_snap)
+    check(spec)
+    gen, prompt = traces(spec, "scatter", "generation tok/s")[0], traces(spec, "scatter", "prompt tok/s")[0]
+    width = gen["x"][1] - gen["x"][0]
+    assert sum(gen["y"]) * width == pytest.approx(sum(len(o.token_ids) for o in engine_run.outputs.values()))
+    assert sum(prompt["y"]) * width == pytest.approx(sum(s.num_prefill_tokens for s in engine_run.steps))
 
 
 def test_profile_spec():
