@@ -12,6 +12,5 @@ Nothing in this package imports Gradio: every piece works from a plain Python pr
 - `lessons`             seeded experiments (paged vs contiguous, cache on/off, continuous vs static, batch
                         sweep, chunked prefill) that return plain JSON results; charts in `figures.lessons`.
 - `export`              metrics CSV and Chrome-trace JSON (opens in Perfetto).
-- `synthetic`           a toy scheduler that emits realistic events without a model (tests, notebooks).
 """
 from inspector.recorder import Recorder, RequestRecord, Snapshot  # noqa: F401

@@ -153,7 +153,7 @@ class Recorder:
                 self._processed = max(self._processed, events[-1][0])
             now = time.perf_counter()
             if b.last_step_end is not None and not (b.last_step_end <= now <= b.last_step_end + 60.0):
-                # recorded / synthetic events, or a long-idle engine: open spans end at the last step
+                # events replayed from a recording, or a long-idle engine: open spans end at the last step
                 now = b.last_step_end
             now_step = b.step_coord()
             tracks = [tr.copy(now, now_step) for tr in b.tracks.values()]

@@ -43,6 +43,24 @@ def spec_models(tmp_path_factory):
     return {"target": str(root / "target"), "draft": str(root / "draft")}
 
 
+@pytest.fixture(scope="session")
+def engine_run():
+    """Events of a real `dummy:tiny` CPU engine on a small workload (helpers.record_engine_run): 24 greedy requests
+    with a shared one-block prefix, arriving over time, on a 16-block pool that preempts."""
+    from helpers import record_engine_run
+    return record_engine_run()
+
+
+@pytest.fixture(scope="session")
+def spec_engine_run():
+    """The same kind of workload with speculative decoding (the model's first layer drafts 3 tokens, sampled at
+    temperature 1 with per-request seeds, so some drafts are rejected) on a pool large enough not to preempt."""
+    from helpers import record_engine_run
+    return record_engine_run(num_requests=12, seed=1, num_kv_blocks=40, temperature=1.0,
+                             speculative_method="self", num_speculative_tokens=3, draft_layers=1,
+                             speculative_auto_off=False)
+
+
 @pytest.fixture(scope="module")
 def srv(loop):
     """The OpenAI-compatible server (uvicorn on a free port, in a thread) over the test module's `loop` fixture."""

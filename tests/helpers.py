@@ -1,4 +1,7 @@
 """Small helpers several test files share (imported as `helpers`: pytest puts tests/ on sys.path)."""
+import copy
+import dataclasses
+import re
 import time
 
 import torch
@@ -23,12 +26,14 @@ def run_requests(eng, prompts, params) -> list:
     return [outs[i] for i in ids]
 
 
-def add_random_requests(eng, lengths, max_tokens: int, vocab: int, seed: int = 0) -> list[str]:
-    """Greedy requests (ignore_eos) on random token-id prompts of the given lengths (seeded); their request ids."""
+def add_random_requests(eng, lengths, max_tokens: int, vocab: int, seed: int = 0, **params) -> list[str]:
+    """Greedy requests (ignore_eos) on random token-id prompts of the given lengths (seeded); their request ids.
+    `params`: more SamplingParams fields (logprobs=5, say)."""
     from engine import SamplingParams
     g = torch.Generator().manual_seed(seed)
     return [eng.add_request(torch.randint(0, vocab, (n,), generator=g).tolist(),
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for n in lengths]
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params))
+            for n in lengths]
 
 
 def wait_idle(loop, timeout: float = 5.0) -> dict:
@@ -152,3 +157,204 @@ def scrape_metrics(url: str) -> dict:
 def metric_sum(m: dict, name: str, **labels) -> float:
     """The sum of scrape_metrics samples named `name` whose labels include `labels`."""
     return sum(v for (n, ls), v in m.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))
+
+
+@dataclasses.dataclass
+class RecordedRun:
+    """What a small workload on a real `dummy:tiny` CPU engine emitted (record_engine_run)."""
+    events: list                 # StepEvent and RequestEvent in emission order
+    outputs: dict                # request id -> its final RequestOutput, in finishing order
+    kv: dict                     # kv_snapshot() after the step with the most blocks in use (shared ones first)
+    num_blocks: int
+    block_size: int
+    arrival_steps: dict          # request id -> the step index before which it was added
+
+    @property
+    def steps(self) -> list:
+        from engine.events import StepEvent
+        return [e for e in self.events if isinstance(e, StepEvent)]
+
+    def request_events(self, kind: str | None = None) -> list:
+        from engine.events import RequestEvent
+        return [e for e in self.events if isinstance(e, RequestEvent) and (kind is None or e.kind == kind)]
+
+    @property
+    def records(self) -> list:
+        from inspector.recorder import RequestRecord
+        return [RequestRecord.from_output(o) for o in self.outputs.values()]
+
+    def feed(self, recorder) -> None:
+        """Replay the events into a Recorder, then hand it the finished outputs."""
+        for e in self.events:
+            recorder(e)
+        for o in self.outputs.values():
+            recorder.record_output(o)
+
+    def snapshot(self, **recorder_kw):
+        """A fresh Recorder fed with the whole run; its snapshot, with a copy of the peak-usage kv."""
+        from inspector.recorder import Recorder
+        rec = Recorder(**recorder_kw)
+        self.feed(rec)
+        return rec.snapshot(kv=copy.deepcopy(self.kv))
+
+
+def record_engine_run(num_requests: int = 24, seed: int = 0, num_kv_blocks: int = 16, block_size: int = 16,
+                      max_num_seqs: int = 8, max_num_batched_tokens: int = 128, shared_prefix_blocks: int = 1,
+                      prompt_len: tuple = (8, 40), output_len: tuple = (8, 30), temperature: float = 0.0,
+                      **engine_kw) -> RecordedRun:
+    """Run a small seeded workload on a `dummy:tiny` CPU engine and record every event it emits.
+
+    Requests share a prefix of `shared_prefix_blocks` full blocks (prefix-cache hits) and arrive two at a time
+    every third step (queueing, chunked prefill next to decodes); a small pool preempts. Everything is decided
+    by the seed and step counts, never by the clock: the same arguments give the same scheduling."""
+    from engine import LLMEngine, SamplingParams
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eng = LLMEngine(model="dummy:tiny", device="cpu", seed=seed, num_kv_blocks=num_kv_blocks,
+                        block_size=block_size, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, **engine_kw)
+        vocab = eng.arch_config.vocab_size
+        events: list = []
+        eng.events.subscribe(events.append)
+        g = torch.Generator().manual_seed(seed)
+        prefix = torch.randint(3, vocab, (shared_prefix_blocks * block_size,), generator=g).tolist()
+        pending = []
+        for i in range(num_requests):
+            n = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=g))
+            m = int(torch.randint(output_len[0], output_len[1] + 1, (1,), generator=g))
+            prompt = prefix + torch.randint(3, vocab, (n,), generator=g).tolist()
+            pending.append((f"r{i:02d}", prompt, SamplingParams(temperature=temperature, seed=seed * 1000 + i,
+                                                                 max_tokens=m, ignore_eos=True)))
+        outputs, arrival_steps = {}, {}
+        best, kv = (-1, -1), None
+        step = 0
+        while pending or eng.has_unfinished_requests():
+            if step % 3 == 0:
+                for rid, prompt, sp in pending[:2]:
+                    eng.add_request(prompt, sp, request_id=rid)
+                    arrival_steps[rid] = step
+                del pending[:2]
+            for o in eng.step():
+                if o.finished:
+                    outputs[o.request_id] = o
+            snap = eng.kv_snapshot()
+            in_use = sum(1 for c in snap["ref_counts"] if c > 0)
+            key = (sum(1 for c in snap["ref_counts"] if c > 1) > 0, in_use)
+            if key >= best:
+                best, kv = key, snap
+            step += 1
+        eng.close()
+        return RecordedRun(events=events, outputs=outputs, kv=kv, num_blocks=eng.num_blocks, block_size=block_size,
+                           arrival_steps=arrival_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Truncated(Exception):
+    pass
+
+
+_JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_JSON_NUMBER_PREFIX = re.compile(r"-|-?(0|[1-9][0-9]*)(\.[0-9]*)?([eE][+-]?[0-9]*)?")
+
+
+def json_prefix_kind(text: str) -> str:
+    """"complete" if `text` is one JSON document, "prefix" if it is cut short of one (some continuation would make it
+    valid), ValueError where it can never become valid JSON: how to check a constrained generation that ran out of
+    tokens."""
+    i = 0
+
+    def peek() -> str:
+        if i >= len(text):
+            raise _Truncated
+        return text[i]
+
+    def ws():
+        nonlocal i
+        while i < len(text) and text[i] in " \t\n\r":
+            i += 1
+
+    def expect(word: str):
+        nonlocal i
+        for ch in word:
+            if peek() != ch:
+                raise ValueError(f"expected {word!r} at {i}: {text[i:i + 20]!r}")
+            i += 1
+
+    def string():
+        nonlocal i
+        expect('"')
+        while True:
+            c = peek()
+            i += 1
+            if c == '"':
+                return
+            if c == "\\":
+                e = peek()
+                i += 1
+                if e == "u":
+                    for _ in range(4):
+                        if peek() not in "0123456789abcdefABCDEF":
+                            raise ValueError(f"bad \\u escape at {i}")
+                        i += 1
+                elif e not in '"\\/bfnrt':
+                    raise ValueError(f"bad escape at {i}")
+            elif ord(c) < 0x20:
+                raise ValueError(f"control character in a string at {i}")
+
+    def number():
+        nonlocal i
+        m = _JSON_NUMBER.match(text, i)
+        if _JSON_NUMBER_PREFIX.fullmatch(text, i) and not (m and m.end() == len(text)):
+            raise _Truncated                            # "-", "1.", "2e+": a number cut short
+        if not m:
+            raise ValueError(f"bad number at {i}: {text[i:i + 20]!r}")
+        i = m.end()
+
+    def value():
+        ws()
+        c = peek()
+        if c == "{":
+            container("{", "}", member)
+        elif c == "[":
+            container("[", "]", value)
+        elif c == '"':
+            string()
+        elif c in "tfn":
+            expect({"t": "true", "f": "false", "n": "null"}[c])
+        else:
+            number()
+
+    def member():
+        ws()
+        string()
+        ws()
+        expect(":")
+        value()
+
+    def container(open_: str, close: str, item):
+        nonlocal i
+        expect(open_)
+        ws()
+        if peek() == close:
+            i += 1
+            return
+        while True:
+            item()
+            ws()
+            c = peek()
+            i += 1
+            if c == close:
+                return
+            if c != ",":
+                raise ValueError(f"expected ',' or {close!r} at {i - 1}: {text[i - 1:i + 20]!r}")
+
+    try:
+        value()
+    except _Truncated:
+        return "prefix"
+    ws()
+    if i != len(text):
+        raise ValueError(f"trailing text at {i}: {text[i:i + 20]!r}")
+    return "complete"

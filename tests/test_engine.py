@@ -1,4 +1,6 @@
 """Engine behaviour on the bundled SmolLM2: identical greedy (and seeded) outputs under every scheduling switch."""
+from collections import Counter
+
 import pytest
 
 from engine import SamplingParams
@@ -168,8 +170,38 @@ def _staggered(eng, prompts, params, arrive_at: dict[int, int]):
     return [outs[ids[i]].token_ids for i in range(len(prompts))]
 
 
-def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
-    """Unseeded top-k / top-p / min-p sampling stays on the device, so it runs multi-step too."""
+def _allowed_tokens(logits, p, slack: float = 1e-4) -> set:
+    """The tokens SamplingParams `p` may draw from a row of logits, computed here from the definitions (float64):
+    temperature, then the top_k highest, then the smallest prefix of those whose mass reaches top_p, then those
+    with probability >= min_p x the largest. `slack` widens the cuts a hair (float32 rounding in the engine)."""
+    lg = logits.double() / p.temperature
+    keep = lg.topk(p.top_k).indices if p.top_k > 0 else lg.argsort(descending=True)
+    probs = lg[keep].softmax(0)
+    before = probs.cumsum(0) - probs                       # mass strictly before each token
+    keep = keep[before < p.top_p + slack]
+    probs = lg[keep].softmax(0)
+    keep = keep[probs >= p.min_p * probs.max() * (1 - slack)]
+    assert len(keep) >= 1
+    return set(keep.tolist())
+
+
+def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts, monkeypatch):
+    """Unseeded top-k / top-p / min-p sampling stays on the device, so it runs multi-step too; every token it
+    draws lies in the top-k / top-p / min-p set of the logits it was drawn from."""
+    import engine.sample.sampler as sampler_mod
+    import engine.worker.multi_step as multi_step_mod
+    draws = []                         # (logits row, params, token) of every non-greedy row sampled
+    real = sampler_mod.sample_unseeded
+
+    def spy(logits, rows, greedy, generator, fused=False):
+        toks = real(logits, rows, greedy, generator, fused)
+        for i, (r, g) in enumerate(zip(rows, greedy)):
+            if not g:
+                draws.append((logits[i].detach().clone(), r.params, int(toks[i])))
+        return toks
+    monkeypatch.setattr(sampler_mod, "sample_unseeded", spy)
+    monkeypatch.setattr(multi_step_mod, "sample_unseeded", spy)
+
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, max_tokens=n, ignore_eos=True)
               for n in (7, 12, 9, 16)]
     eng = smollm2_engine_factory(num_scheduler_steps=4)
@@ -178,8 +210,14 @@ def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts):
     outs = run_requests(eng, prompts, params)
     assert [len(o.token_ids) for o in outs] == [7, 12, 9, 16]
     assert any(e.num_decode_steps > 1 for e in steps)
-    V = eng.arch_config.vocab_size
-    assert all(0 <= t < V for o in outs for t in o.token_ids)
+    # every output token was one of the spied draws (a multi-step block may draw past max_tokens and discard)
+    drawn = Counter(t for _, _, t in draws)
+    assert not Counter(t for o in outs for t in o.token_ids) - drawn
+    allowed = [_allowed_tokens(lg, p) for lg, p, _ in draws]
+    bad = [(t, len(a)) for (_, _, t), a in zip(draws, allowed) if t not in a]
+    assert not bad, bad
+    # the filters did cut: most draws came from a set well below top_k
+    assert sum(len(a) < 40 for a in allowed) > len(allowed) // 2
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
 
 

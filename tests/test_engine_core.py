@@ -1,4 +1,4 @@
-"""Engine-core requirements not covered elsewhere (issue 2): loader (sharded safetensors, never pickles),
+"""Engine-core requirements not covered elsewhere: loader (sharded safetensors, never pickles),
 preset shapes, bundled tokenizer check, KV pool sizing, scheduler policy (victim, static batches, mixed
 prefill+decode forward), the event stream contract, the LLM API, UTF-8-safe detokenization."""
 import json

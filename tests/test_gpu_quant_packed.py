@@ -3,8 +3,8 @@ sizes against the reference; every code exact; split-K repeated (workspace reset
 q/k/v + RoPE kernel on it; an engine with EngineConfig.quant_gemv_packed on against the torch path.
 
 Each case is a few kernel variants (compiles dominate: ~1-3 s each), so the file runs in about a minute. Every
-sub-case's error goes into the assertion message, and to $OUT/packed_errors.jsonl when $OUT is set (the device
-tool), so one run tells which sub-case failed."""
+sub-case's error goes into the assertion message, and to $OUT/packed_errors.jsonl when the environment variable
+OUT names a folder, so one run tells which sub-case failed."""
 import json
 import os
 
@@ -170,22 +170,10 @@ def test_packed_qkv_rope_full_size_int4():
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_engine_packed_graphs_match_torch_fp32(fmt):
     """fp32, CUDA graphs, quant_gemv_packed on (int4 in the words layout: its GEMM for the prefill, the packed GEMVs
-    for the decode, batches of several rows included): the first two tokens of each request are the torch path's."""
-    from test_gpu_quant import _run
-    ref = _run(dtype="float32", quantization=fmt, kernels="torch", enable_cuda_graphs=False)
+    for the decode, batches of several rows included): the torch path's greedy tokens with its log-probs, over all
+    16 tokens of each request unless a near-tie of the random weights parts them."""
+    from test_gpu_quant import LOGPROB_TOL_FP32, _assert_greedy_agree, _run
+    ref = _run(dtype="float32", quantization=fmt, kernels="torch", enable_cuda_graphs=False, outputs=True)
     got = _run(dtype="float32", quantization=fmt, kernels="triton", fp8_activations=False,
-               quant_gemv_tensor_cores=False, quant_gemv_packed=True)
-    assert [r[:2] for r in ref] == [g[:2] for g in got]
-
-
-@pytest.mark.xfail(reason="diagnostic: int4's shared-row dot (BLOCK_M > 1, rows_on_grid=False), which the engine "
-                          "no longer runs; an XPASS says it is right on this GPU", strict=False)
-def test_packed_int4_shared_rows_diagnostic():
-    rows = []
-    for name, (N, K) in SHAPES.items():
-        t = _weights("int4", N, K)
-        bn, bk, warps, split, flags = quant_gemv_packed_config("int4", 1, N, K)
-        for fl in (0, 1):
-            rows.append(_case("int4", t, name, 4, "rms_norm", True, (bn, 256, warps, 2, fl), rows_on_grid=False))
-        del t
-    _check("int4_shared_rows_diagnostic", rows)
+               quant_gemv_tensor_cores=False, quant_gemv_packed=True, outputs=True)
+    assert _assert_greedy_agree(ref, got, tol=LOGPROB_TOL_FP32) >= 48

@@ -1,5 +1,6 @@
-"""inspector.figures: every builder from recorded (synthetic) events: traces present, shapes right, valid
-Plotly (each spec goes through plotly's validating Figure constructor), JSON-safe, explicit heights."""
+"""inspector.figures: every builder from events recorded on a real tiny CPU engine (conftest's engine_run and
+spec_engine_run): traces present, shapes right, valid Plotly (each spec goes through plotly's validating Figure
+constructor), JSON-safe, explicit heights."""
 import json
 
 import numpy as np
@@ -7,23 +8,16 @@ import pytest
 
 from inspector import figures as F
 from inspector.recorder import Recorder
-from inspector.synthetic import simulate
 
 
 @pytest.fixture(scope="module")
-def snap():
-    run = simulate(num_requests=30, seed=0, num_blocks=32, shared_prefix_blocks=1, spec_tokens=3)
-    rec = Recorder()
-    run.feed(rec)
-    return rec.snapshot(kv=run.kv)
+def snap(spec_engine_run):
+    return spec_engine_run.snapshot()
 
 
 @pytest.fixture(scope="module")
-def plain_snap():
-    run = simulate(num_requests=10, seed=5)
-    rec = Recorder()
-    run.feed(rec)
-    return rec.snapshot(kv=run.kv)
+def plain_snap(engine_run):
+    return engine_run.snapshot()
 
 
 def traces(spec, type_=None, name=None):
@@ -48,8 +42,11 @@ def test_block_map_cells_states_and_hover(snap):
     flat = z.reshape(-1)[: kv["num_blocks"]]
     ref = np.array(kv["ref_counts"])
     in_use = np.nonzero(ref == 1)[0]
+    assert len(in_use) and (ref > 1).any()                    # the recorded pool holds owned and shared blocks
     assert (flat[in_use] >= 3).all()                          # owner colours
     assert (flat[np.nonzero(ref > 1)[0]] == 2).all()          # shared
+    free = [b for b in np.nonzero(ref == 0)[0] if b > 0]      # block 0 is the reserved null block
+    assert [flat[b] for b in free] == [1 if kv["cached"][b] else 0 for b in free]   # cached-free / free
     assert (hm["zmin"], hm["zmax"]) == (-0.5, F.N_CATS - 0.5)  # fixed colour range
     text = sum(hm["text"], [])
     owner = next(iter(kv["block_tables"]))
@@ -60,7 +57,9 @@ def test_block_map_cells_states_and_hover(snap):
 
 def test_block_map_highlight_and_block_table(snap):
     kv = snap.kv
-    rid, table = next(iter(kv["block_tables"].items()))
+    # a request whose leading block came from the prefix cache (the runs share a one-block prefix)
+    rid = next(r for r in kv["block_tables"] if kv["num_cached_tokens"].get(r, 0) >= kv["block_size"])
+    table = kv["block_tables"][rid]
     spec = F.block_map_spec(kv, highlight=rid)
     check(spec)
     hi = traces(spec, "scatter")[-1]
@@ -70,7 +69,8 @@ def test_block_map_highlight_and_block_table(snap):
     (hm,) = traces(bt, "heatmap")
     cells = [c for row in hm["text"] for c in row if c]
     assert [c.rstrip("*") for c in cells] == [str(b) for b in table]   # logical order -> physical ids
-    n_hit = kv.get("num_cached_tokens", {}).get(rid, 0) // kv["block_size"]
+    n_hit = kv["num_cached_tokens"][rid] // kv["block_size"]
+    assert 1 <= n_hit < len(table)
     assert [c.endswith("*") for c in cells] == [i < n_hit for i in range(len(table))]   # * = prefix-cache hit
     assert "select a request" in F.block_table_spec(kv, None)["layout"]["annotations"][0]["text"]
     assert "holds no KV blocks" in F.block_table_spec(kv, "nope")["layout"]["annotations"][0]["text"]
@@ -105,16 +105,14 @@ def test_timeline_gantt_bars_with_base(snap):
     assert traces(spec, "scatter", "running") and traces(spec, "scatter", "waiting (queue)")
 
 
-def test_timeline_step_axis_and_preemptions():
-    run = simulate(num_requests=16, seed=4, num_blocks=14, max_num_seqs=8, output_len=(30, 60))
-    rec = Recorder()
-    run.feed(rec)
-    s = rec.snapshot()
-    assert s.totals["preemptions"] > 0
+def test_timeline_step_axis_and_preemptions(engine_run, plain_snap):
+    s = plain_snap
+    preempted = [rid for e in engine_run.steps for rid in e.preempted]
+    assert preempted and s.totals["preemptions"] == len(preempted)
     spec = F.timeline_spec(s, axis="step")
     check(spec)
     pre = traces(spec, "bar", "preempted")[0]
-    assert len(pre["y"]) >= 1
+    assert sorted(pre["y"]) == sorted(preempted)               # one bar per preemption, on its request's row
     assert traces(spec, "scatter", "preemption")
     bases = traces(spec, "bar", "decode")[0]["base"]
     assert all(float(b).is_integer() for b in bases)           # whole steps on the step axis
@@ -162,13 +160,18 @@ def test_latency_histograms_are_precomputed(snap):
     assert "no finished requests" in F.latency_spec([])["layout"]["annotations"][0]["text"]
 
 
-def test_throughput_and_kv_usage(snap):
+def test_throughput_and_kv_usage(snap, plain_snap, engine_run):
     spec = F.throughput_spec(snap)
     check(spec)
-    gen = traces(spec, "scatter", "generation tok/s")[0]
-    assert max(gen["y"]) > 0
     kv = traces(spec, "scatter", "KV usage %")[0]
-    assert len(kv["y"]) == len(snap.steps) and 0 <= min(kv["y"]) and max(kv["y"]) <= 100
+    assert kv["y"] == [100 * s.kv_usage for s in snap.steps]
+    # the binned rates integrate to the tokens the engine produced and prefilled
+    spec = F.throughput_spec(plain_snap)
+    check(spec)
+    gen, prompt = traces(spec, "scatter", "generation tok/s")[0], traces(spec, "scatter", "prompt tok/s")[0]
+    width = gen["x"][1] - gen["x"][0]
+    assert sum(gen["y"]) * width == pytest.approx(sum(len(o.token_ids) for o in engine_run.outputs.values()))
+    assert sum(prompt["y"]) * width == pytest.approx(sum(s.num_prefill_tokens for s in engine_run.steps))
 
 
 def test_profile_spec():
@@ -204,12 +207,9 @@ def test_payloads_stay_small(snap):
     assert max(sizes.values()) < 200_000, sizes
 
 
-def test_timeline_names_multi_step_iterations():
+def test_timeline_names_multi_step_iterations(engine_run):
     from dataclasses import replace
-    run = simulate(num_requests=6, seed=3)
-    rec = Recorder()
-    run.feed(rec)
-    snap = rec.snapshot(kv=run.kv)
+    snap = engine_run.snapshot()
     snap.steps[-1] = replace(snap.steps[-1], num_decode_steps=8)
     hov = traces(F.timeline_spec(snap), "bar", "prefill tokens")[0]["hovertext"]
     assert hov[-1].endswith("8 decode iterations") and "iterations" not in " ".join(hov[:-1])

@@ -121,25 +121,39 @@ class FakeOut:
 
 
 class FakeLoop:
-    """Finishes each request after `latency` s with max_tokens tokens; records concurrency."""
+    """Finishes each request after `latency` s with max_tokens tokens; records concurrency. With `batch`, requests
+    finish only in groups of `batch` (the group's timer starts when its last request is in), whatever the speed
+    of the machine."""
 
-    def __init__(self, latency=0.02, fail_every=0):
-        self.latency, self.fail_every = latency, fail_every
+    def __init__(self, latency=0.02, fail_every=0, batch=0):
+        self.latency, self.fail_every, self.batch = latency, fail_every, batch
+        self.pending = []
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
         self.submitted = []
+        self.submit_times = {}
 
     def submit(self, prompt, params, request_id=None):
         with self.lock:
             self.submitted.append((request_id, list(prompt)))
+            self.submit_times[request_id] = time.perf_counter()
             if self.fail_every and len(self.submitted) % self.fail_every == 0:
                 raise ValueError("prompt: too long")
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         s = FakeStream(self, request_id, prompt, params)
         s.arrival = time.perf_counter()
-        threading.Timer(self.latency, self.finish, (s, "length")).start()
+        if not self.batch:
+            threading.Timer(self.latency, self.finish, (s, "length")).start()
+            return s
+        with self.lock:
+            self.pending.append(s)
+            group = self.pending if len(self.pending) == self.batch else None
+            if group:
+                self.pending = []
+        if group:
+            threading.Timer(self.latency, lambda: [self.finish(x, "length") for x in group]).start()
         return s
 
     def finish(self, s, reason):
@@ -177,21 +191,28 @@ def test_runner_completes_and_summarizes():
 
 
 def test_runner_respects_max_concurrency():
-    loop = FakeLoop(latency=0.03)
+    # requests finish three at a time: three must be in flight together, and the limit allows no fourth
+    loop = FakeLoop(latency=0.01, batch=3)
     spec = L.LoadSpec(num_requests=24, rate=math.inf, max_concurrency=3, prompt_len=L.LengthDist("fixed", 3, 3),
                       output_len=L.LengthDist("fixed", 2, 2))
-    run(loop, spec)
-    assert loop.max_in_flight == 3
+    r = run(loop, spec)
+    assert loop.max_in_flight == 3 and r.progress()["finished"] == 24
 
 
 def test_runner_arrival_pacing_follows_the_rate():
     loop = FakeLoop(latency=0.001)
     spec = L.LoadSpec(num_requests=11, rate=50.0, burstiness=100.0, prompt_len=L.LengthDist("fixed", 2, 2),
                       output_len=L.LengthDist("fixed", 1, 1))
-    t = time.perf_counter()
-    run(loop, spec)
-    # near-regular arrivals (k = 100): 10 gaps of 20 ms
-    assert 0.17 < time.perf_counter() - t < 0.6
+    r = run(loop, spec)
+    # near-regular arrivals (gamma, k = 100): 10 gaps of about 20 ms
+    offsets = sorted(it.arrival for it in r.items)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and len(gaps) == 10
+    assert np.mean(gaps) == pytest.approx(0.02, rel=0.15) and gaps.std() / gaps.mean() < 0.3
+    # each request is submitted at its offset, never before (how much later depends on the machine)
+    assert len(loop.submit_times) == 11
+    for it in r.items:
+        assert loop.submit_times[f"L{r.run_id}-{it.index:03d}"] >= r._t_start + it.arrival
 
 
 def test_runner_counts_rejected_requests_and_keeps_going():
@@ -209,11 +230,12 @@ def test_runner_stop_cancels_in_flight():
     spec = L.LoadSpec(num_requests=6, rate=math.inf, prompt_len=L.LengthDist("fixed", 2, 2),
                       output_len=L.LengthDist("fixed", 4, 4))
     r = L.LoadRunner(loop, spec, vocab_size=3000, special_ids=[], max_model_len=4096).start()
-    deadline = time.time() + 5
-    while r.progress()["submitted"] < 6 and time.time() < deadline:
+    deadline = time.monotonic() + 60                  # a bound on a hang only: the loop ends at 6 submitted
+    while r.progress()["submitted"] < 6 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert r.progress()["submitted"] == 6
     r.stop()
-    assert r.wait(5)
+    assert r.wait(60)
     p = r.progress()
     assert p["done"] and p["stopped"] and p["failed"] == 6
 

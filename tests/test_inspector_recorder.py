@@ -6,7 +6,6 @@ import pytest
 from engine.events import EventBus, RequestEvent, ScheduledRequest, StepEvent
 from inspector.recorder import Recorder
 from inspector.tracks import step_output_tokens
-from inspector.synthetic import simulate
 
 
 def step(i, t, sched, preempted=(), finished=(), spec=None, **kw):
@@ -46,37 +45,61 @@ def test_spans_chunked_prefill_decode_preempt_recompute():
     assert t["prompt_tokens"] == 20 + 22
 
 
-def test_snapshot_is_incremental_and_detached():
-    run = simulate(num_requests=12, seed=1)
+def test_snapshot_is_incremental_and_detached(engine_run):
     rec = Recorder()
-    evs = run.events
+    evs = engine_run.events
     for e in evs[: len(evs) // 2]:
         rec(e)
     s1 = rec.snapshot()
+    n1 = sum(len(r.spans) for r in s1.requests)
     for e in evs[len(evs) // 2:]:
         rec(e)
     s2 = rec.snapshot()
     # the first snapshot was not mutated by the second's processing
-    assert sum(len(r.spans) for r in s1.requests) < sum(len(r.spans) for r in s2.requests)
+    assert sum(len(r.spans) for r in s1.requests) == n1 < sum(len(r.spans) for r in s2.requests)
+    assert s1.totals["finished"] < s2.totals["finished"] == len(engine_run.outputs)
     full = Recorder()
-    run.feed(full)
+    engine_run.feed(full)
     s3 = full.snapshot()
     key = lambda s: [(r.request_id, [(x.phase, x.start, x.end) for x in r.spans]) for r in s.requests]  # noqa: E731
     assert key(s2) == key(s3)
     assert s2.version > s1.version
 
 
-def test_ring_buffers_are_bounded():
-    run = simulate(num_requests=40, seed=2)
+def test_spans_follow_the_engine_events(engine_run):
+    """Every request's track agrees with what the engine emitted: prompt length, finish, preemptions, and its
+    prefill / decode spans cover exactly the steps that scheduled it."""
+    snap = engine_run.snapshot()
+    assert len(snap.requests) == len(engine_run.outputs) == 24
+    sched_steps: dict = {}
+    for st in engine_run.steps:
+        for sr in st.scheduled:
+            sched_steps.setdefault(sr.request_id, set()).add(st.step)
+    for tr in snap.requests:
+        out = engine_run.outputs[tr.request_id]
+        assert tr.status == "finished" and tr.finish_reason == out.finish_reason == "length"
+        assert tr.prompt_len == len(out.prompt_token_ids)
+        assert tr.num_preemptions == out.metrics.num_preemptions
+        run = {s for sp in tr.spans if sp.phase in ("prefill", "decode")
+               for s in range(int(sp.step_start), int(sp.step_end))}
+        assert run == sched_steps[tr.request_id]
+        assert [sp.phase for sp in tr.spans].count("preempted") == tr.num_preemptions
+    pre = [rid for st in engine_run.steps for rid in st.preempted]
+    assert pre and snap.totals["preemptions"] == len(pre)
+    assert snap.totals["steps"] == len(engine_run.steps)
+
+
+def test_ring_buffers_are_bounded(engine_run):
     rec = Recorder(max_steps=16, max_requests=8, max_events=64)
-    run.feed(rec)
+    engine_run.feed(rec)
     snap = rec.snapshot()
+    assert len(engine_run.steps) > 16 and len(engine_run.outputs) > 8 and len(engine_run.events) > 64
     assert len(snap.steps) == 16 and len(snap.requests) <= 8
-    assert snap.dropped_events > 0
+    assert snap.steps == engine_run.steps[-16:]
+    assert snap.dropped_events == len(engine_run.events) - 64
 
 
-def test_listener_is_thread_safe_with_concurrent_snapshots():
-    run = simulate(num_requests=30, seed=3)
+def test_listener_is_thread_safe_with_concurrent_snapshots(engine_run):
     rec = Recorder()
     errors = []
 
@@ -89,11 +112,11 @@ def test_listener_is_thread_safe_with_concurrent_snapshots():
 
     th = threading.Thread(target=reader)
     th.start()
-    for e in run.events:
+    for e in engine_run.events:
         rec(e)
     th.join()
     assert not errors
-    assert rec.snapshot().totals["finished"] == 30
+    assert rec.snapshot().totals["finished"] == len(engine_run.outputs)
 
 
 def test_requests_seen_before_subscription_and_spec_totals():
@@ -107,14 +130,14 @@ def test_requests_seen_before_subscription_and_spec_totals():
     assert step_output_tokens(snap.steps[0]) == 3
 
 
-def test_detach_and_clear():
+def test_detach_and_clear(engine_run):
     bus = EventBus()
     rec = Recorder().attach(bus)
     assert bus.active
     rec.detach()
     assert not bus.active
-    run = simulate(num_requests=4)
-    run.feed(rec)
+    engine_run.feed(rec)
+    assert rec.snapshot().steps
     rec.clear()
     snap = rec.snapshot()
     assert not snap.steps and not snap.requests and not snap.records

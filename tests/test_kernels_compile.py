@@ -181,11 +181,9 @@ def check_paged_attention():
     compile_sm90(paged_attention._prefill_kernel,
                  dict(G=4, GP=4, BQ=32, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, SKIP_DECODES=True,
                       DOT_PREC="tf32"))
-    for merge in (False, True):
-        compile_sm90(decode_attention._decode_kernel,
-                     dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,
-                          DOT_PREC="tf32", USE_PDL=True, FUSED_MERGE=merge, MIN_CHUNK=64, GP=4, MERGE_S=4),
-                     {"out_ptr": "*bf16", "cnt_ptr": "*i32"})
+    compile_sm90(decode_attention._decode_kernel,
+                 dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,
+                      DOT_PREC="tf32", USE_PDL=True))
 
 
 CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 4])] + \

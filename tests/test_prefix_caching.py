@@ -1,4 +1,4 @@
-"""Prefix caching (issue 6): identical greedy outputs with and without it on prompts sharing long prefixes
+"""Prefix caching: identical greedy outputs with and without it on prompts sharing long prefixes
 (alone, batched, chunked prefill, forced preemption); exact counters in outputs, metrics, step events and
 stats; a preempted request finds its own blocks again; evictions are reported; a seeded workload with
 shared prefixes, aborts and preemptions returns every block."""

@@ -133,12 +133,12 @@ def test_quantized_model_packed_matches_torch(fmt):
     model, ref = packed_model_and_ref(fmt)
     lin = model.model.layers[0].mlp.down_proj
     before = {k: v.clone() for k, v in lin.tensors().items()}
-    set_packed(model, True)
+    set_packed(model, True, group_dots=True)
     set_tensor_cores(model, False)
     assert lin.packed and (fmt != "int4" or lin.qweight.dtype == torch.int32)
     for a, b in zip(ref, _prefill_then_decode(model, ids)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    set_packed(model, False)
+    set_packed(model, False, group_dots=True)
     assert not lin.packed and all(torch.equal(v, before[k]) for k, v in lin.tensors().items())
 
 
