@@ -82,16 +82,16 @@ def test_burst_from_50_threads_is_admitted_within_two_steps(loop):
 @pytest.fixture
 def tokenize_calls(loop):
     """When the engine's tokenizer was called (a spy around LLMEngine.tokenize)."""
-    eng, calls = loop.engine, []
-    real = eng.tokenize
+    proc, calls = loop.engine.input_processor, []
+    real = proc.tokenize
 
     def spy(text):
         calls.append(time.perf_counter())
         return real(text)
 
-    eng.tokenize = spy
+    proc.tokenize = spy
     yield calls
-    eng.tokenize = real
+    proc.tokenize = real
 
 
 def test_arrival_is_stamped_before_tokenization(loop, tokenize_calls):
