@@ -42,7 +42,7 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[1].split()[0] != "Z"
 
 
-def wait_gone(pids, timeout=10.0) -> bool:
+def wait_gone(pids, timeout=60.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if not any(alive(p) for p in pids):
