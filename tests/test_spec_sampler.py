@@ -130,6 +130,7 @@ def _exact_probs(hf, prompt, temperature, top_k):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft", "self"])
 def test_engine_sampling_distribution_is_lossless(method, tmp_path):
     target = save_random_llama(tmp_path / "target", 0, 2, **SMALL)
