@@ -10,6 +10,12 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a test that takes more than a few seconds on a 2-core CPU (a real model, many engines, "
+                   "a browser, a soak); `python -m pytest -q -m \"not slow\" tests` runs the rest in a few minutes")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run fastest single-threaded, and a shared 2-core box punishes oversubscription (use with

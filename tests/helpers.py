@@ -36,7 +36,7 @@ def add_random_requests(eng, lengths, max_tokens: int, vocab: int, seed: int = 0
             for n in lengths]
 
 
-def wait_idle(loop, timeout: float = 5.0) -> dict:
+def wait_idle(loop, timeout: float = 60.0) -> dict:
     """Wait until every KV block is back on the free list and nothing runs or waits; the loop's stats."""
     full = loop.engine.num_blocks - 1
     t_end = time.monotonic() + timeout

@@ -80,6 +80,7 @@ def test_bad_target():
         HttpTarget("http://127.0.0.1:1", endpoint="chat")
 
 
+@pytest.mark.slow
 def test_sharded_client_sends_the_same_workload_from_several_processes(srv, loop):
     """bench_serve's --client-procs: the workload split by user over client processes that start at one
     instant (connections opened ahead) gives the same requests as one process, and every arrival is

@@ -3,6 +3,7 @@ the real bundled model, the CLI's engine flags, and /metrics' engine counters un
 and speculative decoding."""
 import asyncio
 
+import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from engine import EngineConfig
@@ -14,6 +15,7 @@ MODEL = "dummy:tiny"
 NO_EOS = {"ignore_eos": True}
 
 
+@pytest.mark.slow
 def test_real_model_chat():
     lp = EngineLoop(EngineConfig(model=None, device="cpu", num_kv_blocks=40, max_model_len=512)).start()
     try:

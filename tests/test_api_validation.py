@@ -39,6 +39,7 @@ def test_bad_requests(eng, make, match):
     _serves(eng)
 
 
+@pytest.mark.slow
 def test_request_larger_than_pool():
     eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=5, block_size=16)
     assert eng.max_model_len == 64               # derived from the pool when not given

@@ -15,6 +15,8 @@ import pytest
 from benchmarks.common import free_port
 from benchmarks.serve_procs import wait_ready
 
+pytestmark = pytest.mark.slow
+
 gradio_client = pytest.importorskip("gradio_client")
 ROOT = Path(__file__).resolve().parents[1]
 N_LOAD, OUT_LEN = 10, 24

@@ -18,6 +18,7 @@ def tiny_factory():
     return make
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), prefix=st.booleans(), chunked=st.booleans(),
        blocks=st.integers(12, 40), budget=st.sampled_from([8, 32, 256]), multi=st.sampled_from([1, 3]))

@@ -17,7 +17,8 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
         "--disable-sync", "--no-first-run"]
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium not installed")
+pytestmark = [pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium not installed"),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

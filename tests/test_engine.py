@@ -6,6 +6,8 @@ import pytest
 from engine import SamplingParams
 from helpers import run_requests
 
+pytestmark = pytest.mark.slow
+
 CHATS = ["What is the capital of France?", "Name three colours of the rainbow.",
          "Write one sentence about cats.", "Count from one to ten in words, separated by commas, please."]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -20,6 +20,7 @@ from helpers import drain
 
 
 # ---------------------------------------------------------------- loader and presets
+@pytest.mark.slow
 def test_sharded_safetensors_load_like_single_file_and_pickles_are_refused(tmp_path):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -67,6 +68,7 @@ def test_presets_have_the_real_shapes(name, params_b, heads):
     assert cfg.qk_norm == (name.startswith("qwen3"))
 
 
+@pytest.mark.slow
 def test_bundled_tokenizer_known_ids():
     from engine.models.bundled import check_tokenizer, ensure_bundled, gguf_path
     tok = transformers.AutoTokenizer.from_pretrained(str(ensure_bundled()))
@@ -93,6 +95,7 @@ def test_kv_pool_sized_from_the_cpu_memory_budget():
 
 
 # ---------------------------------------------------------------- scheduler policy
+@pytest.mark.slow
 def test_preemption_victim_is_most_recently_admitted_and_rejoins_the_front():
     eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=13, block_size=4, max_num_seqs=2,
                     enable_prefix_caching=False)
@@ -214,6 +217,7 @@ def test_no_listener_builds_no_records(monkeypatch):
 
 
 # ---------------------------------------------------------------- LLM API
+@pytest.mark.slow
 def test_llm_generate_chat_stream():
     llm = LLM("dummy:tiny", device="cpu", num_kv_blocks=128)
     prompts = [[5, 6, 7], "hello there", [9] * 20]

@@ -13,6 +13,8 @@ from engine.runtime.async_engine import EngineLoop
 from engine.runtime.core_client import EngineCoreClient, EngineDied
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 
+pytestmark = pytest.mark.slow
+
 CFG = EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=256, block_size=16, max_model_len=512,
                    max_waiting_requests=64)
 PROMPTS = [[3, 17, 29, 4, 8], [100, 101, 102], [7] * 40]

@@ -55,6 +55,7 @@ def test_capacity_is_measured_and_sets_the_rates(engine):
     assert L.preset("Steady Poisson", L.EngineInfo()).rate == 4.0
 
 
+@pytest.mark.slow
 def test_steady_presets_keep_the_queue_bounded(engine):
     loop, rec, info = engine
     peaks = {}

@@ -231,6 +231,7 @@ def test_gumbel_sample_greedy_rows_are_argmax():
     assert ((out >= 0) & (out < V)).all()
 
 
+@pytest.mark.slow
 def test_gumbel_sample_matches_softmax_law():
     """Chi-square of many draws against softmax(logits / T), the law of the torch reference."""
     from scipy.stats import chisquare
@@ -252,6 +253,7 @@ def test_gumbel_sample_matches_softmax_law():
     assert chisquare(obs, exp).pvalue > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switches", [dict(gemv_variant="persistent"), dict(gemv_variant="tiled")])
 def test_decode_kernel_switches_match_torch(switches):
     """EngineConfig.gemv_variant: greedy tokens of the Triton small-batch path (fp32) equal
@@ -271,6 +273,7 @@ def test_decode_kernel_switches_match_torch(switches):
     assert toks["triton"] == toks["torch"]
 
 
+@pytest.mark.slow
 def test_small_batch_forward_matches_the_layered_path():
     """The model's small-batch path (fused linears + fused q/k/v-RoPE-store, Triton) against its layered torch
     path on the same weights: logits of every step of two short requests (prefill, then decodes of 1-2 tokens)."""

@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+pytestmark = pytest.mark.slow
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"w_ptr": "*i8", "s_ptr": "*fp32", "z_ptr": "*fp32", "cs_ptr": "*fp32", "pos_ptr": "*i64",

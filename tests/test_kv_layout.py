@@ -36,6 +36,7 @@ def _run(layout, prompts, num_kv_blocks=64, check=None, **cfg):
     return [outs[k].token_ids for k in sorted(outs, key=lambda r: int(r.split("-")[1]))], max(running), eng
 
 
+@pytest.mark.slow
 def test_contiguous_gives_the_paged_tokens():
     prompts = _prompts(6)
     paged, _, _ = _run("paged", prompts)
@@ -43,6 +44,7 @@ def test_contiguous_gives_the_paged_tokens():
     assert contiguous == paged
 
 
+@pytest.mark.slow
 def test_contiguous_admits_fewer_for_the_same_memory():
     prompts = _prompts(12, seed=1)
     # 40 usable blocks of 8 slots: the contiguous layout reserves 64 / 8 = 8 blocks per request -> 5 at a time,
@@ -100,6 +102,7 @@ def _mistral(folder, window):
     return model
 
 
+@pytest.mark.slow
 def test_sliding_window_config_is_kept_within_the_window_or_refused(tmp_path):
     hf = _mistral(tmp_path, window=24)
     with pytest.raises(ValueError, match="max_model_len.*sliding_window \\(24\\)"):

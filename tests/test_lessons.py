@@ -14,7 +14,7 @@ SMALL = {"paging": dict(batches=[1, 4, 12], prompt_len=20, output_len=4, max_mod
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("name", list(LESSONS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "paging" else n for n in LESSONS])
 def test_lesson_runs_and_draws(name):
     res = run_lesson(name, Setup(model="dummy:tiny", device="cpu"), **SMALL[name])
     assert res["lesson"] == name and res["what"] and res["summary"]

@@ -4,6 +4,8 @@ import pytest
 from engine.models.loader import load_tokenizer, resolve
 from inspector import load as L
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tok():

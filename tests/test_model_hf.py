@@ -85,6 +85,7 @@ CHATS = [
 ]
 
 
+@pytest.mark.slow
 def test_bundled_smollm2_greedy_matches_hf_generate(smollm2_engine_factory):
     from engine.models.bundled import ensure_bundled
     folder = ensure_bundled()
@@ -108,6 +109,7 @@ def test_bundled_smollm2_greedy_matches_hf_generate(smollm2_engine_factory):
     assert "Paris" in ours[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused_qk_norm", [True, False])
 def test_qwen3_qk_norm_triton_matches_hf(fused_qk_norm, tmp_path):
     """Qwen3's q/k norm on the Triton path (interpreter here): in place on the qkv views (EngineConfig.fused_qk_norm)

@@ -51,6 +51,7 @@ def reference(smollm2_engine_factory, prompts):
     return [o.token_ids for o in outs]
 
 
+@pytest.mark.slow
 def test_alone(smollm2_engine_factory, prompts, reference, shared_blocks):
     eng = smollm2_engine_factory()
     outs = [run(eng, [p])[0] for p in prompts]
@@ -60,6 +61,7 @@ def test_alone(smollm2_engine_factory, prompts, reference, shared_blocks):
     assert all(o.metrics.num_cached_tokens == o.num_cached_tokens for o in outs)
 
 
+@pytest.mark.slow
 def test_batched_after_warmup(smollm2_engine_factory, prompts, reference, shared_blocks):
     eng = smollm2_engine_factory()
     run(eng, [prompts[0][:shared_blocks * 16 + 1]])            # warm the cache with the shared prefix only
@@ -68,6 +70,7 @@ def test_batched_after_warmup(smollm2_engine_factory, prompts, reference, shared
     assert all(o.num_cached_tokens == shared_blocks * 16 for o in outs)
 
 
+@pytest.mark.slow
 def test_chunked_prefill(smollm2_engine_factory, prompts, reference, shared_blocks):
     eng = smollm2_engine_factory(max_num_batched_tokens=16)   # every prompt split into 16-token chunks
     outs = run(eng, prompts)
@@ -77,6 +80,7 @@ def test_chunked_prefill(smollm2_engine_factory, prompts, reference, shared_bloc
     assert all(o.num_cached_tokens == shared_blocks * 16 for o in outs[1:])
 
 
+@pytest.mark.slow
 def test_forced_preemption(smollm2_engine_factory, prompts, shared_blocks):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)    # decodes cross a block boundary
     ref_eng = smollm2_engine_factory(enable_prefix_caching=False)
@@ -164,6 +168,7 @@ def test_preempted_request_finds_its_own_blocks_again():
 
 
 # ---------------------------------------------------------------- a seeded workload that surely preempts
+@pytest.mark.slow
 def test_seeded_workload_with_shared_prefixes_aborts_and_preemptions():
     rng = random.Random(5)
     eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=24, block_size=4, max_num_seqs=6,

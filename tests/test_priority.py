@@ -60,6 +60,7 @@ def test_waiting_queue_orders_by_priority_then_arrival():
 
 
 # ---------------------------------------------------------------- admission order
+@pytest.mark.slow
 def test_high_priority_request_is_admitted_before_earlier_waiting_ones():
     # 2 slots held by priority-0 requests; 6 priority-5 requests wait; a priority-0 request arrives last.
     # It is not strictly better than the running ones (no preemption) but goes ahead of every waiting one.
@@ -80,6 +81,7 @@ def test_high_priority_request_is_admitted_before_earlier_waiting_ones():
     assert set(outs) == set(run + low + [high])
 
 
+@pytest.mark.slow
 def test_strictly_better_arrival_preempts_for_a_batch_slot():
     eng = LLMEngine(model=MODEL, device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=2,
                     scheduling_policy="priority")
@@ -124,6 +126,7 @@ def test_step_budget_goes_to_the_better_priority_first(policy):
 
 
 # ---------------------------------------------------------------- memory pressure
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_memory_pressure_high_priority_preempts_worst_running_and_outputs_are_unchanged(prefix):
     cfg = dict(num_kv_blocks=20, block_size=4, enable_prefix_caching=prefix)   # 19 usable blocks = 76 tokens
@@ -154,6 +157,7 @@ def test_memory_pressure_high_priority_preempts_worst_running_and_outputs_are_un
     assert not eng.scheduler.running and not eng.scheduler.waiting
 
 
+@pytest.mark.slow
 def test_running_victim_is_the_worst_priority_not_the_last_admitted():
     # three decoding requests outgrow a small pool; the earliest admitted has the worst priority
     cfg = dict(num_kv_blocks=16, block_size=4, enable_prefix_caching=False)    # 15 usable blocks
@@ -193,6 +197,7 @@ def _trace(policy, priorities):
     return steps, [outs[i].token_ids for i in ids], type(eng.scheduler.waiting).__name__
 
 
+@pytest.mark.slow
 def test_fcfs_ignores_priorities_and_priority_policy_with_equal_priorities_matches_it():
     base, toks, kind = _trace("fcfs", [0, 0, 0])
     assert kind == "deque"

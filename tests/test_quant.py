@@ -48,6 +48,7 @@ def test_int4_layout_nibbles():
     assert torch.equal(dequantize("int4", quantize(w, "int4"), (N, K)), w)   # integers 0..15 - 8 are exact
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 128), ("int4", 32)])
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
 def test_quant_gemv_matches_reference(fmt, group, prologue):
@@ -84,6 +85,7 @@ def test_quant_gemv_decodes_every_code_exactly(fmt):
         assert torch.equal(y, w[:, cols].T), (fmt, cvt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 32)])
 def test_quant_qkv_rope_store_matches_reference(fmt, group):
     """The quantized q/k/v linear with RoPE and the KV store in its epilogue vs dequantize + the torch
@@ -214,6 +216,7 @@ def _logits(eng, ids):
     return eng.runner.execute(torch.tensor(ids), md)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,qcfg", [("fp8", FP8_CONFIG), ("int8", W8A8_CONFIG)])
 def test_prequantized_checkpoint_matches_on_load_quantization(tmp_path, fmt, qcfg):
     float_w = _float_weights(TINY)
@@ -265,6 +268,7 @@ def _prefill_then_decode(model, ids):
     return pre, dec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_quantized_model_triton_matches_torch(fmt):
     """Inside the model the Triton kernels (GEMM for a prefill; for a decode step the fused GEMVs with their
@@ -314,6 +318,7 @@ def smollm2_reference():
     return model, ids, _prefill_then_decode(model, ids)[0].log_softmax(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,group", list(KL_BOUND))
 def test_smollm2_quantized_kl_and_top1(fmt, group, smollm2_reference):
     """Next-token distributions over a fixed text: mean KL to the float model and top-1 (greedy) agreement."""

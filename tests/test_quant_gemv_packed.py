@@ -36,6 +36,7 @@ CASES = [("int4", 32, None, 1), ("int4", 64, "rms_norm", 3), ("int4", 128, "silu
          ("fp8", 0, "rms_norm", 1), ("fp8", 0, "silu_mul", 3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,group,prologue,split", CASES)
 def test_packed_gemv_matches_reference(fmt, group, prologue, split):
     """Odd N and K (int4: K not a multiple of the group), bias + residual, M = 1 and 3, split-K (the workspace is
@@ -85,6 +86,7 @@ def test_packed_config_table_and_rule():
     assert quant_gemv_packed_config("int8", 8, 4096, 4096)[1] <= quant_gemv_packed_config("int8", 1, 4096, 4096)[1]
 
 
+@pytest.mark.slow
 def test_quant_qkv_rope_store_packed_matches_reference():
     from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
     torch.manual_seed(4)
@@ -155,6 +157,7 @@ class _GridSpy:
         return launch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prologue", [None, "rms_norm", "silu_mul"])
 def test_packed_int4_rows_on_grid(prologue, monkeypatch):
     """int4 at M > 1 runs each row as its own programs (the kernel's ROWS: grid (M, row blocks, K chunks), the M = 1

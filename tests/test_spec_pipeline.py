@@ -202,6 +202,7 @@ TEXT = ("The city library opened in 1952 and quickly became the heart of the nei
         "new arrivals.")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-verify", "general-verify"])
 def test_long_drafts_after_whole_acceptance(fast):
     """The bundled SmolLM2 copying a paragraph, num_speculative_tokens=2, num_speculative_tokens_max=8: a request

@@ -54,11 +54,19 @@ def _bad_q(p, k):
     return q / q.sum(-1, keepdim=True)
 
 
+def _dirichlet(n: int, V: int, seed: int) -> torch.Tensor:
+    """n target distributions over V tokens, Dirichlet(0.7), from their own seed: the same whatever ran before
+    (torch.distributions draws from the global generator)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((n,))
+
+
 @pytest.mark.parametrize("one_hot", [False, True], ids=["dense_q", "one_hot_q"])
 def test_rejection_sampler_matches_target_distribution(one_hot):
     gen = torch.Generator().manual_seed(1234)
     k, V, N = (2 if one_hot else 3), 6, 5000
-    p = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((k + 1,))
+    p = _dirichlet(k + 1, V, seed=1234)
     p[1, int(p[1].argmax())] = 0.0                      # a token the (filtered) target never emits
     p = p / p.sum(-1, keepdim=True)
     counts, lengths = _draws(p, _bad_q(p, k), N, gen, one_hot=one_hot)
@@ -73,7 +81,7 @@ def test_chi_square_has_power():
     """The same test rejects a sampler that accepts every draft (distribution = q, not p)."""
     gen = torch.Generator().manual_seed(7)
     k, V = 2, 6
-    p = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((k + 1,))
+    p = _dirichlet(k + 1, V, seed=7)
     counts, _ = _draws(p, _bad_q(p, k), 2000, gen, accept_all=True)
     assert chi2_pvalue(counts[0], p[0]) < 1e-6
 
@@ -122,6 +130,7 @@ def _exact_probs(hf, prompt, temperature, top_k):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft", "self"])
 def test_engine_sampling_distribution_is_lossless(method, tmp_path):
     target = save_random_llama(tmp_path / "target", 0, 2, **SMALL)

@@ -123,6 +123,7 @@ print(json.dumps(failed))
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own():
     """One fresh interpreter per package (started together), importing each of its modules by name. app.py
     goes with webui (both import gradio). Every module imports on CPU; none is skipped."""

@@ -10,6 +10,8 @@ from helpers import drain
 
 from engine import SamplingParams, StructuredOutputsParams
 
+pytestmark = pytest.mark.slow
+
 # Compact keys and bounded values keep every valid object under ~25 tokens, so 200 sampled generations stay
 # cheap on a CPU (an unbounded "number" could grow fraction digits forever: multipleOf bounds them).
 SCHEMAS = {

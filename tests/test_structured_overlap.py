@@ -10,6 +10,8 @@ from helpers import drain
 from engine import EngineConfig, SamplingParams, StructuredOutputsParams
 from engine.worker.multi_step import MultiStepDecoder
 
+pytestmark = pytest.mark.slow
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["c", "p"],
           "properties": {"c": {"enum": ["red", "green", "blue"]}, "p": {"type": "integer", "minimum": 0,
                                                                          "maximum": 999}}}
