@@ -184,7 +184,8 @@ def test_persistent_linears_turn_auto_pdl_off():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,H,Hk,D,K,bias", [(1, 9, 3, 32, 72, False), (3, 6, 2, 16, 40, True)]
+@pytest.mark.parametrize("M,H,Hk,D,K,bias", [pytest.param(1, 9, 3, 32, 72, False, marks=pytest.mark.slow),
+                                              (3, 6, 2, 16, 40, True)]
                          + ([(1, 32, 8, 64, 2048, False), (2, 14, 2, 64, 896, True)] if GPU else []))
 @pytest.mark.parametrize("config", [None, (1, 32, 2), (4, 64, 4)])
 def test_fused_qkv_rope_store(dtype, M, H, Hk, D, K, bias, config):

@@ -39,7 +39,7 @@ def test_apply_token_bitmask_torch_matches_definition(B, V, words, rows):
     assert torch.equal(logits, expect)
 
 
-@pytest.mark.parametrize("B,V,words,rows", CASES + [(3, 49157, 1537, [2, 0])])
+@pytest.mark.parametrize("B,V,words,rows", CASES + [pytest.param(3, 49157, 1537, [2, 0], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("block", [64, 8192])
 def test_triton_token_bitmask_matches_torch(B, V, words, rows, block):
     """The fused kernel (interpreted on CPU, compiled on CUDA) against the torch path: fp32, and the dtype the
