@@ -117,13 +117,14 @@ def scrape(url: str) -> dict:
 
 
 def server_side(before: dict, after: dict) -> dict:
-    """Engine-stamped means from the server's histograms over this run (kvscope servers)."""
+    """Server-stamped means from the server's histograms over this run (kvscope's metric names, or vLLM's, whose
+    stamps are taken inside its engine rather than at the HTTP door)."""
     res = {}
-    for key, name in (("ttft_ms", "kvscope:time_to_first_token_seconds"),
-                      ("e2el_ms", "kvscope:e2e_request_latency_seconds"),
-                      ("queue_ms", "kvscope:request_queue_time_seconds"),
-                      ("itl_ms", "kvscope:inter_token_latency_seconds"),
-                      ("tpot_ms", "kvscope:request_time_per_output_token_seconds")):
+    ns = "kvscope:" if any(k.startswith("kvscope:") for k in after) else "vllm:"
+    for key, name in (("ttft_ms", "time_to_first_token_seconds"), ("e2el_ms", "e2e_request_latency_seconds"),
+                      ("queue_ms", "request_queue_time_seconds"), ("itl_ms", "inter_token_latency_seconds"),
+                      ("tpot_ms", "request_time_per_output_token_seconds")):
+        name = ns + name
         n = after.get(name + "_count", 0) - before.get(name + "_count", 0)
         s = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
         if n > 0:
