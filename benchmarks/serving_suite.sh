@@ -11,7 +11,8 @@
 #             shared 512-token system prompt (prefix-cache heavy)
 #     client  no engine: the openai client against a server that streams every chunk at once (its own cost)
 #   TARGETS=vllm,kvscope (default) picks the servers, in order; also kvscope-s256 (max_num_seqs 256, the old
-#   default) and kvscope-ms50 (multi-step blocks capped at 50 ms). Split a part that runs long by TARGETS.
+#   default), kvscope-ms50 (multi-step blocks up to 50 ms; the server's default is 4 ms) and kvscope-api4 (4 API
+#   server processes; its /metrics row covers one of them). Split a part that runs long by TARGETS.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
@@ -36,7 +37,8 @@ target_args() {
       kvscope) TARGET_ARGS+=(--target kvscope=launch) ;;
       kvscope-s256) TARGET_ARGS+=(--target kvscope-s256=launch:--max-num-seqs=256) ;;
       kvscope-ms50) TARGET_ARGS+=(--target kvscope-ms50=launch:--multi-step-max-ms=50) ;;
-      *) echo "unknown target $t (vllm, kvscope, kvscope-s256, kvscope-ms50)"; exit 2 ;;
+      kvscope-api4) TARGET_ARGS+=(--target kvscope-api4=launch:--api-server-count=4) ;;
+      *) echo "unknown target $t (vllm, kvscope, kvscope-s256, kvscope-ms50, kvscope-api4)"; exit 2 ;;
     esac
   done
 }
@@ -74,7 +76,7 @@ case $part in
   8b) part_shape 8b llama-3.1-8b ;;
   text) part_text ;;
   client) part_client ;;
-  *) sed -n '2,14p' "${BASH_SOURCE[0]}"; exit 2 ;;
+  *) sed -n '2,15p' "${BASH_SOURCE[0]}"; exit 2 ;;
 esac
 rc=$?
 stamp "serving_suite $part done (exit $rc)"
