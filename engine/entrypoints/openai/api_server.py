@@ -230,6 +230,11 @@ def server_kwargs(args: argparse.Namespace) -> dict:
                 retry_after_s=args.retry_after)
 
 
+def app_for_args(loop, args: argparse.Namespace) -> FastAPI:
+    """The app one API server process serves, from the command line's server flags."""
+    return build_app(loop, **server_kwargs(args))
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--api-server-count: must be >= 1, and > 1 needs the engine process "
                          f"(got {args.api_server_count}{', --no-engine-process' if not args.engine_process else ''})")
         from engine.entrypoints.openai.launcher import serve_many
-        raise SystemExit(serve_many(args, config, args.api_server_count))
+        raise SystemExit(serve_many(args, config, args.api_server_count, app_for_args))
     if args.engine_process:
         from engine.runtime.core_client import EngineCoreClient
         loop = EngineCoreClient(config)

@@ -37,18 +37,18 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_server(args: dict, config: dict, conn, sock: socket.socket, index: int) -> None:
-    """One API server process: attach to the engine core through `conn`, serve HTTP on the shared socket."""
+def _api_server(make_app, args: dict, config: dict, conn, sock: socket.socket, index: int) -> None:
+    """One API server process: attach to the engine core through `conn`, serve `make_app(client, args)` on the
+    shared socket."""
     import uvicorn
 
-    from engine.entrypoints.openai.api_server import build_app, server_kwargs
     from engine.entrypoints.openai.arrival import ArrivalProtocol
     from engine.runtime.core_client import EngineCoreClient
     ns = argparse.Namespace(**args)
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
     client = EngineCoreClient(EngineConfig(**config), attach=conn)
     try:
-        app = build_app(client, **server_kwargs(ns))
+        app = make_app(client, ns)
         server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level.lower(), http=ArrivalProtocol,
                                                timeout_graceful_shutdown=5))
         server.run(sockets=[sock])
@@ -56,15 +56,16 @@ def _api_server(args: dict, config: dict, conn, sock: socket.socket, index: int)
         client.shutdown()
 
 
-def serve_many(args: argparse.Namespace, config: EngineConfig, count: int) -> int:
-    """Run the engine core and `count` API server processes until one of them exits -> exit status."""
+def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_app) -> int:
+    """Run the engine core and `count` API server processes until one of them exits -> exit status.
+    make_app(client, args): the ASGI app of one API server (a module-level function: it travels by name)."""
     from engine.runtime.core_proc import core_main
     ctx = mp.get_context("spawn")                  # CUDA cannot be forked
     sock = listen_socket(args.host, args.port)
     pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
     core = ctx.Process(target=core_main, args=(config.to_dict(), [b for _, b in pipes]), name="kvscope-engine-core")
     core.start()
-    servers = [ctx.Process(target=_api_server, args=(vars(args), config.to_dict(), a, sock, i),
+    servers = [ctx.Process(target=_api_server, args=(make_app, vars(args), config.to_dict(), a, sock, i),
                            name=f"kvscope-api-{i}") for i, (a, _) in enumerate(pipes)]
     for p in servers:
         p.start()
