@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from benchmarks.common import print_table, slug, write_json  # noqa: E402
 from benchmarks.serve_procs import (launch_server, start_command, start_pyspy, stop_launched,  # noqa: E402
                                     stop_process)
-from benchmarks.serve_client import make_spec, run_sharded, spec_kwargs  # noqa: E402
+from benchmarks.serve_client import make_runner, make_spec, run_sharded, spec_kwargs  # noqa: E402
 from inspector import metrics as M  # noqa: E402
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress  # noqa: E402
 from inspector.load import LengthDist, LoadSpec  # noqa: E402
@@ -60,6 +60,16 @@ def parse_args(argv=None):
                          "client's own event loop does not delay sends and reads in a burst; 'w' after N: each "
                          "opens its connections before the start, so TCP set-up is not timed; a list runs every "
                          "workload once per value (runs named e.g. burst-c4, burst-c8w)")
+    ap.add_argument("--client", default="aiohttp", metavar="aiohttp|openai[,...]",
+                    help="the HTTP client: aiohttp (thin, as `vllm bench serve`) or openai (the official AsyncOpenAI, "
+                         "whose per-chunk parsing is part of what an application sees); a list runs each (runs of "
+                         "the openai client are named e.g. burst-c4-oai)")
+    ap.add_argument("--prompts", default="random", choices=["random", "text"],
+                    help="random token ids, or chat turns of the bundled text set in the model's template")
+    ap.add_argument("--num-turns", type=int, default=1, help="> 1: multi-turn chats (history resent each turn)")
+    ap.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a system prompt every chat shares")
+    ap.add_argument("--tokenizer-model", default=None,
+                    help="text prompts: the model whose tokenizer and template render them (default: --model)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.0,
@@ -82,8 +92,13 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-# The workloads of the serving issue: (name, num_prompts, request_rate, input_len, output_len, range_ratio)
-SUITES = {"serving": [("burst", 512, math.inf, 512, 256, 0.5), ("rate24", 400, 24.0, 512, 256, 0.5)]}
+# Suite workloads: (name, num_prompts, request_rate, input_len, output_len, range_ratio[, extra workload fields])
+SUITES = {"serving": [("burst", 512, math.inf, 512, 256, 0.5), ("rate24", 400, 24.0, 512, 256, 0.5)],
+          # real weights (the bundled SmolLM2): text chat prompts at once, and multi-turn chats behind one shared
+          # 512-token system prompt (each turn resends the conversation: prefix-cache heavy); the rate is users/s
+          "text": [("text-burst", 256, math.inf, 512, 256, 0.5, {"prompts": "text"}),
+                   ("chat-multiturn", 256, 8.0, 128, 128, 0.5,
+                    {"prompts": "text", "num_turns": 4, "shared_prefix_len": 512})]}
 
 
 def scrape(url: str) -> dict:
@@ -102,13 +117,14 @@ def scrape(url: str) -> dict:
 
 
 def server_side(before: dict, after: dict) -> dict:
-    """Engine-stamped means from the server's histograms over this run (kvscope servers)."""
+    """Server-stamped means from the server's histograms over this run (kvscope's metric names, or vLLM's, whose
+    stamps are taken inside its engine rather than at the HTTP door)."""
     res = {}
-    for key, name in (("ttft_ms", "kvscope:time_to_first_token_seconds"),
-                      ("e2el_ms", "kvscope:e2e_request_latency_seconds"),
-                      ("queue_ms", "kvscope:request_queue_time_seconds"),
-                      ("itl_ms", "kvscope:inter_token_latency_seconds"),
-                      ("tpot_ms", "kvscope:request_time_per_output_token_seconds")):
+    ns = "kvscope:" if any(k.startswith("kvscope:") for k in after) else "vllm:"
+    for key, name in (("ttft_ms", "time_to_first_token_seconds"), ("e2el_ms", "e2e_request_latency_seconds"),
+                      ("queue_ms", "request_queue_time_seconds"), ("itl_ms", "inter_token_latency_seconds"),
+                      ("tpot_ms", "request_time_per_output_token_seconds")):
+        name = ns + name
         n = after.get(name + "_count", 0) - before.get(name + "_count", 0)
         s = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
         if n > 0:
@@ -171,13 +187,21 @@ def workloads(args) -> list[argparse.Namespace]:
     if not procs or min(c for c, _ in procs) < 1:
         raise SystemExit(f"--client-procs: expected positive integers, each optionally followed by 'w' "
                          f"(got {args.client_procs!r})")
-    base = [(n, k, r, i, o, rr) for n, k, r, i, o, rr in SUITES[args.suite]] if args.suite else \
-        [(args.name, args.num_prompts, args.request_rate, args.input_len, args.output_len, args.range_ratio)]
-    return [argparse.Namespace(**{**vars(args), "name": n if (c, warm) == (1, False) else
-                                  f"{n or 'run'}-c{c}{'w' if warm else ''}", "num_prompts": k, "request_rate": r,
-                                  "input_len": i, "output_len": o, "range_ratio": rr, "client_procs": c,
-                                  "warm_connections": warm})
-            for n, k, r, i, o, rr in base for c, warm in procs]
+    clients = [c.strip() for c in str(args.client).split(",") if c.strip()]
+    if not clients or set(clients) - {"aiohttp", "openai"}:
+        raise SystemExit(f"--client: expected aiohttp and/or openai (got {args.client!r})")
+    extra = dict(prompts=args.prompts, num_turns=args.num_turns, shared_prefix_len=args.shared_prefix_len)
+    base = [(w[0], *w[1:6], {**extra, **(w[6] if len(w) > 6 else {})}) for w in SUITES[args.suite]] \
+        if args.suite else [(args.name, args.num_prompts, args.request_rate, args.input_len, args.output_len,
+                              args.range_ratio, extra)]
+
+    def name(n, c, warm, client):
+        n = n if (c, warm) == (1, False) else f"{n or 'run'}-c{c}{'w' if warm else ''}"
+        return n if client == "aiohttp" else f"{n or 'run'}-oai"
+    return [argparse.Namespace(**{**vars(args), **ex, "name": name(n, c, warm, client), "num_prompts": k,
+                                  "request_rate": r, "input_len": i, "output_len": o, "range_ratio": rr,
+                                  "client_procs": c, "warm_connections": warm, "client": client})
+            for n, k, r, i, o, rr, ex in base for c, warm in procs for client in clients]
 
 
 def parse_targets(args) -> list[tuple[str, str]]:
@@ -213,12 +237,14 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
     load_before = os.getloadavg()[0]
     print(f"benchmarking {model or 'the served model'} at {target.v1}: {w.num_prompts} prompts, rate "
           f"{w.request_rate:g} req/s, burstiness {w.burstiness:g}, input {w.input_len}, output {w.output_len}, "
-          f"seed {w.seed}, {w.client_procs} client process(es)"
+          f"seed {w.seed}, {w.client_procs} {w.client} client process(es), {w.prompts} prompts"
+          f"{f', {w.num_turns} turns' if w.num_turns > 1 else ''}"
           f"{', connections opened ahead' if w.warm_connections else ''}", flush=True)
     spy = start_pyspy(profile_pid, profile_out) if profile_pid else None
+    tok_model = w.tokenizer_model or w.model
     if w.client_procs > 1 or w.warm_connections:
         res = run_sharded(url, model, w.api_key, dict(spec_kwargs(w), client_procs=w.client_procs), w.vocab_size,
-                          w.client_procs, w.timeout, w.warm_connections)
+                          w.client_procs, w.timeout, w.warm_connections, w.client, tok_model)
         t0 = res["t_start"]
         ends = [r.metrics.finished_time for r in res["records"] if r.metrics.finished_time is not None]
         wall = (max(ends) if ends else res["t_end"]) - t0
@@ -227,7 +253,7 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
         s.update(num_requests=w.num_prompts, failed=res["failed"], not_sent=res["not_sent"],
                  http_status=res["http_status"])
     else:
-        runner = HttpLoadRunner(target, _spec(w), vocab_size=w.vocab_size)
+        runner = make_runner(url, model, w.api_key, _spec(w), w.vocab_size, w.client, tok_model)
         t0 = time.perf_counter()
         runner.start()
         while not runner.wait(5.0):
@@ -260,12 +286,22 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
     itl_tail = {"over_10ms": sum(g > 10 for g, _, _ in gaps), "over_15ms": sum(g > 15 for g, _, _ in gaps),
                 "n": len(gaps), "largest": [dict(ms=round(g, 2), at_s=round(t, 3), request=rid)
                                             for g, t, rid in gaps[-15:]]}
-    return {"target": target.v1, "model": model_name, "duration_s": wall, "itl_tail": itl_tail,
+    n_chunks = sum(len(r.metrics.token_times) for r in records)
+    chunks = {"n": n_chunks, "tokens_per_chunk": s["output_tokens"] / n_chunks if n_chunks else None,
+              "gap_p50_ms": _pct([g for g, _, _ in gaps], 50), "gap_p99_ms": _pct([g for g, _, _ in gaps], 99)}
+    return {"target": target.v1, "model": model_name, "duration_s": wall, "itl_tail": itl_tail, "chunks": chunks,
+            "client": w.client,
             "client_procs": w.client_procs, "warm_connections": w.warm_connections,
             "output_tok_s": s["output_tokens"] / wall, "completed": s["completed"],
             "load_average_1min": {"before": load_before, "after": load_after},
             "summary": {k: v for k, v in s.items() if k != "slo"}, "server_side": srv,
             "http_status": s.get("http_status"), "errors": errors[:20], "requests": rows}
+
+
+def _pct(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    return sorted_vals[min(len(sorted_vals) - 1, int(round(q / 100 * (len(sorted_vals) - 1))))]
 
 
 def run_offline(w, args) -> dict:
@@ -274,7 +310,7 @@ def run_offline(w, args) -> dict:
     from inspector.load import build_workload
     cfg = {a.split("=", 1)[0].lstrip("-").replace("-", "_"): a.split("=", 1)[1] for a in args.server_arg if "=" in a}
     llm = LLM(args.model, device=args.device, **{k: _num(v) for k, v in cfg.items()})
-    prefix, items = build_workload(_spec(w), w.vocab_size, ())
+    prefix, items = build_workload(_spec(w), w.vocab_size, (), llm.engine.tokenizer if w.prompts == "text" else None)
     prompts = [prefix + it.new_tokens for it in items]
     params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True) for it in items]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)          # warm-up
@@ -308,6 +344,15 @@ def side_by_side(results: list[dict]) -> list[dict]:
                          **{c: (r["summary"].get(key) or {}).get(stat) for c, r in zip(cols, results)}})
     rows.append({"metric": "server mean TTFT (ms, /metrics)",
                  **{c: (r.get("server_side") or {}).get("ttft_ms") for c, r in zip(cols, results)}})
+    # the client's send -> first chunk against the server's arrival -> first chunk handed to the transport (one
+    # perf_counter clock on one machine): the rest is the client (its send, its reading) and the transport
+    rows.append({"metric": "client - server mean TTFT (ms)",
+                 **{c: (r["summary"]["TTFT"]["mean"] - r["server_side"]["ttft_ms"])
+                    if (r.get("server_side") or {}).get("ttft_ms") is not None and r.get("summary", {}).get("TTFT")
+                    else None for c, r in zip(cols, results)}})
+    for key, label in (("tokens_per_chunk", "tokens per chunk"), ("gap_p50_ms", "chunk gap p50 (ms)"),
+                       ("gap_p99_ms", "chunk gap p99 (ms)")):
+        rows.append({"metric": label, **{c: (r.get("chunks") or {}).get(key) for c, r in zip(cols, results)}})
     return rows
 
 

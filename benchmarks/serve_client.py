@@ -30,23 +30,44 @@ def _lengths(n: int, r: float) -> LengthDist:
 def spec_kwargs(w) -> dict:
     return dict(num_prompts=w.num_prompts, request_rate=w.request_rate, burstiness=w.burstiness,
                 max_concurrency=w.max_concurrency, input_len=w.input_len, output_len=w.output_len,
-                range_ratio=w.range_ratio, seed=w.seed)
+                range_ratio=w.range_ratio, seed=w.seed, prompts=getattr(w, "prompts", "random"),
+                num_turns=getattr(w, "num_turns", 1), shared_prefix_len=getattr(w, "shared_prefix_len", 0))
 
 
 def make_spec(num_prompts, request_rate, burstiness, max_concurrency, input_len, output_len, range_ratio, seed,
-              client_procs: int = 1) -> LoadSpec:
+              client_procs: int = 1, prompts: str = "random", num_turns: int = 1, shared_prefix_len: int = 0
+              ) -> LoadSpec:
+    """prompts "text": chat turns of the bundled text set in the served model's template (needs its tokenizer);
+    num_turns > 1: multi-turn chats, each turn's prompt the whole conversation so far."""
     conc = max_concurrency if not max_concurrency or client_procs == 1 else -(-max_concurrency // client_procs)
     return LoadSpec(name="bench_serve", num_requests=num_prompts, rate=request_rate, burstiness=burstiness,
                     max_concurrency=conc, prompt_len=_lengths(input_len, range_ratio),
-                    output_len=_lengths(output_len, range_ratio), seed=seed, temperature=0.0, ignore_eos=True)
+                    output_len=_lengths(output_len, range_ratio), seed=seed, temperature=0.0, ignore_eos=True,
+                    prompt_source="text" if prompts == "text" else "random ids", num_turns=num_turns,
+                    shared_prefix_len=shared_prefix_len)
+
+
+def make_runner(url: str, model: str | None, api_key: str | None, spec: LoadSpec, vocab_size: int, client: str,
+                tokenizer_model: str | None, **kw):
+    """The load runner of `client` ("aiohttp": inspector's HttpLoadRunner; "openai": the official client), with
+    the tokenizer of `tokenizer_model` when the prompts are text."""
+    from inspector.http_load import HttpLoadRunner, HttpTarget
+    tok = None
+    if spec.prompt_source == "text":
+        from engine.models.loader import load_tokenizer, resolve
+        tok = load_tokenizer(resolve(tokenizer_model)[2])
+    cls = HttpLoadRunner
+    if client == "openai":
+        from benchmarks.openai_client import OpenAIClientRunner
+        cls = OpenAIClientRunner
+    return cls(HttpTarget(url, model=model, api_key=api_key), spec, vocab_size=vocab_size, tokenizer=tok, **kw)
 
 
 def _child(conn, url: str, model: str | None, api_key: str | None, workload: dict, vocab_size: int,
-           k: int, n: int, timeout: float, warm: bool) -> None:
-    from inspector.http_load import HttpLoadRunner, HttpTarget
+           k: int, n: int, timeout: float, warm: bool, client: str, tokenizer_model: str | None) -> None:
     try:
-        runner = HttpLoadRunner(HttpTarget(url, model=model, api_key=api_key), make_spec(**workload),
-                                vocab_size=vocab_size, shard=(k, n), warm_connections=warm)
+        runner = make_runner(url, model, api_key, make_spec(**workload), vocab_size, client, tokenizer_model,
+                             shard=(k, n), warm_connections=warm)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
         return
@@ -64,7 +85,8 @@ def _child(conn, url: str, model: str | None, api_key: str | None, workload: dic
 
 
 def run_sharded(url: str, model: str | None, api_key: str | None, workload: dict, vocab_size: int,
-                n: int, timeout: float, warm: bool = False) -> dict:
+                n: int, timeout: float, warm: bool = False, client: str = "aiohttp",
+                tokenizer_model: str | None = None) -> dict:
     """Run the workload `make_spec(**workload)` from n processes (with `warm`, each opens its connections
     before the start). Returns {records, errors, failed,
     not_sent, model, http_status, t_start, t_end}: t_start is the agreed start, t_end when the last
@@ -73,7 +95,8 @@ def run_sharded(url: str, model: str | None, api_key: str | None, workload: dict
     pipes, procs = [], []
     for k in range(n):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(child, url, model, api_key, workload, vocab_size, k, n, timeout, warm),
+        p = ctx.Process(target=_child, args=(child, url, model, api_key, workload, vocab_size, k, n, timeout, warm, client,
+                                          tokenizer_model),
                         daemon=True, name=f"bench-client-{k}")
         p.start()
         child.close()

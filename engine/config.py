@@ -104,7 +104,7 @@ class CacheConfig(_Checks):
 class SchedulerConfig(_Checks):
     """What runs in a step, and how many decode iterations a step launches."""
     max_num_batched_tokens: int | None = None  # tokens per step; None: 8192 on cuda, 256 on cpu
-    max_num_seqs: int | None = None     # running requests; None: 256 on cuda, 128 on cpu
+    max_num_seqs: int | None = None     # running requests; None: cuda from the KV pool (a request per 512 tokens, <= 1024), cpu 128
     enable_chunked_prefill: bool = True  # a long prompt is prefilled in chunks over several steps, beside decodes
     scheduling: str = "continuous"      # "static": a batch runs until all of its requests finish
     scheduling_policy: str = "fcfs"     # "priority": by (SamplingParams.priority, arrival), preempting worse ones
@@ -201,7 +201,7 @@ class KernelConfig(_Checks):
     """Which kernels run a forward, and which steps replay CUDA graphs."""
     kernels: str = "auto"               # auto: triton on cuda, torch on cpu
     enable_cuda_graphs: bool = True     # cuda: decode-only steps replay CUDA graphs
-    cuda_graph_max_batch: int = 256     # largest decode batch captured
+    cuda_graph_max_batch: int | None = None  # largest decode batch captured; None: max_num_seqs (at most 1024)
     mixed_cuda_graphs: bool = True      # steps mixing prefill chunks and decodes replay a graph per token bucket
     mixed_cuda_graph_max_tokens: int = 2048  # largest token bucket captured for mixed steps
     gemv_max_tokens: int | None = None  # steps up to this many tokens run fused GEMV linears; None: 1 on triton, 0 off
@@ -219,7 +219,7 @@ class KernelConfig(_Checks):
         self.need_choice("kernels")
         self.need_bool("enable_cuda_graphs", "mixed_cuda_graphs", "fused_qk_norm", "sampler_one_launch",
                        "quant_gemm_group_dots", "fp8_activations")
-        self.need_int("cuda_graph_max_batch", 1, 1024)
+        self.need_int("cuda_graph_max_batch", 1, 1024, optional=True)
         self.need_int("mixed_cuda_graph_max_tokens", 16, 8192)
         self.need_int("gemv_max_tokens", 0, 16, optional=True)
         self.need_tristate("enable_pdl", "quant_gemv_tensor_cores", "quant_gemv_packed")

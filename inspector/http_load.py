@@ -108,7 +108,7 @@ class HttpLoadRunner(RunState):
     def __init__(self, target: HttpTarget | str, spec: LoadSpec, slo: M.SLO | None = None,
                  vocab_size: int | None = None, special_ids=(), max_model_len: int | None = None,
                  on_record: Callable[[RequestRecord], None] | None = None, discover_server: bool = True,
-                 shard: tuple[int, int] = (0, 1), warm_connections: bool = False):
+                 shard: tuple[int, int] = (0, 1), warm_connections: bool = False, tokenizer: Any = None):
         self.target = HttpTarget(target) if isinstance(target, str) else target
         self.spec = spec
         self.slo = slo
@@ -121,10 +121,10 @@ class HttpLoadRunner(RunState):
         self.max_model_len = max_model_len or info.get("max_model_len")
         self.vocab_size = vocab_size or min(info.get("vocab_size") or DEFAULT_VOCAB, 1 << 20)
         spec.validate(self.max_model_len)
-        if spec.prompt_source == "text":
-            raise ValueError("prompts: 'text' is rendered with the in-process model's chat template; send random "
-                             "ids over HTTP")
-        self.prefix, self.items = build_workload(spec, self.vocab_size, special_ids)
+        if spec.prompt_source == "text" and tokenizer is None:
+            raise ValueError("prompts: 'text' is rendered with the served model's chat template: give its tokenizer "
+                             "(or send random ids over HTTP)")
+        self.prefix, self.items = build_workload(spec, self.vocab_size, special_ids, tokenizer)
         k, n = shard
         if not (isinstance(n, int) and n >= 1 and isinstance(k, int) and 0 <= k < n):
             raise ValueError(f"shard: must be (k, n) with 0 <= k < n (got {shard!r})")

@@ -9,11 +9,14 @@ from engine.models.config import ModelArchConfig
 
 
 # (max_num_batched_tokens, max_num_seqs) where the config leaves them None: on a GPU a large token budget
-# admits a burst of prompts in few steps and the batch fills the captured CUDA-graph sizes (vLLM's server
-# defaults are 8192 / 1024 on an H200); on a CPU a step costs about 2.5 ms per token of budget (SmolLM2,
-# 2 cores), so a small budget keeps every step short: a newcomer (a person's chat turn) waits at most one
-# short step, not the several seconds of a 2048-token prefill chunk.
-DEVICE_DEFAULTS = {"cuda": (8192, 256), "cpu": (256, 128)}
+# admits a burst of prompts in few steps (vLLM's server defaults are 8192 tokens / 1024 sequences on an
+# H100 or H200), and max_num_seqs comes from the KV pool once it is sized (None here: `derive_max_num_seqs`);
+# on a CPU a step costs about 2.5 ms per token of budget (SmolLM2, 2 cores), so a small budget keeps every
+# step short: a newcomer (a person's chat turn) waits at most one short step, not the several seconds of a
+# 2048-token prefill chunk.
+DEVICE_DEFAULTS = {"cuda": (8192, None), "cpu": (256, 128)}
+MAX_NUM_SEQS_CAP = 1024             # the most running requests a pool-derived max_num_seqs admits (vLLM's 1024)
+KV_TOKENS_PER_SEQ = 512             # pool-derived max_num_seqs: one running request per this many KV tokens
 
 
 def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfig:
@@ -21,9 +24,18 @@ def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfi
     changes = {}
     if cfg.scheduler_config.max_num_batched_tokens is None:
         changes["max_num_batched_tokens"] = tokens
-    if cfg.scheduler_config.max_num_seqs is None:
+    if cfg.scheduler_config.max_num_seqs is None and seqs is not None:
         changes["max_num_seqs"] = seqs
     return cfg.replace(**changes) if changes else cfg
+
+
+def derive_max_num_seqs(num_blocks: int, block_size: int) -> int:
+    """max_num_seqs from the KV pool (a config that leaves it None on a GPU): one running request per
+    KV_TOKENS_PER_SEQ tokens the pool holds, at most MAX_NUM_SEQS_CAP, a multiple of 16 above 16 (a captured
+    CUDA-graph size). Requests longer than that still run: the scheduler admits by free blocks and preempts
+    when decodes run out of them, so this bounds the batch, not a request."""
+    n = min(MAX_NUM_SEQS_CAP, max(1, (num_blocks - 1) * block_size // KV_TOKENS_PER_SEQ))
+    return n if n <= 16 else n // 16 * 16
 
 
 def derive_max_model_len(cfg: EngineConfig, mcfg: ModelArchConfig) -> int:
@@ -58,7 +70,8 @@ def derive_num_blocks(cfg: EngineConfig, mcfg: ModelArchConfig, device: torch.de
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         reserve = cfg.scheduler_config.max_num_batched_tokens \
-            * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 + cfg.scheduler_config.max_num_seqs * mcfg.vocab_size * 4 * 3 + (1 << 30)
+            * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 \
+            + (cfg.scheduler_config.max_num_seqs or MAX_NUM_SEQS_CAP) * mcfg.vocab_size * 4 * 3 + (1 << 30)
         budget = int(free * cfg.cache_config.gpu_memory_utilization) - reserve
     else:
         budget = int(cfg.cache_config.cpu_kv_cache_gib * (1 << 30))

@@ -99,6 +99,9 @@ def _serve(rank: int, size: int, port: int, args: dict, conn) -> None:
             if timed:
                 conn.send(("timings", timer.collect()))
         elif kind == "cache":
+            if config.scheduler_config.max_num_seqs is None:        # as rank 0 derives it from the same pool
+                from engine.core.sizing import derive_max_num_seqs
+                config = config.replace(max_num_seqs=derive_max_num_seqs(msg[1], config.cache_config.block_size))
             runner = ModelRunner(model, mcfg, config, device, dtype, msg[1], msg[2])
         elif kind == "warmup":
             runner.warmup_attention()

@@ -9,6 +9,10 @@ outputs to the event loops that follow them, one `call_soon_threadsafe` per step
 If the engine process dies, every open stream fails at once with a clear error (clients see it within
 the receiver's poll interval), the client reports itself unhealthy, starts a fresh engine process, and
 serves again once it is ready.
+
+`EngineCoreClient(config, attach=conn)` instead attaches to an engine process started by someone else (the
+launcher of several API server processes, `api_server --api-server-count N`), through that process's pipe
+for this client; it never restarts that process: if the engine dies, this client stays unhealthy.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import marshal
 import multiprocessing as mp
 import threading
 import time
+import uuid
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -72,7 +77,8 @@ class _Acc:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0, **overrides):
+    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0, attach=None,
+                 **overrides):
         if config is None:
             config = EngineConfig(**overrides)
         elif overrides:
@@ -83,6 +89,7 @@ class EngineCoreClient:
         self._streams: dict[str, RequestStream] = {}
         self._acc: dict[str, _Acc] = {}
         self._ids = itertools.count(1)
+        self._id_prefix = uuid.uuid4().hex[:8]     # unnamed requests: unique across the clients of one core
         self._stop = False
         self._stats: dict = {}
         self._sent_since_stats = 0                # requests sent after the latest stats the core reported
@@ -92,7 +99,12 @@ class EngineCoreClient:
         self._ready = threading.Event()
         tok_folder = resolve(config.model_config.model)[2]
         self._tokenizer = load_tokenizer(tok_folder)
-        self._spawn()
+        self.proc = None                          # the engine process, when this client started it
+        if attach is not None:
+            self._conn = attach
+            self._wait_ready(lambda: None)
+        else:
+            self._spawn()
 
     # ---- the engine process ----------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -102,16 +114,28 @@ class EngineCoreClient:
                                 name="kvscope-engine-core")
         self.proc.start()
         child.close()
-        t_end = time.monotonic() + self.start_timeout
-        while not self._conn.poll(0.2):
+
+        def check() -> None:
             if not self.proc.is_alive():
                 raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.exitcode})")
+        self._wait_ready(check)
+
+    def _wait_ready(self, check) -> None:
+        """Wait for the engine's "ready" (calling `check()` meanwhile), then start receiving."""
+        t_end = time.monotonic() + self.start_timeout
+        while not self._conn.poll(0.2):
+            check()
             if time.monotonic() > t_end:
-                self.proc.kill()
+                if self.proc is not None:
+                    self.proc.kill()
                 raise RuntimeError(f"the engine process was not ready within {self.start_timeout:.0f} s")
-        msg = marshal.loads(self._conn.recv_bytes())
+        try:
+            msg = marshal.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            raise RuntimeError("the engine process closed its pipe during start-up")
         if msg[0] == "failed":
-            self.proc.join(5)
+            if self.proc is not None:
+                self.proc.join(5)
             raise ValueError(msg[1]) if msg[1].startswith("ValueError") else RuntimeError(msg[1])
         info = msg[1]
         self.engine = FrontendEngine(info, self._tokenizer)
@@ -126,7 +150,7 @@ class EngineCoreClient:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid
+        return self.proc.pid if self.proc is not None else None
 
     def start(self) -> "EngineCoreClient":
         return self
@@ -138,7 +162,7 @@ class EngineCoreClient:
         self.shutdown()
 
     def healthy(self) -> bool:
-        return self._ready.is_set() and self.proc.is_alive() and not self._stop
+        return self._ready.is_set() and (self.proc is None or self.proc.is_alive()) and not self._stop
 
     # ---- requests --------------------------------------------------------------------------------
     submit = EngineLoop.submit                  # one request: submit_many of one
@@ -157,7 +181,7 @@ class EngineCoreClient:
             admit_batch(seqs, [rid for _, _, rid in requests], self._streams,
                         eng.config.scheduler_config.max_waiting_requests,
                         self._stats.get("num_waiting", 0) + self._sent_since_stats,
-                        lambda: f"core-{next(self._ids)}")
+                        lambda: f"core-{self._id_prefix}-{next(self._ids)}")
             streams = []
             for seq in seqs:
                 stream = RequestStream(self, seq.request_id)
@@ -255,6 +279,9 @@ class EngineCoreClient:
             EngineDied("the engine process exited; it is being restarted")
         for rid in open_ids:                      # first: clients learn at once, before any join
             self._fail(rid, err)
+        if self.proc is None:                     # attached: the launcher owns the engine process
+            self.error = None if self._stop else err
+            return
         self.proc.join(5)
         if self._stop:
             return
@@ -279,9 +306,10 @@ class EngineCoreClient:
                 self._conn.send_bytes(marshal.dumps(("shutdown",)))
         except (OSError, ValueError):
             pass
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        if self.proc is not None:
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)

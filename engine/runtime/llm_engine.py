@@ -40,7 +40,7 @@ from engine.core.sequence import Sequence
 from engine.runtime.step_events import phase_of, request_event, step_event
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.multi_step import MultiStepDecoder
-from engine.core.sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
+from engine.core.sizing import derive_max_model_len, derive_max_num_seqs, derive_num_blocks, with_device_defaults
 from engine.worker.timing import NullTimer, make_timer
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,9 @@ class LLMEngine:
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
         self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype)   # this rank's heads
+        if config.scheduler_config.max_num_seqs is None:                   # a GPU's default: from the pool
+            self.config = config = config.replace(
+                max_num_seqs=derive_max_num_seqs(self.num_blocks, config.cache_config.block_size))
         self.block_size = config.cache_config.block_size
         cap = (self.num_blocks - 1) * config.cache_config.block_size
         if cap < self.max_model_len:

@@ -3,7 +3,9 @@ buffers.
 
 Decode graphs (one query per sequence) are captured per batch size; sizes follow vLLM: 1, 2, 4, 8, then every
 8 up to 256, then every 16. A decode step of B sequences pads to the next captured size; padded rows read and
-write only the null block 0. The split count of the decode attention is fixed per size (computed from
+write only the null block 0. Every graph keeps its output alive, so graphs above LOGITS_GRAPH_MAX_BATCH end at
+the final norm and the LM head runs after the replay (their float32 logits, [B, vocab] each, would hold tens
+of GiB at a large vocabulary; one eager GEMM at that batch costs nothing that matters). The split count of the decode attention is fixed per size (computed from
 max_model_len), so the launch never depends on run-time lengths.
 
 With speculative decoding (`EngineConfig.spec_cuda_graphs`), steps whose sequences each compute at most
@@ -40,11 +42,13 @@ log = logging.getLogger(__name__)
 
 
 MIXED = 0                                   # the Q of a mixed-step key (T, MIXED, None)
+LOGITS_GRAPH_MAX_BATCH = 256                # larger decode graphs return hidden states, not logits
 
 
 def capture_sizes(max_batch: int) -> list[int]:
+    """The captured batch sizes: every size below max_batch and the first at or above it (covers max_batch)."""
     sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 1025, 16))
-    return [s for s in sizes if s <= max_batch] or [1]
+    return [s for s in sizes if s < max_batch] + [next((s for s in sizes if s >= max_batch), sizes[-1])]
 
 
 def mixed_token_sizes(max_tokens: int) -> list[int]:
@@ -61,7 +65,7 @@ class CudaGraphRunner:
     def __init__(self, runner, config: EngineConfig, capture: bool = True):
         self.runner = runner
         self.model = runner.model
-        self.max_batch = min(config.kernel_config.cuda_graph_max_batch, config.scheduler_config.max_num_seqs)
+        self.max_batch = min(config.kernel_config.cuda_graph_max_batch or 1024, config.scheduler_config.max_num_seqs)
         self.sizes = capture_sizes(self.max_batch)
         self.max_len = runner.max_model_len
         self.max_blocks = -(-self.max_len // runner.block_size)
@@ -198,10 +202,15 @@ class CudaGraphRunner:
         return P if Q == MIXED else P * Q
 
     def _forward(self, key: tuple, md: AttentionMetadata) -> torch.Tensor:
-        """-> logits of every row, or a mixed graph's final hidden states [T, hidden]."""
+        """-> logits of every row, or the final hidden states [T, hidden] of a mixed graph or a large decode one."""
         P, Q, layers = key
         hidden = self.model(self.input_ids[:self._tokens(key)], md, num_layers=layers)
-        return hidden if Q == MIXED else self.model.compute_logits(hidden)
+        return hidden if self._hidden_out(key) else self.model.compute_logits(hidden)
+
+    @staticmethod
+    def _hidden_out(key: tuple) -> bool:
+        P, Q, layers = key
+        return Q == MIXED or (Q == 1 and layers is None and P > LOGITS_GRAPH_MAX_BATCH)
 
     def _replay(self, key: tuple, md: AttentionMetadata) -> torch.Tensor:
         if self.use_graphs:
@@ -235,7 +244,8 @@ class CudaGraphRunner:
                 self.slots[B:P].zero_()
                 self.seq_lens[B:P].fill_(1)
                 self.block_tables[B:P, 0].zero_()
-            return self._replay(key, md)[:B]
+            out = self._replay(key, md)[:B]
+            return self.model.compute_logits(out) if self._hidden_out(key) else out
         # packed row r = cu[i] + j of sequence i -> padded row i*Q + j; context extended by Q - q_i
         q_lens = np.asarray(md.q_lens, dtype=np.int64)
         T = int(q_lens.sum())

@@ -219,6 +219,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process (default), so HTTP, JSON and SSE work never shares "
                         "a GIL with the engine; --no-engine-process runs it on a thread of this process")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes sharing the port in front of the one engine process (launcher.py)")
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -226,6 +228,11 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     return dict(api_key=args.api_key, served_model_name=args.served_model_name,
                 request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
                 retry_after_s=args.retry_after)
+
+
+def app_for_args(loop, args: argparse.Namespace) -> FastAPI:
+    """The app one API server process serves, from the command line's server flags."""
+    return build_app(loop, **server_kwargs(args))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    if args.api_server_count != 1:
+        if args.api_server_count < 1 or not args.engine_process:
+            parser.error(f"--api-server-count: must be >= 1, and > 1 needs the engine process "
+                         f"(got {args.api_server_count}{', --no-engine-process' if not args.engine_process else ''})")
+        from engine.entrypoints.openai.launcher import serve_many
+        raise SystemExit(serve_many(args, config, args.api_server_count, app_for_args))
     if args.engine_process:
         from engine.runtime.core_client import EngineCoreClient
         loop = EngineCoreClient(config)

@@ -1,11 +1,14 @@
 """The engine requests behind one HTTP request, followed on the event loop, and their SSE response.
 
 Outputs reach the event loop through `RequestStream.subscribe` (one `call_soon_threadsafe` per engine step
-for all of them), so the event loop never waits on the engine loop's lock.
+for all of them), so the event loop never waits on the engine loop's lock. A choice's outputs that are already
+queued when its reader comes for the next one are merged into one (`merge_outputs`), as vLLM's output collector
+does: a response that falls behind the engine sends fewer, fuller chunks instead of a backlog of small ones.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -16,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.runtime.async_engine import EngineLoop
 from engine.runtime.llm_engine import EngineOverloaded
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 from engine.entrypoints.openai.errors import APIError, engine_stopped, request_timeout
@@ -108,12 +112,29 @@ class Job:
             self._q.put_nowait((i, e))
 
     async def _next(self):
-        if self._backlog:
-            return self._backlog.popleft()
-        item = await self._q.get()
-        if item[1] is _TIMEOUT:
+        if not self._backlog:
+            self._backlog.append(await self._q.get())
+        while not self._q.empty():                 # whatever else already arrived, to merge below
+            self._backlog.append(self._q.get_nowait())
+        i, x = item = self._backlog.popleft()
+        if x is _TIMEOUT:
             raise request_timeout(self.server.request_timeout)
-        return item
+        if not isinstance(x, RequestOutput) or x.finished:
+            return item
+        later = [x]                                # this choice's next outputs queued behind x, up to its last
+        for j, y in self._backlog:
+            if j != i:
+                continue
+            if not isinstance(y, RequestOutput):
+                break
+            later.append(y)
+            if y.finished:
+                break
+        if len(later) == 1:
+            return item
+        merged = set(map(id, later[1:]))
+        self._backlog = deque(e for e in self._backlog if id(e[1]) not in merged)
+        return i, merge_outputs(later)
 
     async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) in arrival order until every choice finished."""
@@ -196,6 +217,13 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._job.abort_unfinished()
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request -> one: the last one's state with every delta joined."""
+    last = outs[-1]
+    return dataclasses.replace(last, delta_text="".join(o.delta_text for o in outs),
+                               delta_token_ids=[t for o in outs for t in o.delta_token_ids])
 
 
 def stream_choice(index: int, out, logprobs, new_token_ids: list[int], return_token_ids: bool, **content) -> dict:

@@ -1,0 +1,97 @@
+"""Several API server processes in front of one engine core (`api_server --api-server-count N`, vLLM's flag).
+
+One Python process turns engine outputs into SSE chunks (JSON encoding, ASGI sends) for every stream; under
+hundreds of concurrent streams that process is a bottleneck before the engine is. With N > 1 the launcher binds
+the listening socket once, starts the engine core process with one pipe per API server, and starts N API server
+processes that share the socket (the kernel hands each new connection to one of them) and each attach an
+`EngineCoreClient` to their pipe. The core sends each server its own requests' outputs.
+
+Differences from one API server: the engine process is not restarted if it dies (the launcher stops every
+process and exits non-zero); `/metrics` is served by whichever process answers, so its HTTP-side counters and
+histograms (TTFT, E2EL, request counts) cover that process's requests only, while the engine's gauges (running,
+waiting, KV usage) are the core's and the same in every process.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import socket
+from multiprocessing.connection import wait
+
+from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound listening socket the API server processes share (SO_REUSEPORT as vLLM sets it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _api_server(make_app, args: dict, config: dict, conn, sock: socket.socket, index: int) -> None:
+    """One API server process: attach to the engine core through `conn`, serve `make_app(client, args)` on the
+    shared socket."""
+    import uvicorn
+
+    from engine.entrypoints.openai.arrival import ArrivalProtocol
+    from engine.runtime.core_client import EngineCoreClient
+    ns = argparse.Namespace(**args)
+    logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
+    client = EngineCoreClient(EngineConfig(**config), attach=conn)
+    try:
+        app = make_app(client, ns)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level.lower(), http=ArrivalProtocol,
+                                               timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])
+    finally:
+        client.shutdown()
+
+
+def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_app) -> int:
+    """Run the engine core and `count` API server processes until one of them exits -> exit status.
+    make_app(client, args): the ASGI app of one API server (a module-level function: it travels by name)."""
+    from engine.runtime.core_proc import core_main
+    ctx = mp.get_context("spawn")                  # CUDA cannot be forked
+    sock = listen_socket(args.host, args.port)
+    pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
+    core = ctx.Process(target=core_main, args=(config.to_dict(), [b for _, b in pipes]), name="kvscope-engine-core")
+    core.start()
+    servers = [ctx.Process(target=_api_server, args=(make_app, vars(args), config.to_dict(), a, sock, i),
+                           name=f"kvscope-api-{i}") for i, (a, _) in enumerate(pipes)]
+    for p in servers:
+        p.start()
+    for a, b in pipes:                             # the children hold them now
+        a.close()
+        b.close()
+    sock.close()
+    log.info("engine core (pid %s) and %d API server processes on http://%s:%d", core.pid, count, args.host, args.port)
+    procs = [core] + servers
+    try:
+        wait([p.sentinel for p in procs])          # the first process to exit ends the service
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in servers:
+            if p.is_alive():
+                p.terminate()                      # uvicorn shuts down gracefully on SIGTERM
+        for p in servers:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+        core.join(30)                              # exits once every API server has left
+        if core.is_alive():
+            core.kill()
+            core.join(5)
+    failed = [p for p in procs if p.exitcode not in (0, None, -15)]
+    for p in failed:
+        log.error("%s exited with %s", p.name, p.exitcode)
+    return 1 if failed else 0

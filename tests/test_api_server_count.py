@@ -1,0 +1,90 @@
+"""Several API server processes in front of one engine core: the core serves several attached clients, each its
+own requests; one leaving aborts only its own; `--api-server-count 2` serves over HTTP."""
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.runtime.core_client import EngineCoreClient
+from engine.runtime.core_proc import core_main
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=128, block_size=16, max_model_len=512,
+                   max_num_seqs=8)
+
+
+@pytest.mark.slow
+def test_attached_clients_get_their_own_outputs_and_one_leaving_aborts_only_its_requests():
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=True) for _ in range(2)]
+    core = ctx.Process(target=core_main, args=(CFG.to_dict(), [b for _, b in pipes]), daemon=True)
+    core.start()
+    for _, b in pipes:
+        b.close()
+    a, b = [EngineCoreClient(CFG, attach=x) for x, _ in pipes]
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        sa = a.submit_many([([5, 6, 7, 8], params, None), ([9, 10, 11], params, None)])
+        sb = b.submit_many([([5, 6, 7, 8], params, None)])
+        ra, rb = [s.result(timeout=120) for s in sa], sb[0].result(timeout=120)
+        assert all(len(r.token_ids) == 6 for r in ra) and len(rb.token_ids) == 6
+        assert list(ra[0].token_ids) == list(rb.token_ids)        # the same prompt, greedy: the same tokens
+        assert a.healthy() and b.healthy()
+        # a leaves with a long request unfinished: the core aborts it, b's request runs to its end
+        a.submit([1, 2, 3], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        sb = b.submit([4, 5, 6], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        a.shutdown()
+        assert len(sb.result(timeout=120).token_ids) == 40
+        deadline = time.monotonic() + 60
+        while b.stats().get("num_running", 1) and time.monotonic() < deadline:
+            b.submit([7], SamplingParams(max_tokens=1)).result(timeout=60)    # a step refreshes the stats
+        assert b.stats()["num_running"] == 0 and b.stats()["num_waiting"] == 0
+        b.shutdown()
+        core.join(30)
+        assert core.exitcode == 0                                  # the last client left: the core exits
+    finally:
+        for c in (a, b):
+            c.shutdown()
+        if core.is_alive():
+            core.kill()
+
+
+@pytest.mark.slow
+def test_api_server_count_two_serves_over_http():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--port", str(port), "--model", "dummy:tiny",
+           "--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512", "--api-server-count", "2",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the servers did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        for i in range(6):                          # new connections: the kernel spreads them over the processes
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": "dummy:tiny", "prompt": [3, 4, 5 + i], "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0

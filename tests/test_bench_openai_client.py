@@ -1,0 +1,73 @@
+"""The serving benchmark's official-client runner: the same workload as the aiohttp runner, text chat prompts in
+the served model's template, multi-turn history resent; and the trivial server its client cost is measured on."""
+import asyncio
+import json
+
+import pytest
+
+from benchmarks.openai_client import OpenAIClientRunner, trivial_app
+from engine import EngineConfig
+from engine.entrypoints.openai.api_server import ServerThread, build_app
+from engine.runtime.async_engine import EngineLoop
+from inspector.http_load import HttpLoadRunner
+from inspector.load import LengthDist, LoadSpec
+
+
+@pytest.fixture(scope="module")
+def loop():
+    with EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024,
+                                 max_num_seqs=8)) as lp:
+        yield lp
+
+
+@pytest.fixture(scope="module")
+def srv(loop):
+    with ServerThread(build_app(loop)) as s:
+        yield s
+
+
+def _spec(**kw) -> LoadSpec:
+    return LoadSpec(name="oai", num_requests=4, rate=50.0, num_turns=2, prompt_len=LengthDist("fixed", 24, 24),
+                    output_len=LengthDist("fixed", 5, 5), seed=4, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("prompts", ["random ids", "text"])
+def test_openai_client_runner_sends_the_aiohttp_runners_workload(srv, loop, prompts):
+    tok = loop.engine.tokenizer if prompts == "text" else None
+    recs = {}
+    for cls in (HttpLoadRunner, OpenAIClientRunner):
+        r = cls(srv.url, _spec(prompt_source=prompts), tokenizer=tok).start()
+        assert r.wait(120) and not r.errors, r.errors
+        recs[cls] = sorted(((x.request_id.split("-", 1)[1], x.prompt_len, x.output_len) for x in r.records))
+    assert recs[HttpLoadRunner] == recs[OpenAIClientRunner]
+    by_id = {rid: p for rid, p, _ in recs[OpenAIClientRunner]}
+    assert all(o == 5 for _, _, o in recs[OpenAIClientRunner])
+    # the second turn resends the first turn and its reply
+    assert all(by_id[f"u{u}t1"] > by_id[f"u{u}t0"] + 5 for u in range(2))
+
+
+def test_text_prompts_need_the_tokenizer(srv):
+    with pytest.raises(ValueError, match="tokenizer"):
+        OpenAIClientRunner(srv.url, _spec(prompt_source="text"))
+
+
+def test_trivial_server_streams_every_chunk_at_once():
+    sent = []
+
+    async def run():
+        app = trivial_app(chunks=20, tokens_per_chunk=3)
+        msgs = iter([{"type": "http.request", "body": b"{}", "more_body": False}])
+
+        async def receive():
+            return next(msgs)
+
+        async def send(m):
+            sent.append(m)
+        await app({"type": "http"}, receive, send)
+    asyncio.run(run())
+    body = b"".join(m.get("body", b"") for m in sent).decode()
+    events = [e.removeprefix("data: ") for e in body.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert ids == list(range(60)) and chunks[-1]["usage"]["completion_tokens"] == 60

@@ -1,0 +1,100 @@
+"""Streamed responses: outputs a response has not sent yet are merged into one chunk (fewer, fuller SSE events)
+without changing the text, the token ids or the per-token logprobs a client reassembles."""
+import asyncio
+import json
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.entrypoints.openai.job import Job, merge_outputs
+from engine.entrypoints.openai.protocol import CompletionRequest
+from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_engine import OpenAIServing
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.runtime.async_engine import EngineLoop
+
+
+@pytest.fixture(scope="module")
+def loop():
+    with EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=128, block_size=16,
+                                 max_model_len=512, max_num_seqs=4)) as lp:
+        yield lp
+
+
+def _serving(loop) -> OpenAIServing:
+    return OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None)
+
+
+def _job(serving, loop, streams, prompts, params) -> Job:
+    return Job(serving, loop, [s.request_id for s in streams], streams, prompts, list(range(len(streams))), params)
+
+
+async def _chunks(serving, loop, streams, prompts, params, req) -> list[dict]:
+    """The SSE chunks a streamed completion of these engine streams sends (attached once they have all ended)."""
+    job = _job(serving, loop, streams, prompts, params)
+    job.id_base = "t"
+    job.attach()
+    out = []
+    async for frame in OpenAIServingCompletion(serving).completion_stream_generator(req, job, None):
+        body = frame.removeprefix("data: ").strip()
+        if body != "[DONE]":
+            out.append(json.loads(body))
+    return out
+
+
+def test_merge_outputs_joins_deltas_and_keeps_the_last_state():
+    m = RequestMetrics(arrival_time=0.0)
+    outs = [RequestOutput("r", None, [1], "ab"[:k], [5, 6, 7][:k], d, ids, k == 3, "length" if k == 3 else None, m)
+            for k, d, ids in ((1, "a", [5]), (2, "b", [6]), (3, "", [7]))]
+    merged = merge_outputs(outs)
+    assert (merged.delta_text, merged.delta_token_ids) == ("ab", [5, 6, 7])
+    assert merged.finished and merged.finish_reason == "length" and merged.token_ids == [5, 6, 7]
+    assert outs[0].delta_token_ids == [5]                       # the inputs are left as they were
+
+
+def test_a_backlog_goes_out_as_one_chunk_with_the_same_text_tokens_and_logprobs(loop):
+    """A response attached after its request ended has every step's output queued: it sends one content chunk
+    whose text, token ids and logprobs are those of the step-by-step outputs joined, and of the whole result."""
+    tok = loop.engine.tokenizer
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    stream = loop.submit(prompt, params)
+    final = stream.result(timeout=120)
+    steps = [o for o in stream]
+    assert len(steps) > 1 and sum(len(o.delta_token_ids) for o in steps) == 12   # one output per engine step
+    serving = _serving(loop)
+    req = CompletionRequest(model="dummy:tiny", prompt=prompt, max_tokens=12, stream=True, logprobs=2,
+                            return_token_ids=True, ignore_eos=True)
+    chunks = asyncio.run(_chunks(serving, loop, [stream], [prompt], [params], req))
+    content = [c["choices"][0] for c in chunks if c["choices"]]
+    assert len(content) == 1
+    ch = content[0]
+    assert ch["text"] == "".join(o.delta_text for o in steps) == final.text
+    assert ch["token_ids"] == [t for o in steps for t in o.delta_token_ids] == list(final.token_ids)
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 12
+    assert lp["token_logprobs"] == [e[0].logprob for e in final.logprobs]
+    assert "".join(lp["tokens"]) == final.text
+    assert ch["finish_reason"] == "length"
+
+
+def test_outputs_of_several_choices_merge_per_choice_and_keep_their_order(loop):
+    """Two requests of one job, both ended before the reader comes: one output per choice, each the join of
+    its own deltas (another choice's outputs in between never mix in)."""
+    tok = loop.engine.tokenizer
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("Once upon a time", "In a hole in the ground")]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 5)]
+    streams = loop.submit_many([(p, sp, None) for p, sp in zip(prompts, params)])
+    finals = [s.result(timeout=120) for s in streams]
+    serving = _serving(loop)
+    job = _job(serving, loop, streams, prompts, params)
+
+    async def read():
+        job.attach()
+        return [(i, o) async for i, o in job.outputs()]
+
+    got = asyncio.run(read())
+    assert sorted(i for i, _ in got) == [0, 1]
+    for i, out in got:
+        assert out.finished and out.delta_token_ids == list(finals[i].token_ids)
+        assert out.delta_text == finals[i].text
