@@ -100,7 +100,7 @@ def test_layout_errors_name_the_field():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="speculative_method"):
-        EngineConfig(tensor_parallel_size=2, speculative_method="ngram")
+        EngineConfig(tensor_parallel_size=2, speculative_method="self")
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks cannot share 2 KV heads"):
         LLMEngine(model="dummy:tiny", device="cpu", tensor_parallel_size=4)   # refused before any process starts
 
