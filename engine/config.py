@@ -132,9 +132,11 @@ class SchedulerConfig(_Checks):
 class ParallelConfig(_Checks):
     """How the model is split over devices."""
     tensor_parallel_size: int = 1       # ranks sharding the model (a worker process per extra rank; NCCL or gloo)
+    data_parallel_size: int = 1         # server: engine replicas (each on its own GPUs) behind one API, requests routed
 
     def __post_init__(self):
         self.need_int("tensor_parallel_size", 1, 64)
+        self.need_int("data_parallel_size", 1, 64)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import marshal
+import os
 import queue
 import threading
+import time
 
 from engine.runtime.async_engine import EngineLoop
 from engine.config import EngineConfig
@@ -92,6 +94,16 @@ class CoreLoop(EngineLoop):
         with self._inbox_lock:
             self._streams.pop(request_id, None)
         self.send(("error", request_id, type(err).__name__, str(err)))
+
+
+def watch_parent(ppid: int) -> None:
+    """Exit when the serving process that started this one is gone."""
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != ppid:
+                os._exit(1)
+    threading.Thread(target=watch, name="kvscope-core-parent", daemon=True).start()
 
 
 def core_main(config: dict, conn) -> None:
