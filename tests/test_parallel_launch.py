@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,11 @@ def test_torchrun_launch_tp2_matches_one_rank(tmp_path):
     """`torchrun --nproc-per-node 2 script.py`: rank 0 runs the engine, rank 1 serves as its worker inside
     LLM(...) and exits when rank 0 closes; the output file is rank 0's."""
     ref = run_script(tmp_path, [("one", {})])
-    launcher = ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-port", "0"]
+    with socket.socket() as s:                      # torchrun passes --master-port to the ranks as it is
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(port)]
     out = run_script(tmp_path, [("tp2", dict(tensor_parallel_size=2))], launcher)
     assert out["tp2"] == ref["one"]
 

@@ -16,6 +16,7 @@ from engine.distributed.sharding import shard_layout
 from engine.models.config import ModelArchConfig
 from engine.models.loader import build_model, resolve
 from engine.models.presets import preset_config
+from inspector.figures.parallel import parallel_spec
 from inspector.figures.timings import timings_spec
 from inspector.recorder import Recorder
 
@@ -147,8 +148,14 @@ def test_tiny_tp2_multi_step_and_rank_timings():
     rec = Recorder().attach(eng.events)
     try:
         out = run(eng, prompts, GREEDY)
+        info = eng.parallel_info()                  # the inspector's parallel view
     finally:
         eng.close()
+    assert [(r["q_heads"], r["kv_heads"], r["intermediate"]) for r in info["ranks"]] == \
+        [([0, 3], [0, 1], [0, 64]), ([3, 3], [1, 1], [64, 64])]
+    assert info["ranks"][1]["weight_bytes"] > 0 and info["ranks"][1]["kv_pool_bytes"] == info["ranks"][0]["kv_pool_bytes"]
+    cells = parallel_spec(info)["data"][0]["cells"]["values"]
+    assert cells[3] == ["0–0 (1)", "1–1 (1)"]
     assert out == ref
     steps = rec.snapshot().steps
     launched = [s for s in steps if "attention" in s.timings]    # (the last block's step launches no forward)

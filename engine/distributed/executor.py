@@ -74,7 +74,8 @@ class TPExecutor:
         self.spawned: list[_Spawned] = []
         self.conns: list = [None] * (size - 1)
         self.peers: list[tuple] = [None] * (size - 1)      # (local_rank, pid, host) of ranks 1..N-1
-        self.worker_bytes: list[int] = []
+        self.worker_bytes: list[int] = []                  # weight bytes of ranks 1..N-1
+        self.devices: list[str] = []                       # devices of ranks 1..N-1
         store = open_store(launch, size)
         listener = control_listener(store, launch)
         try:
@@ -89,6 +90,7 @@ class TPExecutor:
                 local_rank = self.peers[i][0]
                 dev = rank_device(device, i + 1) if launch is None else \
                     (torch.device("cuda", local_rank) if device.type == "cuda" else device)
+                self.devices.append(f"{dev}" + (f" on {self.peers[i][2]}" if launch is not None else ""))
                 send(c, "args", dict(args, device=str(dev)))
             self.tp: TensorParallel = init_group(0, size, store, device)
         except BaseException:

@@ -465,6 +465,29 @@ class LLMEngine:
                     num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
                     kv_cache_layout=self.config.cache_config.kv_cache_layout)
 
+    def parallel_info(self) -> dict:
+        """How the model is split over the tensor-parallel ranks (the inspector's parallel view): per rank its
+        device, the [start, count] of the query heads, KV heads, MLP rows and vocabulary rows of every layer it
+        holds, and its weight and KV-pool bytes."""
+        from engine.distributed.sharding import shard_layout
+        mcfg, tp = self.arch_config, self.config.parallel_config.tensor_parallel_size
+        ex = self.executor
+        devices = [str(self.device)] + (ex.devices if ex is not None else [])
+        ranks = []
+        for r in range(tp):
+            lay = shard_layout(mcfg, tp, r)
+            kv = self.num_blocks * self.block_size * 2 * mcfg.num_layers * lay.num_kv_heads * mcfg.head_dim \
+                * torch.tensor([], dtype=self.dtype).element_size()
+            wb = self.weight_bytes if r == 0 else (ex.worker_bytes[r - 1] if ex is not None and ex.worker_bytes else None)
+            ranks.append(dict(rank=r, device=devices[r] if r < len(devices) else "?",
+                              q_heads=[lay.q_start, lay.num_heads], kv_heads=[lay.kv_start, lay.num_kv_heads],
+                              intermediate=[lay.i_start, lay.intermediate],
+                              vocab=[lay.v_start, min(lay.vocab, max(0, mcfg.vocab_size - lay.v_start))],
+                              weight_bytes=wb, kv_pool_bytes=kv))
+        return dict(layout=self.parallel_layout, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
+                    intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
+                    num_blocks=self.num_blocks, ranks=ranks)
+
     def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
         """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""
         if self.executor is None:
