@@ -72,6 +72,10 @@ class LLMEngine:
             config = EngineConfig(**overrides)
         elif overrides:
             config = config.replace(**overrides)
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("EngineConfig.data_parallel_size: an LLMEngine is one replica; replicas run behind "
+                             "the API server (--data-parallel-size) or LLM(data_parallel_size=N) "
+                             f"(got {config.parallel_config.data_parallel_size})")
         launch = env_launch() if config.parallel_config.tensor_parallel_size > 1 else None
         serve_if_worker(launch)             # torchrun, ranks > 0: a worker until rank 0 closes, then exit
         self.device = resolve_device(config.model_config.device, launch.local_rank if launch else None)
