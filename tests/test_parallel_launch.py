@@ -72,16 +72,19 @@ def test_torchrun_launch_tp2_matches_one_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_rank_is_reported_and_the_engine_stops_within_10_s():
+def test_killed_rank_is_reported_and_the_engine_stops_within_10_s(monkeypatch):
+    """The error names the rank and ends with the worker's last stderr lines (here faulthandler's report)."""
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")        # inherited by the worker
     loop = EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", dtype="float32", tensor_parallel_size=2,
                                    max_num_batched_tokens=8)).start()
     try:
         (pid,) = loop.engine.executor.pids
         stream = loop.submit(list(range(10, 60)), SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
         next(iter(stream))
-        os.kill(pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match=r"tensor parallel: rank 1 \(pid \d+\) exited with code -9"):
+        os.kill(pid, signal.SIGSEGV)
+        with pytest.raises(RuntimeError, match=r"tensor parallel: rank 1 \(pid \d+\) exited with code -11") as e:
             stream.result(timeout=10.0)                 # a hang fails here, not after the collective timeout
+        assert "rank 1 stderr" in str(e.value) and "Segmentation fault" in str(e.value)
     finally:
         loop.shutdown()
         loop.engine.close()

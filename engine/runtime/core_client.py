@@ -1,9 +1,10 @@
-"""EngineCoreClient: EngineLoop's serving surface with the engine in a child process (`core_proc.py`).
+"""EngineCoreClient: EngineLoop's serving surface with the engine in a child process (`core_proc.py`),
+started as `python -m engine.runtime.core_main` (a fresh interpreter: the caller's script is not imported again).
 
 What the OpenAI server calls on an EngineLoop (`submit_many`, `submit`, `abort`, `stats`,
 `metrics_snapshot`, `shutdown`, and `engine` for validation and tokenization) works the same here:
 `engine` is a `FrontendEngine` (the tokenizer, the limits, `make_sequence`'s checks) and each request's
-outputs arrive in an ordinary `RequestStream`. One receiver thread reads the pipe and hands each step's
+outputs arrive in an ordinary `RequestStream`. One receiver thread reads the connection and hands each step's
 outputs to the event loops that follow them, one `call_soon_threadsafe` per step.
 
 If the engine process dies, every open stream fails at once with a clear error (clients see it within
@@ -93,7 +94,13 @@ class _CoreProcess:
         self.tail: deque[str] = deque(maxlen=20)
         threading.Thread(target=self._read, name="kvscope-core-stderr", daemon=True).start()
         box: list = []
-        t = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
+
+        def accept():
+            try:
+                box.append(listener.accept())
+            except OSError:                 # closed: the process never connected
+                pass
+        t = threading.Thread(target=accept, daemon=True)
         t.start()
         end = time.monotonic() + timeout
         while t.is_alive() and self.is_alive() and time.monotonic() < end:

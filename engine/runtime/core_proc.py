@@ -1,5 +1,5 @@
 """The engine core in its own process (vLLM's EngineCoreProc): an EngineLoop whose outputs leave through a
-pipe, one message per engine step, to the `EngineCoreClient` in the serving process.
+local socket (a multiprocessing Connection), one message per engine step, to the `EngineCoreClient` in the serving process.
 
 The serving process keeps HTTP, JSON, SSE and tokenization; this process keeps scheduling, the model and
 detokenization. Neither waits on the other's GIL. Messages are tuples of plain values encoded with
