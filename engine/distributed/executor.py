@@ -28,7 +28,7 @@ from engine.distributed.worker import PARENT_ENV, packed_sizes, recv, send
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0       # a worker that has not left this long after "close" is terminated
-STDERR_TAIL = 20            # lines of a spawned worker's stderr kept for the error that reports its death
+STDERR_TAIL = 40            # lines of a spawned worker's stderr kept for the error that reports its death
 
 
 class RankFailure(RuntimeError):
@@ -70,6 +70,7 @@ class TPExecutor:
         self.size, self.device, self.env = size, device, launch
         self.closing = False
         self.failure: str | None = None
+        self._dead_lock = threading.Lock()
         self.pending_timings = 0
         self.spawned: list[_Spawned] = []
         self.conns: list = [None] * (size - 1)
@@ -172,8 +173,9 @@ class TPExecutor:
                 + (f": {reason}" if reason else "") + "; restart the engine")
 
     def _note_dead(self, rank: int) -> None:
-        if self.failure is None:
-            self.failure = self._death(rank)
+        with self._dead_lock:               # the watcher and the engine thread may both see the death
+            if self.failure is None:
+                self.failure = self._death(rank)
 
     def _worker_error(self, rank: int) -> str | None:
         c = self.conns[rank - 1]
