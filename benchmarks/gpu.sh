@@ -40,7 +40,11 @@ suite_tests() {
   [ ${#files[@]} -gt 0 ] || files=(tests/test_gpu_*.py tests/test_kernels.py tests/test_kernels_attention.py
                                    tests/test_kernels_merge_sample.py tests/test_structured_mask.py)
   install_tokenizer
-  python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record "${files[@]}" "${args[@]}"
+  # Triton compiles dominate on a fresh machine and run on the CPU: spread the tests over 8 processes (one GPU
+  # holds them all) when pytest-xdist is there
+  local par=()
+  python3 -c "import xdist" 2>/dev/null && par=(-n 8 --dist load)
+  python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record "${par[@]}" "${files[@]}" "${args[@]}"
 }
 
 suite_kernels() {

@@ -1,7 +1,8 @@
 # Sourced by benchmarks/gpu.sh: the environment of a GPU machine's runs, from the repository root.
 #
 # The machine may have no network. What it lacks travels beside the tree, in ignored folders:
-#   .whl/pylib   pure-Python packages missing there (llguidance for structured output), put on PYTHONPATH
+#   .whl/pylib   packages missing there (llguidance for structured output, pytest-xdist for the tests suite,
+#                fastapi/uvicorn/openai for the servers), unpacked wheels put on PYTHONPATH
 #   .whl/tok     SmolLM2's tokenizer files, which the random-weight presets borrow (copied into the cache)
 #   .devbundle/  the bundled SmolLM2 in two halves (benchmarks/device_bundle.py)
 #   $VLLM_SITE   vLLM 0.26.0 as a site folder (default $HOME/vsite; ../shared/vllm-peer/README.md builds it)

@@ -76,9 +76,15 @@ def ensure_bundled(cache_dir: str | Path | None = None) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        if _is_converted(folder):  # another process converted it meanwhile
+            return folder
         if folder.exists():
             shutil.rmtree(folder)
-        tmp.rename(folder)
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not _is_converted(folder):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
