@@ -342,7 +342,7 @@ class EngineCoreClient:
         if self._stop:
             return
         self.error = err
-        log.error("%s (exit code %s)", err, self.proc.exitcode)
+        log.error("%s (exit code %s)%s", err, self.proc.exitcode, self.proc.stderr_note())
         self._stats, self._sent_since_stats = {}, 0
         while not self._stop:
             try:
