@@ -80,7 +80,7 @@ def main():
     sections = args.sections.split(",")
     dev = device_name()
     if torch.cuda.device_count() < 2:
-        raise SystemExit("bench_tp: needs 2 CUDA devices (the nvidia-h200-x2 kind)")
+        raise SystemExit("bench_tp: needs 2 CUDA devices")
     rows: list[dict] = []
 
     def attempt(fn, *a, **kw):

@@ -16,7 +16,7 @@ declare -A ABOUT=(
   [quant]="[args]  bench_quant.py: fp8 / int8 / int4 GEMV and GEMM per projection; the 8B shape per format"
   [spec]="[args]  bench_spec.py: n-gram and self drafting, batch 1 and 8; dummy Llama-3.2-1B, bundled SmolLM2"
   [structured]="[args]  bench_structured.py: JSON-schema decoding against free decoding, multi-step and single steps"
-  [tp]="[args]  bench_tp.py: tensor parallel 8B at TP 1 / 2, 70B at TP 2 (2+ GPUs)"
+  [tp]="[args]  2+ GPUs: test_gpu_tp.py, bench_tp.py (8B latency + throughput at TP 1 / 2; args go to it), DP 1 / 2 serving burst"
   [lessons]="[args]  lessons.py on the Llama-3.2-1B shape, large sweeps and the CUDA-graph timing cost"
 )
 OFFLINE_SHAPES=(llama-3.2-1b llama-3.1-8b qwen3-0.6b)
@@ -111,9 +111,19 @@ suite_structured() {
 }
 
 suite_tp() {
-  local n; n=$(nvidia-smi -L | wc -l)
+  local n rc=0; n=$(nvidia-smi -L | wc -l)
   [ "$n" -ge 2 ] || { echo "tp: needs 2 or more GPUs, this machine has $n"; return 3; }
-  python3 benchmarks/bench_tp.py "$@"
+  install_tokenizer
+  python3 benchmarks/device_bundle.py ensure || echo "tp: no bundled SmolLM2 here: its TP test skips"
+  stamp "tensor-parallel GPU tests: fp32 greedy identity TP=1 vs TP=2 (Llama-3.2-1B shape, bundled SmolLM2)"
+  python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record tests/test_gpu_tp.py || rc=1
+  stamp "bench_tp: Llama-3.1-8B shape, batch-1 latency and nano throughput, TP=1 vs TP=2"
+  python3 benchmarks/bench_tp.py --sections latency,throughput --requests 128 "$@" || rc=1
+  stamp "serving burst, Llama-3.2-1B shape: one engine vs --data-parallel-size 2"
+  python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
+    --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 \
+    --target dp1=launch --target dp2=launch:--data-parallel-size=2 --name "dp_burst_$(device_slug)" || rc=1
+  return $rc
 }
 
 suite_lessons() {

@@ -132,9 +132,11 @@ class SchedulerConfig(_Checks):
 class ParallelConfig(_Checks):
     """How the model is split over devices."""
     tensor_parallel_size: int = 1       # ranks sharding the model (a worker process per extra rank; NCCL or gloo)
+    data_parallel_size: int = 1         # server: engine replicas (each on its own GPUs) behind one API, requests routed
 
     def __post_init__(self):
         self.need_int("tensor_parallel_size", 1, 64)
+        self.need_int("data_parallel_size", 1, 64)
 
 
 @dataclass(frozen=True)
@@ -296,8 +298,9 @@ class EngineConfig:
         m, c, s = self.model_config, self.cache_config, self.scheduler_config
         p, sp = self.parallel_config, self.speculative_config
         if p.tensor_parallel_size > 1:
-            sp.need(sp.speculative_method is None, "speculative_method",
-                    "is not supported with tensor_parallel_size > 1 (the drafter would run on rank 0 alone)")
+            sp.need(sp.speculative_method in (None, "ngram"), "speculative_method",
+                    "with tensor_parallel_size > 1 only 'ngram' is supported (a model drafter would run on rank 0 "
+                    "alone)")
         if not s.enable_chunked_prefill and None not in (m.max_model_len, s.max_num_batched_tokens):
             s.need(s.max_num_batched_tokens >= m.max_model_len, "max_num_batched_tokens",
                    f"must be >= max_model_len ({m.max_model_len}) when chunked prefill is off, "

@@ -13,8 +13,22 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, device: str = "auto", **config):
-        self.engine = LLMEngine(EngineConfig(model=model, device=device, **config))
+        cfg = EngineConfig(model=model, device=device, **config)
+        self.client = None          # data_parallel_size > 1: the replicas' client; self.engine validates
+        if cfg.parallel_config.data_parallel_size > 1:
+            from engine.runtime.dp_client import DPEngineClient
+            self.client = DPEngineClient(cfg)
+            self.engine = self.client.engine
+        else:
+            self.engine = LLMEngine(cfg)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine (its worker and replica processes) now."""
+        if self.client is not None:
+            self.client.shutdown()
+        else:
+            self.engine.close()
 
     @property
     def config(self) -> EngineConfig:
@@ -41,6 +55,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = self._prompt_list(prompts)
         plist = self._params_list(len(prompts), sampling_params)
+        if self.client is not None:             # data parallel: the replicas run them; wait in order
+            streams = self.client.submit_many([(p, sp, None) for p, sp in zip(prompts, plist)])
+            return [s.result() for s in tqdm(streams, desc="generate", disable=not use_tqdm)]
         # validate all before adding any, so a bad prompt leaves the engine untouched
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
         order = {s.request_id: i for i, s in enumerate(seqs)}
@@ -74,6 +91,9 @@ class LLM:
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:
         """Yield this request's outputs step by step (other requests already queued keep running)."""
+        if self.client is not None:
+            yield from self.client.submit(prompt, sampling_params)
+            return
         rid = self.engine.add_request(prompt, sampling_params)
         done = False
         try:

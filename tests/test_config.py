@@ -30,6 +30,7 @@ VALUES = {
     "num_scheduler_steps": ("4", 4), "multi_step_max_ms": ("2.5", 2.5), "multi_step_trim": ("false", False),
     "multi_step_admit_min": ("2", 2),
     "tensor_parallel_size": ("2", 2),
+    "data_parallel_size": ("2", 2),
     "speculative_method": ("ngram", "ngram"), "num_speculative_tokens": ("5", 5),
     "num_speculative_tokens_max": ("8", 8), "draft_model": ("dummy:tiny", "dummy:tiny"), "ngram_min": ("2", 2),
     "ngram_max": ("6", 6), "draft_layers": ("4", 4), "speculative_auto_off": ("false", False),
@@ -221,8 +222,9 @@ def test_sections_validate_their_own_fields():
 
 def test_cross_section_checks():
     ParallelConfig(tensor_parallel_size=2), SpeculativeConfig(speculative_method="ngram")   # each fine alone
-    for kw, match in ((dict(tensor_parallel_size=2, speculative_method="ngram"),
-                       "EngineConfig.speculative_method: is not supported with tensor_parallel_size > 1"),
+    EngineConfig(tensor_parallel_size=2, speculative_method="ngram")        # n-gram drafts on rank 0
+    for kw, match in ((dict(tensor_parallel_size=2, speculative_method="self"),
+                       "EngineConfig.speculative_method: with tensor_parallel_size > 1 only 'ngram'"),
                       (dict(enable_kv_cache=False, speculative_method="ngram"),
                        "EngineConfig.speculative_method: needs the KV cache"),
                       (dict(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024),

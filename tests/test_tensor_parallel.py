@@ -16,6 +16,7 @@ from engine.distributed.sharding import shard_layout
 from engine.models.config import ModelArchConfig
 from engine.models.loader import build_model, resolve
 from engine.models.presets import preset_config
+from inspector.figures.parallel import parallel_spec
 from inspector.figures.timings import timings_spec
 from inspector.recorder import Recorder
 
@@ -100,7 +101,7 @@ def test_layout_errors_name_the_field():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="speculative_method"):
-        EngineConfig(tensor_parallel_size=2, speculative_method="ngram")
+        EngineConfig(tensor_parallel_size=2, speculative_method="self")
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks cannot share 2 KV heads"):
         LLMEngine(model="dummy:tiny", device="cpu", tensor_parallel_size=4)   # refused before any process starts
 
@@ -147,8 +148,14 @@ def test_tiny_tp2_multi_step_and_rank_timings():
     rec = Recorder().attach(eng.events)
     try:
         out = run(eng, prompts, GREEDY)
+        info = eng.parallel_info()                  # the inspector's parallel view
     finally:
         eng.close()
+    assert [(r["q_heads"], r["kv_heads"], r["intermediate"]) for r in info["ranks"]] == \
+        [([0, 3], [0, 1], [0, 64]), ([3, 3], [1, 1], [64, 64])]
+    assert info["ranks"][1]["weight_bytes"] > 0 and info["ranks"][1]["kv_pool_bytes"] == info["ranks"][0]["kv_pool_bytes"]
+    cells = parallel_spec(info)["data"][0]["cells"]["values"]
+    assert cells[3] == ["0–0 (1)", "1–1 (1)"]
     assert out == ref
     steps = rec.snapshot().steps
     launched = [s for s in steps if "attention" in s.timings]    # (the last block's step launches no forward)
@@ -181,3 +188,65 @@ def test_killed_worker_fails_requests_clearly_and_leaves_no_process():
         loop.engine.close()
     assert wait_gone([pid])
     assert not torch.distributed.is_initialized()       # a new tensor-parallel engine can start in this process
+
+
+# a shape whose shards start on fp8's 128 x 128 blocks and int4's 128-groups (as the 8B shape's do at TP=2)
+ALIGNED = dict(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512, rms_norm_eps=1e-5,
+               rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+               eos_token_id=2)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_shards_are_slices_of_the_quantized_model(fmt):
+    """Each rank quantizes its own shard: fp8 blocks and int4 groups (packing and scales) come out as the
+    slices of the whole model's, so TP=2 computes with the same weights as TP=1."""
+    args = (ALIGNED, None, get_ops("torch"), torch.device("cpu"), torch.float32, 64, 0)
+    full = build_model(*args, quantization=fmt)
+    shards = [build_model(*args, tp=TensorParallel(r, 2, "gloo"), quantization=fmt) for r in range(2)]
+    D = full.cfg.head_dim
+    for i, layer in enumerate(full.model.layers):
+        for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            get = lambda m: m.model.layers[i].get_submodule(path)          # noqa: E731
+            assert get(full).fmt == fmt
+            w, ws = get(full).dequantize(torch.float32), [get(s).dequantize(torch.float32) for s in shards]
+            if path.endswith(("o_proj", "down_proj")):
+                cat = torch.cat(ws, 1)
+            elif path.endswith("qkv_proj"):
+                parts = [x.split([s.cfg.num_heads * D, s.cfg.num_kv_heads * D, s.cfg.num_kv_heads * D])
+                         for s, x in zip(shards, ws)]
+                cat = torch.cat([torch.cat([pt[j] for pt in parts]) for j in range(3)])
+            else:
+                n = shards[0].cfg.intermediate_size
+                cat = torch.cat([torch.cat([x[:n] for x in ws]), torch.cat([x[n:] for x in ws])])
+            assert torch.equal(cat, w), (fmt, path)
+
+
+@pytest.mark.slow
+def test_tp2_ngram_drafts_and_int8_weights_same_greedy_tokens():
+    """n-gram drafts are proposed on rank 0 and verified by a forward every rank runs; int8 shards of the
+    row-parallel layers take the whole row's scale (|max| reduced over the ranks): TP=2 gives TP=1's tokens."""
+    prompts = [[11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13] * 3, [(5 * j) % 300 + 20 for j in range(40)]]
+    cfg = dict(model="dummy:tiny", device="cpu", dtype="float32", quantization="int8", speculative_method="ngram",
+               speculative_auto_off=False, num_speculative_tokens=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref_eng = LLMEngine(**cfg)
+    ref = run(ref_eng, prompts, params)
+    ref_eng.close()
+    eng = LLMEngine(tensor_parallel_size=2, **cfg)
+    try:
+        out = run(eng, prompts, params)
+        st = eng.stats()
+    finally:
+        eng.close()
+    assert out == ref
+    assert st["spec_decode_num_draft_tokens"] > 0 and st["quantization"] == "int8"
+
+
+def test_prequantized_checkpoint_refused_with_tp_naming_the_field(tmp_path):
+    hf = dict(ALIGNED, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    from safetensors.torch import save_file
+    save_file({"model.norm.weight": torch.ones(256)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="EngineConfig.quantization: a pre-quantized checkpoint cannot be split"):
+        build_model(hf, tmp_path, get_ops("torch"), torch.device("cpu"), torch.float32, 64, 0,
+                    tp=TensorParallel(0, 2, "gloo"))

@@ -221,6 +221,10 @@ class EngineHost:
             specs["weights"] = F.weights_spec(getattr(eng, "weight_summary", None), getattr(eng, "quantization", None))
         except Exception as e:
             specs["weights"] = F.error_spec("Model weights", e)
+        try:
+            specs["parallel"] = F.parallel_spec(eng.parallel_info() if hasattr(eng, "parallel_info") else None)
+        except Exception as e:
+            specs["parallel"] = F.error_spec("Tensor parallelism", e)
         plots, hashes = {}, {}
         for name, spec in specs.items():
             try:

@@ -33,13 +33,15 @@ def inspector_tab(host: EngineHost) -> None:
         p_lat = gr.Plot(label="Latency", show_label=False, elem_id="kv-plot-latency")
         p_timings = gr.Plot(label="Step timings", show_label=False, elem_id="kv-plot-timings")
         p_weights = gr.Plot(label="Model weights", show_label=False, elem_id="kv-plot-weights")
+        p_parallel = gr.Plot(label="Tensor parallelism", show_label=False, elem_id="kv-plot-parallel")
         with gr.Row():
             prof_btn = gr.Button("Profile one step (torch.profiler)", elem_id="kv-profile")
             prof_msg = gr.Markdown()
         p_prof = gr.Plot(label="Profile", show_label=False, visible=False, elem_id="kv-plot-profile")
         p_spec = gr.Plot(label="Speculative decoding", show_label=False, elem_id="kv-plot-spec")
         sent = gr.State({})
-        outs = [p_block, p_table, p_timeline, p_tp, p_mem, p_lat, p_timings, p_spec, p_weights, req_dd, insp_info, sent]
+        outs = [p_block, p_table, p_timeline, p_tp, p_mem, p_lat, p_timings, p_spec, p_weights, p_parallel, req_dd, insp_info,
+                sent]
 
         def inspector_fn(selected, ax, is_live, sent_state, force=False):
             """Timer handler: read the producer's latest snapshot; send only what changed."""
@@ -78,7 +80,7 @@ def inspector_tab(host: EngineHost) -> None:
                     res.append(send("timeline", (tl, pub.hashes.get(tl)), lambda: plot(pub.plots[tl])))
             else:
                 res.append(send("timeline", (tl, pub.hashes.get(tl)), lambda: plot(pub.plots[tl])))
-            for name in ("throughput", "memory", "latency", "timings", "spec", "weights"):
+            for name in ("throughput", "memory", "latency", "timings", "spec", "weights", "parallel"):
                 res.append(send(name, pub.hashes.get(name), lambda n=name: plot(pub.plots[n])))
             snap = pub.snapshot
             holding = sorted((pub.kv or {}).get("block_tables", {}).keys())

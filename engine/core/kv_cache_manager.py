@@ -15,6 +15,21 @@ from collections import OrderedDict
 from engine.core.sequence import Sequence
 
 
+def chain_hash(parent: int, tokens) -> int:
+    """A full block's prefix-cache key: its tokens and its parent block's key (the whole prefix). Python's hash
+    of a tuple of ints is the same in every process, so a router in another process computes the same keys."""
+    return hash((parent, tuple(tokens)))
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The chained keys of the full blocks of a prompt."""
+    out, parent = [], 0
+    for i in range(len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
 class BlockPool:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -99,8 +114,7 @@ class BlockManager:
         hashes = seq.block_hashes
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))))
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, seq.token_ids[i * bs:(i + 1) * bs]))
 
     # ---- admission and growth ------------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

@@ -24,6 +24,12 @@ class TensorParallel:
             torch.distributed.all_reduce(x)
         return x
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max over the ranks, in place."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
+        return x
+
     def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
         """[L, n] on each rank -> [L, size * n], rank r's columns at [r * n, (r + 1) * n)."""
         if self.size == 1:
@@ -49,24 +55,32 @@ SINGLE = TensorParallel()
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r runs on the r-th device after the engine's own (cuda:N -> cuda:N+r); every rank on one CPU."""
+    """Rank r of a spawned engine runs on the r-th device after the engine's own (cuda:N -> cuda:N+r); every
+    rank on one CPU. Always with an index on cuda (set_device and NCCL need one)."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", base + rank)
 
 
 def init_group(rank: int, size: int, store: "torch.distributed.Store", device: torch.device) -> TensorParallel:
-    """Join the engine's process group. NVLink multicast (NVLS) stays off: it is not available on the lent
-    multi-GPU machines, and nothing here calls cuMulticastCreate."""
+    """Join the engine's process group (its keys under their own prefix of the rendezvous store). NVLink
+    multicast (NVLS) stays off: it is not available on the lent multi-GPU machines, and nothing here calls
+    cuMulticastCreate."""
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     # a dead worker is handled here (executor.py aborts the group and fails the requests); NCCL's own
     # error handling would take the engine process down with it
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    kw = {}
     if device.type == "cuda":
+        if device.index is None:
+            raise ValueError(f"tensor parallel: rank {rank} needs a CUDA device with an index (got {device})")
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size,
-                                         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        kw["device_id"] = device            # binds the communicator to this rank's GPU (created eagerly)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("kvscope/pg", store),
+                                         rank=rank, world_size=size,
+                                         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
     return TensorParallel(rank, size, backend)
 
 

@@ -157,8 +157,10 @@ def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, d
     fp8_activations, int4_group_size: see EngineConfig."""
     full = ModelArchConfig.from_hf(hf_cfg)
     fmt, prequantized = resolve_quantization(hf_cfg, weights, quantization)
-    if fmt is not None and tp.size > 1:
-        raise ValueError("EngineConfig.quantization: not supported with tensor_parallel_size > 1 yet")
+    if prequantized and tp.size > 1:
+        raise ValueError("EngineConfig.quantization: a pre-quantized checkpoint cannot be split over "
+                         "tensor_parallel_size > 1 ranks yet; load the float checkpoint with quantization="
+                         f"{fmt!r} instead (each rank quantizes its shard)")
     layout = shard_layout(full, tp.size, tp.rank)
     cfg = full if tp.size == 1 else local_config(full, layout)
     with torch.device("meta"):
@@ -176,6 +178,6 @@ def build_model(hf_cfg: dict, weights: Path | None, ops, device: torch.device, d
     else:
         load_weights(model, weights, layout if tp.size > 1 else None)
     if fmt is not None and not prequantized:
-        quantize_model(model, fmt, ops.name, fp8_activations, int4_group_size)
+        quantize_model(model, fmt, ops.name, fp8_activations, int4_group_size, tp)
     model.quantization = fmt
     return model.eval()

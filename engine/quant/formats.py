@@ -68,13 +68,16 @@ def int4_to_words(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"qweight": w.view(N, -1).contiguous(), "scales": tensors["scales"], "mins": tensors["mins"]}
 
 
-def quantize(w: torch.Tensor, fmt: str, group: int = BLOCK) -> dict[str, torch.Tensor]:
+def quantize(w: torch.Tensor, fmt: str, group: int = BLOCK, row_absmax: torch.Tensor | None = None
+             ) -> dict[str, torch.Tensor]:
     """[N, K] float weight -> the format's tensors (on w's device), named as QuantLinear's parameters.
-    group: the int4 group size."""
+    group: the int4 group size. row_absmax [N, 1]: int8's per-row |max| when w is a column slice of the
+    weight (a row-parallel shard: the scale is the whole row's, as unsplit)."""
     w = w.detach().float()
     N, K = w.shape
     if fmt == "int8":
-        scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)         # [N, 1]
+        absmax = w.abs().amax(dim=1, keepdim=True) if row_absmax is None else row_absmax
+        scale = (absmax / 127.0).clamp(min=1e-12)                                     # [N, 1]
         q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
         return {"weight": q, "weight_scale": scale}
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)

@@ -195,15 +195,24 @@ def set_packed(model, on: bool, group_dots: bool) -> None:
         lin.group_dots = lin.packed and group_dots
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")     # tensor parallelism splits their input columns
+
+
 @torch.no_grad()
-def quantize_model(model, fmt: str, kernels: str, act_fp8: bool = False, group: int = formats.BLOCK) -> None:
+def quantize_model(model, fmt: str, kernels: str, act_fp8: bool = False, group: int = formats.BLOCK,
+                   tp=None) -> None:
     """Quantize the decoder projections in place, one at a time (the float weight is freed as each goes).
-    group: the int4 group size."""
+    group: the int4 group size. tp (a TensorParallel of size > 1): each rank quantizes its shard; fp8 blocks
+    and int4 groups are those of the whole weight where shards start on their boundaries, and int8's per-row
+    scale of a row-parallel shard is the whole row's (|max| reduced over the ranks)."""
     for parent, attr, lin in _layer_linears(model):
         if isinstance(lin, QuantLinear):
             continue
+        absmax = None
+        if fmt == "int8" and tp is not None and tp.size > 1 and attr in ROW_PARALLEL:
+            absmax = tp.all_max(lin.weight.detach().float().abs().amax(dim=1, keepdim=True))
         q = QuantLinear(fmt, lin.in_features, lin.out_features, lin.bias, lin.weight.device,
-                        formats.quantize(lin.weight, fmt, group))
+                        formats.quantize(lin.weight, fmt, group, absmax))
         setattr(parent, attr, q)
         del lin
     _set_kernels(model, kernels, act_fp8)

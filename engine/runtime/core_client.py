@@ -1,9 +1,10 @@
-"""EngineCoreClient: EngineLoop's serving surface with the engine in a child process (`core_proc.py`).
+"""EngineCoreClient: EngineLoop's serving surface with the engine in a child process (`core_proc.py`),
+started as `python -m engine.runtime.core_main` (a fresh interpreter: the caller's script is not imported again).
 
 What the OpenAI server calls on an EngineLoop (`submit_many`, `submit`, `abort`, `stats`,
 `metrics_snapshot`, `shutdown`, and `engine` for validation and tokenization) works the same here:
 `engine` is a `FrontendEngine` (the tokenizer, the limits, `make_sequence`'s checks) and each request's
-outputs arrive in an ordinary `RequestStream`. One receiver thread reads the pipe and hands each step's
+outputs arrive in an ordinary `RequestStream`. One receiver thread reads the connection and hands each step's
 outputs to the event loops that follow them, one `call_soon_threadsafe` per step.
 
 If the engine process dies, every open stream fails at once with a clear error (clients see it within
@@ -19,16 +20,21 @@ from __future__ import annotations
 import itertools
 import logging
 import marshal
-import multiprocessing as mp
+import os
+import secrets
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections import deque
+from multiprocessing.connection import Listener
+from pathlib import Path
 from dataclasses import asdict
 from types import SimpleNamespace
 
 from engine.runtime.async_engine import _END, EngineLoop, RequestStream, _call_soon, _put_many, admit_batch
 from engine.config import EngineConfig
-from engine.runtime.core_proc import core_main
 from engine.runtime.input_processor import InputProcessor
 from engine.runtime.llm_engine import EngineOverloaded, LLMEngine
 from engine.models.loader import load_tokenizer, resolve
@@ -76,6 +82,71 @@ class _Acc:
         self.metrics = seq.metrics
 
 
+class _CoreProcess:
+    """The engine process: `python -m engine.runtime.core_main`, a fresh interpreter (the caller's script is not
+    imported again, so no `if __name__ == "__main__"` guard is needed), connected back over a local socket.
+    Its stderr is echoed and its tail kept for the error that reports its death."""
+
+    def __init__(self, config: dict, timeout: float):
+        key = secrets.token_bytes(32)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, KVSCOPE_CORE_ADDRESS=f"127.0.0.1:{listener.address[1]}",
+                   KVSCOPE_CORE_AUTHKEY=key.hex(), KVSCOPE_CORE_PARENT=str(os.getpid()),
+                   PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.popen = subprocess.Popen([sys.executable, "-m", "engine.runtime.core_main"], env=env,
+                                      stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.tail: deque[str] = deque(maxlen=20)
+        threading.Thread(target=self._read, name="kvscope-core-stderr", daemon=True).start()
+        box: list = []
+
+        def accept():
+            try:
+                box.append(listener.accept())
+            except OSError:                 # closed: the process never connected
+                pass
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        end = time.monotonic() + timeout
+        while t.is_alive() and self.is_alive() and time.monotonic() < end:
+            t.join(0.1)
+        listener.close()
+        if not box:
+            self.kill()
+            raise RuntimeError(f"the engine process did not connect (exit code {self.exitcode})" + self.stderr_note())
+        self.conn = box[0]
+        self.conn.send_bytes(marshal.dumps(config))
+
+    def _read(self) -> None:
+        for raw in self.popen.stderr:
+            line = raw.decode(errors="replace")
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+
+    def stderr_note(self) -> str:
+        return ("\n--- engine process stderr (last lines) ---\n" + "\n".join(self.tail)) if self.tail else ""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
 class EngineCoreClient:
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0, attach=None,
                  **overrides):
@@ -108,16 +179,13 @@ class EngineCoreClient:
 
     # ---- the engine process ----------------------------------------------------------------------
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")                 # CUDA cannot be forked
-        self._conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=core_main, args=(self.requested_config.to_dict(), child), daemon=True,
-                                name="kvscope-engine-core")
-        self.proc.start()
-        child.close()
+        self.proc = _CoreProcess(self.requested_config.to_dict(), self.start_timeout)
+        self._conn = self.proc.conn
 
         def check() -> None:
             if not self.proc.is_alive():
-                raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.exitcode})")
+                raise RuntimeError(f"the engine process exited during start-up (exit code {self.proc.exitcode})"
+                                   + self.proc.stderr_note())
         self._wait_ready(check)
 
     def _wait_ready(self, check) -> None:
@@ -177,8 +245,18 @@ class EngineCoreClient:
             raise RuntimeError("the engine process is restarting")
         eng = self.engine
         seqs = [eng.make_sequence(p, sp, rid if rid is not None else "pending", arrival) for p, sp, rid in requests]
+        return self.submit_sequences(seqs, [rid for _, _, rid in requests])
+
+    def submit_sequences(self, seqs: list[Sequence], request_ids: list[str | None]) -> list[RequestStream]:
+        """Hand validated sequences (make_sequence) to the engine process in one message; request_ids: the
+        caller's ids, None where the client names the request."""
+        if self._stop:
+            raise RuntimeError("engine shut down")
+        if not self._ready.is_set():
+            raise RuntimeError("the engine process is restarting")
+        eng = self.engine
         with self._inbox_lock:
-            admit_batch(seqs, [rid for _, _, rid in requests], self._streams,
+            admit_batch(seqs, request_ids, self._streams,
                         eng.config.scheduler_config.max_waiting_requests,
                         self._stats.get("num_waiting", 0) + self._sent_since_stats,
                         lambda: f"core-{self._id_prefix}-{next(self._ids)}")
@@ -211,6 +289,11 @@ class EngineCoreClient:
 
     def stats(self) -> dict:
         return dict(self._stats)
+
+    @property
+    def num_open(self) -> int:
+        """Requests sent and not yet finished (a data-parallel router's load)."""
+        return len(self._streams)
 
     metrics_snapshot = stats                    # the core's latest stats: no step to wait for here
 
@@ -286,7 +369,7 @@ class EngineCoreClient:
         if self._stop:
             return
         self.error = err
-        log.error("%s (exit code %s)", err, self.proc.exitcode)
+        log.error("%s (exit code %s)%s", err, self.proc.exitcode, self.proc.stderr_note())
         self._stats, self._sent_since_stats = {}, 0
         while not self._stop:
             try:

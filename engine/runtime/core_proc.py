@@ -1,5 +1,5 @@
 """The engine core in its own process (vLLM's EngineCoreProc): an EngineLoop whose outputs leave through a
-pipe, one message per engine step, to the `EngineCoreClient` in the serving process.
+local socket (a multiprocessing Connection), one message per engine step, to the `EngineCoreClient` in the serving process.
 
 Several serving processes may attach (`api_server --api-server-count N`): the core then holds one pipe per
 client, remembers which pipe added each request, and sends each client its own requests' outputs (and the
@@ -23,9 +23,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import marshal
+import os
 import queue
 import threading
 from multiprocessing.connection import wait
+import time
 
 from engine.runtime.async_engine import EngineLoop
 from engine.config import EngineConfig
@@ -146,6 +148,16 @@ class CoreLoop(EngineLoop):
             conn = self._owner.pop(request_id, None)
         if conn is not None:
             self.send(("error", request_id, type(err).__name__, str(err)), conn)
+
+
+def watch_parent(ppid: int) -> None:
+    """Exit when the serving process that started this one is gone."""
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != ppid:
+                os._exit(1)
+    threading.Thread(target=watch, name="kvscope-core-parent", daemon=True).start()
 
 
 def core_main(config: dict, conns) -> None:

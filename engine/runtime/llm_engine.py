@@ -24,7 +24,9 @@ from engine.config import EngineConfig
 from engine.runtime.detokenizer import Detokenizer
 from engine.events import EventBus
 from engine.distributed.parallel_state import SINGLE
+from engine.distributed.launch import env_launch
 from engine.distributed.start import parallel_layout, start_workers
+from engine.distributed.worker import serve_if_worker
 from engine.runtime.input_processor import InputProcessor
 from engine.kernels.ops import get_ops, pdl_supported
 from engine.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -52,12 +54,16 @@ class EngineOverloaded(RuntimeError):
     """The waiting queue is full (EngineConfig.max_waiting_requests): retry later."""
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """The engine's device, with an index on cuda (cuda:N; under torchrun cuda:LOCAL_RANK for "cuda"/"auto")."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"EngineConfig.device: {name!r} requested but CUDA is not available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank if local_rank is not None else torch.cuda.current_device())
+    return device
 
 
 class LLMEngine:
@@ -66,7 +72,13 @@ class LLMEngine:
             config = EngineConfig(**overrides)
         elif overrides:
             config = config.replace(**overrides)
-        self.device = resolve_device(config.model_config.device)
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("EngineConfig.data_parallel_size: an LLMEngine is one replica; replicas run behind "
+                             "the API server (--data-parallel-size) or LLM(data_parallel_size=N) "
+                             f"(got {config.parallel_config.data_parallel_size})")
+        launch = env_launch() if config.parallel_config.tensor_parallel_size > 1 else None
+        serve_if_worker(launch)             # torchrun, ranks > 0: a worker until rank 0 closes, then exit
+        self.device = resolve_device(config.model_config.device, launch.local_rank if launch else None)
         self.config = config = with_device_defaults(config, self.device)
         self.dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
             if config.model_config.dtype == "auto" else _DTYPES[config.model_config.dtype]
@@ -97,11 +109,25 @@ class LLMEngine:
             pdl = not (self.kernels == "triton" and config.parallel_config.tensor_parallel_size == 1
                        and persistent_linears(mcfg, config.kernel_config.gemv_variant, self.device))
         gemv_pdl = pdl and self.kernels == "triton" and pdl_supported(self.device)
+        cuda = self.kernels == "triton" and self.device.type == "cuda"
+        cap = torch.cuda.get_device_capability(self.device) if cuda else (0, 0)
+        self.fp8_act = config.kernel_config.fp8_activations and cuda and cap >= (8, 9)
+        tc = config.kernel_config.quant_gemv_tensor_cores
+        if tc is None and not (cuda and cap >= (8, 0)):
+            tc = False
+        self.quant_tensor_cores = tc            # None: per shape, where the sweep found tensor cores faster
+        pk = config.kernel_config.quant_gemv_packed
+        if pk is None:
+            pk = cuda and cap >= (9, 0)
+        self.quant_packed = bool(pk) and self.kernels == "triton"
         self.executor = None
-        self.parallel_layout = parallel_layout(config.parallel_config.tensor_parallel_size, self.device)
+        self.parallel_layout = parallel_layout(config.parallel_config.tensor_parallel_size, self.device, launch)
         if config.parallel_config.tensor_parallel_size > 1:
-            self.executor = start_workers(config, hf_cfg, weights, self.device, self.dtype, self.kernels,
-                                          self.max_model_len + spec_margin, gemv_max_tokens, gemv_pdl)
+            self.executor = start_workers(
+                config, hf_cfg, weights, self.device, launch, dtype=str(self.dtype).replace("torch.", ""),
+                kernels=self.kernels, max_pos=self.max_model_len + spec_margin, gemv_max_tokens=gemv_max_tokens,
+                gemv_pdl=gemv_pdl, fp8_activations=self.fp8_act, quant_packed=self.quant_packed,
+                quant_tensor_cores=self.quant_tensor_cores)
         try:
             self._build(config, hf_cfg, weights, tok_folder, mcfg, spec_margin, gemv_max_tokens, gemv_pdl)
         except BaseException:
@@ -111,27 +137,15 @@ class LLMEngine:
     def _build(self, config: EngineConfig, hf_cfg: dict, weights, tok_folder, mcfg: ModelArchConfig,
                spec_margin: int, gemv_max_tokens: int, gemv_pdl: bool) -> None:
         ex = self.executor
-        fp8_act = config.kernel_config.fp8_activations and self.kernels == "triton" and self.device.type == "cuda" \
-            and torch.cuda.get_device_capability(self.device) >= (8, 9)
         self.model = build_model(hf_cfg, weights, self.ops, self.device, self.dtype,
                                  max_pos=self.max_model_len + spec_margin, seed=config.model_config.seed,
                                  tp=ex.tp if ex is not None else SINGLE,
-                                 quantization=config.model_config.quantization, fp8_activations=fp8_act,
+                                 quantization=config.model_config.quantization, fp8_activations=self.fp8_act,
                                  int4_group_size=config.model_config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
-        tc = config.kernel_config.quant_gemv_tensor_cores
-        if tc is None and not (self.kernels == "triton" and self.device.type == "cuda"
-                               and torch.cuda.get_device_capability(self.device) >= (8, 0)):
-            tc = False
-        self.quant_tensor_cores = tc            # None: per shape, where the sweep found tensor cores faster
-        pk = config.kernel_config.quant_gemv_packed
-        if pk is None:
-            pk = self.kernels == "triton" and self.device.type == "cuda" \
-                and torch.cuda.get_device_capability(self.device) >= (9, 0)
-        self.quant_packed = bool(pk) and self.kernels == "triton"
         if self.model.quantization:
             set_packed(self.model, self.quant_packed, config.kernel_config.quant_gemm_group_dots)
-        set_tensor_cores(self.model, tc)
+        set_tensor_cores(self.model, self.quant_tensor_cores)
         set_fp8_gemm(self.model, config.kernel_config.fp8_gemm)   # the fp8 layers that quantize activations (fp8_act)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
@@ -140,6 +154,8 @@ class LLMEngine:
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
         self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype)   # this rank's heads
+        if ex is not None and config.cache_config.num_kv_blocks is None:
+            self.num_blocks = ex.min_blocks(self.num_blocks)    # every rank's pool holds the same blocks
         if config.scheduler_config.max_num_seqs is None:                   # a GPU's default: from the pool
             self.config = config = config.replace(
                 max_num_seqs=derive_max_num_seqs(self.num_blocks, config.cache_config.block_size))
@@ -202,8 +218,10 @@ class LLMEngine:
             from engine.worker.cuda_graphs import CudaGraphRunner
             self.runner.graphs = CudaGraphRunner(self.runner, config)
             if ex is not None:
-                ex.send("capture")                  # every rank captures the same graphs, collectives included
+                ex.capture()                        # every rank captures the same graphs, collectives included
             self.runner.graphs.capture()
+            if ex is not None:
+                ex.wait_captured()
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -453,6 +471,29 @@ class LLMEngine:
                     block_tables={s.request_id: list(s.block_table) for s in holders},
                     num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
                     kv_cache_layout=self.config.cache_config.kv_cache_layout)
+
+    def parallel_info(self) -> dict:
+        """How the model is split over the tensor-parallel ranks (the inspector's parallel view): per rank its
+        device, the [start, count] of the query heads, KV heads, MLP rows and vocabulary rows of every layer it
+        holds, and its weight and KV-pool bytes."""
+        from engine.distributed.sharding import shard_layout
+        mcfg, tp = self.arch_config, self.config.parallel_config.tensor_parallel_size
+        ex = self.executor
+        devices = [str(self.device)] + (ex.devices if ex is not None else [])
+        ranks = []
+        for r in range(tp):
+            lay = shard_layout(mcfg, tp, r)
+            kv = self.num_blocks * self.block_size * 2 * mcfg.num_layers * lay.num_kv_heads * mcfg.head_dim \
+                * torch.tensor([], dtype=self.dtype).element_size()
+            wb = self.weight_bytes if r == 0 else (ex.worker_bytes[r - 1] if ex is not None and ex.worker_bytes else None)
+            ranks.append(dict(rank=r, device=devices[r] if r < len(devices) else "?",
+                              q_heads=[lay.q_start, lay.num_heads], kv_heads=[lay.kv_start, lay.num_kv_heads],
+                              intermediate=[lay.i_start, lay.intermediate],
+                              vocab=[lay.v_start, min(lay.vocab, max(0, mcfg.vocab_size - lay.v_start))],
+                              weight_bytes=wb, kv_pool_bytes=kv))
+        return dict(layout=self.parallel_layout, num_heads=mcfg.num_heads, num_kv_heads=mcfg.num_kv_heads,
+                    intermediate_size=mcfg.intermediate_size, vocab_size=mcfg.vocab_size,
+                    num_blocks=self.num_blocks, ranks=ranks)
 
     def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
         """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""

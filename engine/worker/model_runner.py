@@ -156,17 +156,22 @@ class ModelRunner:
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """-> float32 logits [len(md.logits_indices), vocab]."""
+        """-> float32 logits [len(md.logits_indices), vocab]. With tensor parallelism rank 0 decides whether the
+        forward replays a graph and tells the other ranks: every rank must run the same collectives (a graph's
+        are on padded rows)."""
+        graphed = self.graphs is not None and self.graphs.can_run(md) and not self._timed_eagerly()
         if self.executor is not None:
             try:
-                self.executor.launch(input_ids, md, self.timer.enabled)
-                return self._execute(input_ids, md)
+                self.executor.launch(input_ids, md, self.timer.enabled, graphed)
+                return self.forward(input_ids, md, graphed)
             except Exception as e:
                 raise self.executor.explain(e) from e
-        return self._execute(input_ids, md)
+        return self.forward(input_ids, md, graphed)
 
-    def _execute(self, input_ids: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(md) and not self._timed_eagerly():
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, md: AttentionMetadata, graphed: bool) -> torch.Tensor:
+        """The forward as decided: a graph replay, or eager."""
+        if graphed:
             return self.graphs.run(input_ids, md)
         hidden = self.model(input_ids, md)                       # [T, hidden]
         if md.logits_indices.numel() == 0:

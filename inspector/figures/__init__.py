@@ -23,6 +23,7 @@ Modules, one concern each:
 - `lessons`      one chart per lesson result (inspector.lessons)
 - `memory`       allocated / KV reserved / KV used memory over time
 - `weights`      model weight bytes per layer and dtype (quantization)
+- `parallel`     how a layer's heads and rows are split across tensor-parallel ranks, each rank's memory
 - `registry`     `SPECS`, `TITLES`, `build_specs`, `build_all`
 
 The public names are re-exported here, so `from inspector import figures as F; F.timeline_spec(...)` works.
@@ -37,6 +38,7 @@ from inspector.figures.layout import (as_figure, empty_figure, empty_spec, error
                                       to_json)
 from inspector.figures.lessons import lesson_figure, lesson_spec  # noqa: F401
 from inspector.figures.memory import memory_figure, memory_spec  # noqa: F401
+from inspector.figures.parallel import parallel_figure, parallel_spec  # noqa: F401
 from inspector.figures.registry import SPECS, TITLES, build_all, build_specs  # noqa: F401
 from inspector.figures.spec_decode import spec_figure, spec_spec  # noqa: F401
 from inspector.figures.style import (CACHED_COLOR, CATEGORY_COLORS, FONT, FREE_COLOR, GRID, N_CATS,  # noqa: F401

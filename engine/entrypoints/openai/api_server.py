@@ -245,13 +245,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    if config.parallel_config.tensor_parallel_size > 1:
+        from engine.distributed.worker import serve_if_worker
+        serve_if_worker()                   # torchrun, ranks > 0: a tensor-parallel worker, never a server
     if args.api_server_count != 1:
         if args.api_server_count < 1 or not args.engine_process:
             parser.error(f"--api-server-count: must be >= 1, and > 1 needs the engine process "
                          f"(got {args.api_server_count}{', --no-engine-process' if not args.engine_process else ''})")
+        if config.parallel_config.data_parallel_size > 1:
+            parser.error("--api-server-count > 1 with --data-parallel-size > 1 is not supported: choose one")
         from engine.entrypoints.openai.launcher import serve_many
         raise SystemExit(serve_many(args, config, args.api_server_count, app_for_args))
-    if args.engine_process:
+    if config.parallel_config.data_parallel_size > 1:
+        if not args.engine_process:
+            parser.error("--data-parallel-size > 1 runs an engine process per replica: drop --no-engine-process")
+        from engine.runtime.dp_client import DPEngineClient
+        loop = DPEngineClient(config)
+    elif args.engine_process:
         from engine.runtime.core_client import EngineCoreClient
         loop = EngineCoreClient(config)
     else:

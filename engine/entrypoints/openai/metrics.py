@@ -47,66 +47,64 @@ class EngineCollector(Collector):
     def __init__(self, get_loop: Callable[[], Any], model_name: Callable[[Any], str]):
         self.get_loop = get_loop
         self.model_name = model_name
-        self._label: list[str] = []
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        g.add_metric(self._label, value)
-        return g
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        c.add_metric(self._label, value)
-        return c
 
     def collect(self):
+        """One series per engine replica, labelled engine="0", "1", ... as vLLM's (one replica without data
+        parallelism)."""
         loop = self.get_loop()
         eng = getattr(loop, "engine", None)
         if eng is None:
             return
-        self._label = [self.model_name(loop)]
-        s = loop.metrics_snapshot()
-        yield self._gauge("num_requests_running", "Requests in the running batch.", s.get("num_running", 0))
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted and those "
-                          "not yet handed to the engine).", s.get("num_waiting", 0))
-        yield self._gauge("kv_cache_usage_perc", "KV-cache usage: fraction of KV blocks in use (1 = 100%).",
-                          s.get("kv_usage", 0.0))
-        yield self._gauge("num_kv_blocks", "KV blocks in the pool (block 0 reserved).", eng.num_blocks)
-        yield self._gauge("num_free_kv_blocks", "KV blocks on the free list (cached ones included).",
-                          s.get("num_free_blocks", 0))
-        info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV-cache configuration.",
-                                 labels=["block_size", "num_blocks", "enable_prefix_caching", "max_model_len"])
-        info.add_metric([str(eng.block_size), str(eng.num_blocks), str(eng.config.cache_config.enable_prefix_caching),
-                         str(eng.max_model_len)], 1)
-        yield info
-        yield self._gauge("tensor_parallel_size", "Ranks the model is sharded over (tensor parallelism).",
-                          eng.config.parallel_config.tensor_parallel_size)
-        layout = GaugeMetricFamily(PREFIX + "parallel_config_info", "Parallel layout: ranks, backend, devices.",
-                                   labels=["tensor_parallel_size", "layout"])
-        layout.add_metric([str(eng.config.parallel_config.tensor_parallel_size), str(s.get("parallel_layout", ""))], 1)
-        yield layout
-        yield self._counter("num_preemptions", "Preemptions (a running request lost its KV blocks).",
-                            s.get("num_preemptions_total", 0))
-        yield self._counter("prompt_tokens", "Prompt tokens of requests admitted to the engine.",
-                            s.get("prompt_tokens", 0))
-        yield self._counter("generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
-        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                            s.get("prefix_cache_queries", 0))
-        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                            s.get("prefix_cache_hits", 0))
-        if "spec_decode_num_drafts" in s:
-            yield self._counter("spec_decode_num_drafts", "Speculative drafts proposed.",
-                                s["spec_decode_num_drafts"])
-            yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
-                                s["spec_decode_num_draft_tokens"])
-            yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                s["spec_decode_num_accepted_tokens"])
-            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                          "Draft tokens accepted, by draft position.",
-                                          labels=["model_name", "position"])
-            for i, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
-                per_pos.add_metric(self._label + [str(i)], n)
-            yield per_pos
+        model = self.model_name(loop)
+        snaps = loop.replica_stats() if hasattr(loop, "replica_stats") else [loop.metrics_snapshot()]
+        labels = ["model_name", "engine"]
+        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+        def add(kind, name: str, doc: str, value, extra: dict | None = None, idx: int = 0) -> None:
+            fam = fams.get(name)
+            if fam is None:
+                fam = fams[name] = kind(PREFIX + name, doc, labels=labels + list(extra or {}))
+            fam.add_metric([model, str(idx)] + [str(v) for v in (extra or {}).values()], value)
+
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        for i, s in enumerate(snaps):
+            nb = s.get("num_blocks", eng.num_blocks)
+            add(G, "num_requests_running", "Requests in the running batch.", s.get("num_running", 0), idx=i)
+            add(G, "num_requests_waiting", "Requests waiting to be scheduled (incl. preempted and those not yet "
+                "handed to the engine).", s.get("num_waiting", 0), idx=i)
+            add(G, "kv_cache_usage_perc", "KV-cache usage: fraction of KV blocks in use (1 = 100%).",
+                s.get("kv_usage", 0.0), idx=i)
+            add(G, "num_kv_blocks", "KV blocks in the pool (block 0 reserved).", nb, idx=i)
+            add(G, "num_free_kv_blocks", "KV blocks on the free list (cached ones included).",
+                s.get("num_free_blocks", 0), idx=i)
+            add(G, "cache_config_info", "KV-cache configuration.", 1, dict(
+                block_size=eng.block_size, num_blocks=nb,
+                enable_prefix_caching=eng.config.cache_config.enable_prefix_caching,
+                max_model_len=eng.max_model_len), idx=i)
+            add(G, "tensor_parallel_size", "Ranks the model is sharded over (tensor parallelism).",
+                eng.config.parallel_config.tensor_parallel_size, idx=i)
+            add(G, "parallel_config_info", "Parallel layout: ranks, backend, devices.", 1, dict(
+                tensor_parallel_size=eng.config.parallel_config.tensor_parallel_size,
+                data_parallel_size=len(snaps), layout=s.get("parallel_layout", "")), idx=i)
+            add(C, "num_preemptions", "Preemptions (a running request lost its KV blocks).",
+                s.get("num_preemptions_total", 0), idx=i)
+            add(C, "prompt_tokens", "Prompt tokens of requests admitted to the engine.", s.get("prompt_tokens", 0),
+                idx=i)
+            add(C, "generation_tokens", "Tokens generated.", s.get("generation_tokens", 0), idx=i)
+            add(C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                s.get("prefix_cache_queries", 0), idx=i)
+            add(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits", 0),
+                idx=i)
+            if "spec_decode_num_drafts" in s:
+                add(C, "spec_decode_num_drafts", "Speculative drafts proposed.", s["spec_decode_num_drafts"], idx=i)
+                add(C, "spec_decode_num_draft_tokens", "Draft tokens proposed.", s["spec_decode_num_draft_tokens"],
+                    idx=i)
+                add(C, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                    s["spec_decode_num_accepted_tokens"], idx=i)
+                for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                    add(C, "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                        n, dict(position=pos), idx=i)
+        yield from fams.values()
 
 
 class ServerMetrics:
