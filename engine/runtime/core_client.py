@@ -156,7 +156,8 @@ class EngineCoreClient:
         with self._inbox_lock:
             admit_batch(seqs, [rid for _, _, rid in requests], self._streams,
                         eng.config.scheduler_config.max_waiting_requests,
-                        self._stats.get("num_waiting", 0) + self._sent_since_stats,
+                        # never more than the requests open here (the core's stats may be a step old)
+                        min(self._stats.get("num_waiting", 0) + self._sent_since_stats, len(self._streams)),
                         lambda: f"core-{next(self._ids)}")
             streams = []
             for seq in seqs:

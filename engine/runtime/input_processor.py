@@ -44,13 +44,19 @@ class InputProcessor:
             text, ids = prompt, self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
-            V = self.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < V for t in ids):
-                raise ValueError(f"prompt: token ids must be ints in [0, {V})")
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt: token ids must be ints in [0, {self.vocab_size})")
         else:
             raise ValueError("prompt: must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
+        V = self.vocab_size
+        if any(t >= V for t in params.stop_token_ids):     # the min_tokens ban indexes the logits by them
+            raise ValueError(f"stop_token_ids: must be token ids in [0, {V}) "
+                             f"(got {max(params.stop_token_ids)})")
+        if params.min_tokens and len(set(params.stop_token_ids)) >= V:
+            raise ValueError(f"stop_token_ids: all {V} tokens are stop tokens, so min_tokens "
+                             f"({params.min_tokens}) would leave no token to sample")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
                              "and at least one output token must fit")

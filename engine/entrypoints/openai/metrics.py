@@ -87,6 +87,11 @@ class EngineCollector(Collector):
         yield layout
         yield self._counter("num_preemptions", "Preemptions (a running request lost its KV blocks).",
                             s.get("num_preemptions_total", 0))
+        yield self._counter("step_failures", "Engine steps whose prepare, forward or sampling raised; the "
+                            "requests that caused it failed alone, the others kept running.",
+                            s.get("step_failures", 0))
+        yield self._counter("request_failures", "Requests failed because an engine step raised on their rows.",
+                            s.get("failed", 0))
         yield self._counter("prompt_tokens", "Prompt tokens of requests admitted to the engine.",
                             s.get("prompt_tokens", 0))
         yield self._counter("generation_tokens", "Tokens generated.", s.get("generation_tokens", 0))
