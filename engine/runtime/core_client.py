@@ -57,7 +57,8 @@ class FrontendEngine:
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, self.block_size,
                                               self.num_blocks,
-                                              GrammarCompiler(tokenizer, info["vocab_size"], self.eos_token_ids))
+                                              GrammarCompiler(tokenizer, info["vocab_size"], self.eos_token_ids),
+                                              self.eos_token_ids)
 
 
 class _Acc:

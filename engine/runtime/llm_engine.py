@@ -179,7 +179,7 @@ class LLMEngine:
             fused_bitmask=config.structured_output_config.fused_token_bitmask and self.kernels == "triton",
             mask_threads=config.structured_output_config.structured_mask_threads)
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, self.block_size,
-                                              self.num_blocks, self.structured.compiler)
+                                              self.num_blocks, self.structured.compiler, self.eos_token_ids)
         generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
         self.sampler = Sampler(self.eos_token_ids, generator, self.fused_sampling)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.detok, self.eos_token_ids,
