@@ -255,61 +255,13 @@ def test_arrival_protocol_stamps_at_accept_then_at_first_bytes():
 @pytest.mark.slow
 def test_half_cancelled_streams_below_the_limit_never_get_503():
     """64 concurrent streams under max_waiting_requests=64, every other one closed after its first chunk: none
-    is refused (the waiting queue never holds more than exist), /metrics never shows more running + waiting
-    requests than exist, and both return to 0."""
-    from helpers import metric_sum, scrape_metrics
-    n = 64
+    is refused, /metrics never shows more running + waiting requests than exist, and both return to 0 (the
+    engine in its own process: tests/test_engine_core_process.py)."""
+    from helpers import check_half_cancelled_storm
     with EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=256, block_size=16, max_model_len=256,
-                                 max_num_seqs=16, max_waiting_requests=n)) as lp:
-        peak = [0.0]
-
-        async def storm(url: str) -> list:
-            done = asyncio.Event()
-
-            async def watch():
-                async with httpx.AsyncClient(timeout=30) as c:
-                    while not done.is_set():
-                        m = scrape_metrics_text((await c.get(url + "/metrics")).text)
-                        peak[0] = max(peak[0], metric_sum(m, "kvscope:num_requests_running")
-                                      + metric_sum(m, "kvscope:num_requests_waiting"))
-                        await asyncio.sleep(0.02)
-
-            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n + 4)) as c:
-                async def one(i: int):
-                    body = {"prompt": [3 + i % 50, 9, 27], "max_tokens": 8, "stream": True, "ignore_eos": True,
-                            "return_token_ids": True}
-                    async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                        if r.status_code != 200:
-                            return r.status_code
-                        got = 0
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: {"):
-                                got += len(json.loads(line[6:])["choices"][0]["token_ids"])
-                                if i % 2:
-                                    return "closed"      # leaving the block drops the connection
-                        return got
-                w = asyncio.ensure_future(watch())
-                try:
-                    return await asyncio.gather(*(one(i) for i in range(n)))
-                finally:
-                    done.set()
-                    await w
-
+                                 max_num_seqs=16, max_waiting_requests=64)) as lp:
         with ServerThread(build_app(lp)) as srv:
-            results = asyncio.run(storm(srv.url))
-            s = wait_idle(lp, 30)
-            m = scrape_metrics(srv.url)
-        assert [r for r in results if isinstance(r, int) and r >= 400] == []
-        assert results[0::2] == [8] * (n // 2) and results[1::2] == ["closed"] * (n // 2)
-        assert peak[0] <= n
-        assert s["num_running"] == s["num_waiting"] == 0
-        assert metric_sum(m, "kvscope:num_requests_running") + metric_sum(m, "kvscope:num_requests_waiting") == 0
-
-
-def scrape_metrics_text(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+            check_half_cancelled_storm(srv.url, lp, 64)
 
 
 def test_step_failure_fails_one_request_and_the_others_stream_on(loop, monkeypatch):
