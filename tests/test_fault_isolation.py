@@ -186,6 +186,42 @@ def test_engine_loop_fails_only_the_culprits_stream(failing_rows):
         assert s["num_free_blocks"] == s["num_blocks"] - 1 and s["num_running"] == s["num_waiting"] == 0
 
 
+def test_failed_multi_step_block_falls_back_to_isolating_single_steps(monkeypatch):
+    """A multi-step decode block that raises is dropped (its tokens were never processed); single steps then
+    isolate the request whose rows raise, and the others' tokens are those of a run without it."""
+    import engine.worker.multi_step as multi_step
+    eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256,
+                    num_scheduler_steps=4)
+    blocks = []
+    eng.events.subscribe(lambda e: blocks.append(e.num_decode_steps) if hasattr(e, "num_decode_steps") else None)
+    prompts = _prompts(4)
+    base = [eng.add_request(p, SamplingParams(max_tokens=12, **GREEDY)) for p in prompts]
+    baseline = drain(eng)
+    assert max(blocks) > 1                      # the workload runs multi-step blocks
+    bad = SamplingParams(max_tokens=12, **GREEDY)
+    real_block, real_step = multi_step.sample_unseeded, Sampler.__call__
+
+    def block_sample(logits, rows, *a, **kw):
+        if any(r.params is bad for r in rows):
+            raise FloatingPointError("block sampling failed")
+        return real_block(logits, rows, *a, **kw)
+
+    def step_sample(self, seqs, mask, logits):
+        if any(m and s.params is bad and s.num_output_tokens >= 2 for s, m in zip(seqs, mask)):
+            raise FloatingPointError("step sampling failed")
+        return real_step(self, seqs, mask, logits)
+
+    monkeypatch.setattr(multi_step, "sample_unseeded", block_sample)
+    monkeypatch.setattr(Sampler, "__call__", step_sample)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=12, **GREEDY)) for p in prompts]
+    culprit = eng.add_request([50, 51, 52], bad)
+    outs = drain(eng)
+    assert [outs[i].token_ids for i in ids] == [baseline[i].token_ids for i in base]
+    assert outs[culprit].finish_reason == "abort" and list(eng.pop_failed()) == [culprit]
+    assert eng.stats()["step_failures"] >= 2        # the block, then the step that isolated the culprit
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
 # ------------------------------------------------------------------------------ admission
 def test_a_batch_larger_than_the_waiting_queue_is_a_value_error():
     with EngineLoop(EngineConfig(model="dummy:tiny", device="cpu", num_kv_blocks=32, max_waiting_requests=4)) as loop:

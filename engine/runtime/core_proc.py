@@ -89,6 +89,7 @@ class CoreLoop(EngineLoop):
             self.send(("out", enc, self.metrics_stats()))
 
     def _close(self, request_id: str, err: BaseException) -> None:
+        self._lp_sent.pop(request_id, None)
         with self._inbox_lock:
             self._streams.pop(request_id, None)
         self.send(("error", request_id, type(err).__name__, str(err)))
