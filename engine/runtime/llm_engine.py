@@ -290,13 +290,9 @@ class LLMEngine:
             self._block_suspects &= self.seqs.keys()
         K = ms.plan(self.arrivals_pending) if ms.enabled and ms.inflight is None and not self._block_suspects else 0
         if K or ms.inflight is not None:
-            try:
-                blk = ms.run(K, self.arrivals_pending)
-            except Exception as e:  # noqa: BLE001 - isolated by single steps (below, and until they finish)
-                blk = None
-                self._block_failed(e)
-            if blk is not None:
-                return self._block_step(blk, observe, timer)
+            outputs = self._block_step(K, observe, timer)
+            if outputs is not None:
+                return outputs                  # (None: the block raised; a single step isolates the cause)
 
         # schedule: who runs, how many tokens; blocks are allocated here only
         sched = self.scheduler.schedule()
@@ -449,6 +445,8 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         seq.metrics.finished_time = time.perf_counter()
         self.failed[seq.request_id] = why
+        if len(self.failed) > 1024:             # an offline caller that never pops them keeps only the latest
+            self.failed.pop(next(iter(self.failed)))
         self._finished(seq, failed=why)
         return self.output_processor.make_output(seq, [])
 
@@ -467,9 +465,14 @@ class LLMEngine:
                                               error=f"{type(err).__name__}: {err}", failed=[],
                                               num_requests=len(self.scheduler.running), num_retries=0))
 
-    def _block_step(self, blk, observe: bool, timer) -> list[RequestOutput]:
-        """A step of pipelined multi-step decode (`blk`: MultiStepDecoder.run's result): the next block was
-        launched behind the in-flight one, whose tokens are now processed as one step of K tokens per request."""
+    def _block_step(self, K: int, observe: bool, timer) -> list[RequestOutput] | None:
+        """A step of pipelined multi-step decode: the next block is launched behind the in-flight one, whose
+        tokens are then processed as one step of K tokens per request. None: the blocks raised and were dropped."""
+        try:
+            blk = self.multi_step.run(K, self.arrivals_pending)
+        except Exception as e:  # noqa: BLE001 - single steps isolate the cause (until these requests end)
+            self._block_failed(e)
+            return None
         sched = blk.sched
         if observe:
             sched.phases = ["decode"] * len(sched.seqs)
