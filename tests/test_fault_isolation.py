@@ -278,3 +278,47 @@ def test_waiting_count_never_counts_a_request_twice():
         assert s["num_running"] == s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_blocks"] - 1
     finally:
         loop.shutdown()
+
+
+# ------------------------------------------------------------------------------ GPU (skipped on CPU)
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_limits_run_and_isolation_under_graphs_and_multi_step(monkeypatch):
+    """On CUDA (Triton kernels, fused Gumbel sampler, CUDA graphs, multi-step blocks): the accepted extremes run
+    without a step failure, and a request whose rows raise fails alone while the others stay token-identical."""
+    import engine.worker.multi_step as multi_step
+    eng = LLMEngine(model="dummy:tiny", device="cuda", dtype="float32", num_kv_blocks=128, block_size=16,
+                    max_model_len=256)
+    edge = [dict(temperature=1e30), dict(temperature=1e30, top_k=2 ** 63 - 1), dict(temperature=5e-324),
+            dict(temperature=1e-5, repetition_penalty=1e6), dict(temperature=1e-5, repetition_penalty=1e-6),
+            dict(top_p=5e-324, temperature=1.0), dict(min_p=5e-324, temperature=1.0), dict(min_p=1.0),
+            dict(temperature=1.0, seed=2 ** 64 - 1), dict(logprobs=20, temperature=1e30)]
+    ids = [eng.add_request([7, 8, 9, i], SamplingParams(max_tokens=24, ignore_eos=True, **kw))
+           for i, kw in enumerate(edge)]
+    outs = drain(eng)
+    assert eng.stats()["step_failures"] == 0
+    assert all(outs[i].finish_reason == "length" and len(outs[i].token_ids) == 24 for i in ids)
+
+    prompts = _prompts(6)
+    base = [eng.add_request(p, SamplingParams(max_tokens=40, **GREEDY)) for p in prompts]
+    baseline = drain(eng)
+    bad = SamplingParams(max_tokens=40, **GREEDY)
+    real_block, real_step = multi_step.sample_unseeded, Sampler.__call__
+
+    def block_sample(logits, rows, *a, **kw):
+        if any(r.params is bad for r in rows):
+            raise FloatingPointError("block sampling failed")
+        return real_block(logits, rows, *a, **kw)
+
+    def step_sample(self, seqs, mask, logits):
+        if any(m and s.params is bad and s.num_output_tokens >= 2 for s, m in zip(seqs, mask)):
+            raise FloatingPointError("step sampling failed")
+        return real_step(self, seqs, mask, logits)
+
+    monkeypatch.setattr(multi_step, "sample_unseeded", block_sample)
+    monkeypatch.setattr(Sampler, "__call__", step_sample)
+    again = [eng.add_request(p, SamplingParams(max_tokens=40, **GREEDY)) for p in prompts]
+    culprit = eng.add_request([50, 51, 52], bad)
+    outs = drain(eng)
+    assert [outs[i].token_ids for i in again] == [baseline[i].token_ids for i in base]
+    assert outs[culprit].finish_reason == "abort" and list(eng.pop_failed()) == [culprit]
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1

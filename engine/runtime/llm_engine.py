@@ -22,6 +22,7 @@ import torch
 from engine.core.kv_cache_manager import BlockManager
 from engine.config import EngineConfig
 from engine.runtime.detokenizer import Detokenizer
+from engine.distributed.executor import RankFailure
 from engine.distributed.parallel_state import SINGLE
 from engine.distributed.start import parallel_layout, start_workers
 from engine.runtime.input_processor import InputProcessor
@@ -50,6 +51,21 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (EngineConfig.max_waiting_requests): retry later."""
+
+
+@dataclasses.dataclass
+class ComputedStep:
+    """What a scheduled batch's prepare -> execute -> sample produced, before anything is committed."""
+    new_tokens: list[list[int]]         # per sequence
+    lp_rows: list
+    graphed: bool
+    decode_only: bool
+    num_spec: int
+    constrained: bool
+    t_prep: float
+    t_fwd: float
+    t_mask: float
+    t_sample: float
 
 
 class RequestFailed(RuntimeError):
@@ -309,11 +325,15 @@ class LLMEngine:
             return []
         try:
             done = self._compute(sched, observe)
+        except RankFailure:
+            raise                               # a dead tensor-parallel rank: no request is to blame
         except Exception as e:  # noqa: BLE001 - fail only the requests that raise, run the others
+            if self.executor is not None:
+                self.executor.check()           # (raises RankFailure when a rank died with this step)
             return self._isolate(sched, e, observe, timer, t0, t_sched)
         return self._finish_step(sched, done, observe, timer, t0, t_sched)
 
-    def _compute(self, sched: SchedulerOutput, observe: bool) -> dict:
+    def _compute(self, sched: SchedulerOutput, observe: bool) -> "ComputedStep":
         """prepare -> execute -> [grammar masks] -> sample | verify for a scheduled batch. Commits nothing:
         when it raises, the batch (or any part of it) can run again."""
         if observe:
@@ -362,33 +382,31 @@ class LLMEngine:
         t_sample = time.perf_counter()
         if self.executor is not None:
             self.executor.check()               # a rank that died mid-step leaves these tokens meaningless
-        return dict(new_tokens=new_tokens, lp_rows=lp_rows, graphed=graphed, decode_only=decode_only,
-                    num_spec=num_spec, constrained=constrained, t_prep=t_prep, t_fwd=t_fwd,
-                    t_mask=t_mask, t_sample=t_sample)
+        return ComputedStep(new_tokens, lp_rows, graphed, decode_only, num_spec, constrained, t_prep, t_fwd, t_mask,
+                            t_sample)
 
-    def _finish_step(self, sched: SchedulerOutput, done: dict, observe: bool, timer, t0: float, t_sched: float
-                     ) -> list[RequestOutput]:
+    def _finish_step(self, sched: SchedulerOutput, done: "ComputedStep", observe: bool, timer, t0: float,
+                     t_sched: float) -> list[RequestOutput]:
         """process outputs (append, stop, detokenize) and events for a computed batch."""
         ms = self.multi_step
-        outputs, finished = self._process_outputs(sched, done["new_tokens"], done["lp_rows"])
+        outputs, finished = self._process_outputs(sched, done.new_tokens, done.lp_rows)
         if self.drafter is not None:
             self.drafter.shadow_probe(sched.seqs)
         t_end = time.perf_counter()
         self.step_index += 1
-        num_spec = done["num_spec"]
+        num_spec = done.num_spec
         if self.config.scheduler_config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
             ms.observe_iteration(t_end - t0)    # a decode-only step: one iteration
-        if done["decode_only"] and (num_spec or self.num_scheduler_steps == 1):   # (multi-step: a block's iteration)
+        if done.decode_only and (num_spec or self.num_scheduler_steps == 1):   # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
         if observe:
-            t_prep, t_fwd, t_mask, t_sample = (done[k] for k in ("t_prep", "t_fwd", "t_mask",
-                                                                             "t_sample"))
+            t_prep, t_fwd, t_mask, t_sample = done.t_prep, done.t_fwd, done.t_mask, done.t_sample
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_mask, "postprocess": t_end - t_sample}
-            if done["constrained"]:
+            if done.constrained:
                 timings["grammar mask"] = t_mask - t_fwd
             timings.update(timer.collect())
-            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=done["graphed"],
+            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=done.graphed,
                             rank_timings=self.collect_rank_timings())
         else:
             self.block_manager.pop_step_stats()
