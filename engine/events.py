@@ -4,7 +4,8 @@ Two kinds of records, both plain dataclasses (cheap, picklable, JSON-able via `t
 
 - `StepEvent`: one per engine step, emitted after the step's outputs are processed.
 - `RequestEvent`: one per request lifecycle change (arrived, scheduled, first_token, preempted,
-  finished, aborted, rejected).
+  finished, aborted, rejected, failed).
+- `StepFailureEvent`: an engine step raised; the requests that made it raise were failed, the others ran on.
 
 All times are `time.perf_counter()` seconds (the same clock as `RequestMetrics`). Listeners are called
 synchronously on the engine thread: they must be quick (append to a buffer) and must not raise; an
@@ -71,7 +72,7 @@ class StepEvent:
 @dataclass
 class RequestEvent:
     kind: str                        # "arrived" | "scheduled" | "first_token" | "preempted" |
-    #                                  "finished" | "aborted" | "rejected"
+    #                                  "finished" | "aborted" | "rejected" | "failed"
     request_id: str
     time: float
     step: int                        # engine step index at the event (-1 before any step)
@@ -80,12 +81,28 @@ class RequestEvent:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     block_table: list[int] | None = None  # on "scheduled"/"preempted"/"finished": the request's blocks
-    message: str | None = None            # on "rejected": why
+    message: str | None = None            # on "rejected" / "failed": why
     arrival_time: float | None = None     # on "arrived": when the front end received the request (`time` is
     #                                       when the engine took it into its waiting queue)
     priority: int | None = None           # SamplingParams.priority (lower = sooner under the priority policy)
     structured: str | None = None         # on "arrived": the output constraint's kind (json, regex, choice, grammar,
     #                                       json_object), None for an unconstrained request
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepFailureEvent:
+    """A step whose prepare / forward / sampling raised. The engine re-ran its batch in halves until the
+    requests that raise were alone, failed those (a "failed" RequestEvent each) and kept the others."""
+    step: int                        # engine step index when it failed
+    time: float
+    error: str                       # the first exception, "Type: message"
+    failed: list[str]                # request ids failed because their rows raised
+    num_requests: int                # requests in the failed step
+    num_retries: int                 # sub-steps run to isolate them
+    kind: str = "step_failure"
 
     def to_dict(self) -> dict:
         return asdict(self)

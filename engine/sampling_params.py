@@ -1,11 +1,28 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (validated on construction)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+# What the sampler can compute in fp32 (logits are float32 whatever the model's dtype). A sampled row divides
+# its logits by max(T, GREEDY_TEMPERATURE) (the fused kernel multiplies by 1 / T), and a repetition penalty
+# multiplies or divides a logit by it before that: the bounds keep 1 / T a normal float32 and a penalized
+# logit of magnitude up to 1e20 finite after the division (1e20 * 1e6 / 1e-5 = 1e31 < 3.4e38).
+GREEDY_TEMPERATURE = 1e-5               # below: greedy (argmax)
+MAX_TEMPERATURE = 1e30
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+INT64_MIN, UINT64_END = -2 ** 63, 2 ** 64
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -42,32 +59,43 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Every field against what the sampler can compute: finite, representable, in range. The error names
+        the field and the limit ("SamplingParams.<field>: ..."), so the API server answers a 400 naming it."""
         def need(cond: bool, name: str, msg: str):
             if not cond:
                 raise ValueError(f"SamplingParams.{name}: {msg} (got {getattr(self, name)!r})")
 
-        need(self.temperature >= 0, "temperature", "must be >= 0")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive int")
-        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        need(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
-        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1")
-        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        def real(name: str, lo: float, hi: float, lo_open: bool = False):
+            v = getattr(self, name)
+            need(_is_real(v), name, "must be a finite number")
+            need((lo < v if lo_open else lo <= v) and v <= hi, name,
+                 f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+
+        real("temperature", 0, MAX_TEMPERATURE)
+        real("top_p", 0, 1, lo_open=True)
+        need(_is_int(self.top_k) and 0 <= self.top_k < 2 ** 63, "top_k",
+             "must be -1, 0 (off) or a positive int below 2**63")
+        real("min_p", 0, 1)
+        real("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        real("presence_penalty", -2, 2)
+        real("frequency_penalty", -2, 2)
+        need(_is_int(self.max_tokens) and 1 <= self.max_tokens < 2 ** 63, "max_tokens",
+             "must be an int in [1, 2**63)")
+        need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              "min_tokens", "must be an int in [0, max_tokens]")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "must be None or an int")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        need(self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed < UINT64_END), "seed",
+             "must be None or an int in [-2**63, 2**64)")
+        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              "logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative ints")
-        need(isinstance(self.priority, int) and not isinstance(self.priority, bool)
-             and -2 ** 63 <= self.priority < 2 ** 63, "priority", "must be an int (lower = scheduled sooner)")
+        need(all(_is_int(t) and 0 <= t < 2 ** 63 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative ints (token ids)")
+        need(_is_int(self.priority) and INT64_MIN <= self.priority < 2 ** 63, "priority",
+             "must be an int in [-2**63, 2**63) (lower = scheduled sooner)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from engine.events import RequestEvent, StepEvent
+from engine.events import RequestEvent, StepEvent, StepFailureEvent
 from engine.outputs import RequestMetrics
 from inspector.tracks import RequestTrack, TrackBuilder
 
@@ -145,6 +145,8 @@ class Recorder:
                         b.on_step(ev)
                     elif isinstance(ev, RequestEvent):
                         self._on_request(ev)
+                    elif isinstance(ev, StepFailureEvent):
+                        b.totals["step_failures"] += 1
                 except Exception:  # a malformed event never breaks the inspector
                     import logging
                     logging.getLogger(__name__).exception("recorder could not process %r", ev)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from engine.events import RequestEvent, StepEvent
 
 PHASES = ("frontend", "waiting", "prefill", "decode", "preempted")
-_TERMINAL = ("finished", "aborted", "rejected")
+_TERMINAL = ("finished", "aborted", "rejected", "failed")
 
 
 @dataclass
@@ -43,7 +43,7 @@ class RequestTrack:
     first_token: float | None = None
     finished: float | None = None
     finish_reason: str | None = None
-    status: str = "waiting"   # waiting | running | preempted | finished | aborted | rejected
+    status: str = "waiting"   # waiting | running | preempted | finished | aborted | rejected | failed
     num_preemptions: int = 0
     message: str | None = None
     priority: int | None = None   # SamplingParams.priority (lower = sooner under the priority policy)
@@ -86,7 +86,7 @@ class TrackBuilder:
         self.last_step_idx = -1
         self.last_step_end: float | None = None
         self.totals = dict(steps=0, prompt_tokens=0, decode_tokens=0, output_tokens=0, preemptions=0,
-                           finished=0, aborted=0, rejected=0, arrived=0, prefix_cache_queries=0,
+                           finished=0, aborted=0, rejected=0, failed=0, step_failures=0, arrived=0, prefix_cache_queries=0,
                            prefix_cache_hits=0, blocks_shared=0, blocks_evicted=0, busy_time=0.0)
         self.spec = dict(num_steps=0, num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                          accepted_per_pos=[], history=deque(maxlen=max_steps))
@@ -149,7 +149,7 @@ class TrackBuilder:
             if tr.status not in _TERMINAL:
                 self.totals[k] += 1
             self._finish(tr, ev.time, k, ev.finish_reason)
-            if k == "rejected":
+            if k in ("rejected", "failed"):
                 tr.message = ev.message
 
     def _preempt(self, tr: RequestTrack, t: float, step_coord: float) -> None:

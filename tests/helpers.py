@@ -358,3 +358,63 @@ def json_prefix_kind(text: str) -> str:
     if i != len(text):
         raise ValueError(f"trailing text at {i}: {text[i:i + 20]!r}")
     return "complete"
+
+
+def check_half_cancelled_storm(url: str, loop, n: int) -> None:
+    """n concurrent streams (n <= max_waiting_requests), every other one closed after its first chunk, while
+    /metrics is scraped: none is refused, the others get all 8 tokens, running + waiting never exceeds n, and
+    both return to 0."""
+    import asyncio
+    import json
+
+    import httpx
+    peak = [0.0]
+
+    def parse(text: str) -> dict:
+        from prometheus_client.parser import text_string_to_metric_families
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def in_system(m: dict) -> float:
+        return metric_sum(m, "kvscope:num_requests_running") + metric_sum(m, "kvscope:num_requests_waiting")
+
+    async def storm() -> list:
+        done = asyncio.Event()
+
+        async def watch():
+            async with httpx.AsyncClient(timeout=30) as c:
+                while not done.is_set():
+                    peak[0] = max(peak[0], in_system(parse((await c.get(url + "/metrics")).text)))
+                    await asyncio.sleep(0.02)
+
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n + 4)) as c:
+            async def one(i: int):
+                body = {"prompt": [3 + i % 50, 9, 27], "max_tokens": 8, "stream": True, "ignore_eos": True,
+                        "return_token_ids": True}
+                async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        return r.status_code
+                    got = 0
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            got += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                            if i % 2:
+                                return "closed"          # leaving the block drops the connection
+                    return got
+            w = asyncio.ensure_future(watch())
+            try:
+                return await asyncio.gather(*(one(i) for i in range(n)))
+            finally:
+                done.set()
+                await w
+
+    results = asyncio.run(storm())
+    assert [r for r in results if isinstance(r, int) and r >= 400] == []
+    assert results[0::2] == [8] * (n // 2) and results[1::2] == ["closed"] * (n // 2)
+    assert peak[0] <= n
+    t_end = time.monotonic() + 30
+    while time.monotonic() < t_end and in_system(scrape_metrics(url)):
+        time.sleep(0.02)
+    assert in_system(scrape_metrics(url)) == 0
+    s = loop.stats()
+    assert s["num_running"] == s["num_waiting"] == 0

@@ -48,6 +48,9 @@ def test_structured_output_box():
     (dict(min_tokens=99), "min tokens"), (dict(seed=-3), "seed"), (dict(max_tokens=None), "max tokens"),
     (dict(repetition_penalty=0), "repetition penalty"), (dict(presence_penalty=3), "presence penalty"),
     (dict(max_tokens="abc"), "number"),
+    # values the sampler cannot compute (a step would raise): refused with the engine's limit
+    (dict(repetition_penalty=1e-300), r"repetition penalty: must be >= 1e-06"),
+    (dict(top_k=1e30), r"top_k: .*2\*\*63"),
 ])
 def test_sampling_params_messages(kw, word):
     with pytest.raises(ValueError, match=word):

@@ -70,6 +70,12 @@ def test_http_stream_and_metrics(srv, core):
         assert c.get(srv.url + "/health").status_code == 200
 
 
+def test_half_cancelled_streams_below_the_limit_never_get_503(srv, core):
+    """As in tests/test_serving_admission.py, with the engine's counts coming over the pipe."""
+    from helpers import check_half_cancelled_storm
+    check_half_cancelled_storm(srv.url, core, CFG.scheduler_config.max_waiting_requests)
+
+
 def test_bad_request_is_refused_in_the_server_process(core):
     with pytest.raises(ValueError, match="prompt"):
         core.submit([], SamplingParams(max_tokens=2))

@@ -1,6 +1,7 @@
 """Serving under concurrent load: submission never waits for an engine step, arrival is stamped before
 tokenization, the front-end wait counts in TTFT, and a storm of dropped streams leaks no KV block."""
 import asyncio
+import json
 import threading
 import time
 
@@ -249,3 +250,71 @@ def test_arrival_protocol_stamps_at_accept_then_at_first_bytes():
     assert len(seen) == 2
     assert t_a <= seen[0] <= t_b                       # the first request: when its connection was accepted
     assert t_c <= seen[1] <= t_d                       # the next one: when its bytes came in
+
+
+@pytest.mark.slow
+def test_half_cancelled_streams_below_the_limit_never_get_503():
+    """64 concurrent streams under max_waiting_requests=64, every other one closed after its first chunk: none
+    is refused, /metrics never shows more running + waiting requests than exist, and both return to 0 (the
+    engine in its own process: tests/test_engine_core_process.py)."""
+    from helpers import check_half_cancelled_storm
+    with EngineLoop(EngineConfig(model=MODEL, device="cpu", num_kv_blocks=256, block_size=16, max_model_len=256,
+                                 max_num_seqs=16, max_waiting_requests=64)) as lp:
+        with ServerThread(build_app(lp)) as srv:
+            check_half_cancelled_storm(srv.url, lp, 64)
+
+
+def test_step_failure_fails_one_request_and_the_others_stream_on(loop, monkeypatch):
+    """A request whose rows make the sampler raise gets a 500 (its stream: an error event); streams beside it
+    finish with the tokens they get alone; /metrics counts the failed step; no KV block is left in use."""
+    from engine.sample.sampler import Sampler
+    from helpers import metric_sum, scrape_metrics
+    real = Sampler.__call__
+
+    def call(self, seqs, mask, logits):
+        if any(m and s.params.seed == 4242 and s.num_output_tokens >= 2 for s, m in zip(seqs, mask)):
+            raise FloatingPointError("probability tensor contains either inf, nan or element < 0")
+        return real(self, seqs, mask, logits)
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    with ServerThread(build_app(loop)) as srv:
+        def body(p, **kw):
+            return {"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                    **kw}
+        alone = [httpx.post(srv.url + "/v1/completions", json=body(p), timeout=60).json()["choices"][0]["token_ids"]
+                 for p in prompts]
+        m0 = scrape_metrics(srv.url)
+        failures0 = metric_sum(m0, "kvscope:step_failures_total")
+        fails0 = metric_sum(m0, "kvscope:request_failures_total")
+        monkeypatch.setattr(Sampler, "__call__", call)
+
+        async def mixed(url: str):
+            async with httpx.AsyncClient(timeout=60) as c:
+                async def stream(p):
+                    ids = []
+                    async with c.stream("POST", url + "/v1/completions", json=body(p, stream=True)) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                ch = json.loads(line[6:])
+                                assert "error" not in ch, ch
+                                ids += ch["choices"][0]["token_ids"]
+                    return ids
+
+                async def bad_stream():
+                    async with c.stream("POST", url + "/v1/completions",
+                                        json=body([20, 21, 22], stream=True, seed=4242)) as r:
+                        return [json.loads(line[6:]) for line in [x async for x in r.aiter_lines()]
+                                if line.startswith("data: {")]
+                bad_plain = c.post(url + "/v1/completions", json=body([30, 31], seed=4242))
+                return await asyncio.gather(*(stream(p) for p in prompts), bad_stream(), bad_plain)
+
+        *good, bad_chunks, bad_plain = asyncio.run(mixed(srv.url))
+        s = wait_idle(loop, 30)
+        m = scrape_metrics(srv.url)
+    assert good == alone
+    assert "error" in bad_chunks[-1] and "FloatingPointError" in bad_chunks[-1]["error"]["message"]
+    assert bad_plain.status_code == 500 and bad_plain.json()["error"]["code"] == "engine_error"
+    assert "FloatingPointError" in bad_plain.json()["error"]["message"]
+    assert metric_sum(m, "kvscope:step_failures_total") - failures0 >= 1      # both may fail in one step
+    assert metric_sum(m, "kvscope:request_failures_total") - fails0 == 2
+    assert s["num_free_blocks"] == loop.engine.num_blocks - 1

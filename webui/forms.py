@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from engine.config import FIELD_SPECS, EngineConfig, field_specs, parse_value
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY, SamplingParams
 from inspector import load as L
 from inspector import metrics as M
 
@@ -83,7 +83,7 @@ def make_sampling_params(temperature, top_p, top_k, min_p, max_tokens, min_token
             temperature=parse_num(temperature, "temperature", lo=0, hi=10), top_p=parse_num(top_p, "top-p", lo=0, hi=1, lo_exclusive=True),
             top_k=parse_num(top_k, "top-k", integer=True, lo=-1), min_p=parse_num(min_p, "min-p", lo=0, hi=1),
             max_tokens=mt, min_tokens=parse_num(min_tokens, "min tokens", integer=True, lo=0, hi=mt),
-            repetition_penalty=parse_num(repetition_penalty, "repetition penalty", lo=0, lo_exclusive=True, hi=10),
+            repetition_penalty=parse_num(repetition_penalty, "repetition penalty", lo=MIN_REPETITION_PENALTY, hi=10),
             presence_penalty=parse_num(presence_penalty, "presence penalty", lo=-2, hi=2),
             frequency_penalty=parse_num(frequency_penalty, "frequency penalty", lo=-2, hi=2),
             seed=parse_num(seed, "seed", integer=True, lo=0, allow_none=True), stop=stops or None,

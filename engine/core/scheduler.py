@@ -48,6 +48,15 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def subset(self, idx: list[int]) -> "SchedulerOutput":
+        """The step of seqs[i] for i in idx alone (a failed step re-run in parts); the others keep their blocks
+        and are scheduled again next step. Preemptions and admissions stay with the original step."""
+        pick = lambda xs: [xs[i] for i in idx] if xs else []
+        admitted = {id(s) for s in self.admitted}
+        return SchedulerOutput(pick(self.seqs), pick(self.num_new_tokens), pick(self.num_spec_tokens),
+                               pick(self.computed_before), [], [s for s in pick(self.seqs) if id(s) in admitted],
+                               pick(self.phases), pick(self.total_lens))
+
 
 class PriorityWaitingQueue:
     """The waiting queue under `scheduling_policy="priority"`: a heap on (priority, arrival time, insertion

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Iterator
 
 from engine.config import EngineConfig
-from engine.runtime.llm_engine import EngineOverloaded, LLMEngine
+from engine.runtime.llm_engine import EngineOverloaded, LLMEngine, RequestFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -116,6 +116,9 @@ class RequestStream:
 def admit_batch(seqs: list, request_ids: list, taken: dict, limit: int | None, queued: int, next_id) -> None:
     """Under the caller's lock: refuse a batch that would overfill the waiting queue (EngineOverloaded),
     name the unnamed requests (`next_id()`), refuse ids already in use or repeated (ValueError)."""
+    if limit is not None and len(seqs) > limit:          # no wait could help: a ValueError, not an overload
+        raise ValueError(f"max_waiting_requests: {len(seqs)} requests submitted together can never fit the "
+                         f"waiting queue (it holds at most {limit})")
     if limit is not None and queued + len(seqs) > limit:
         raise EngineOverloaded(f"max_waiting_requests: the waiting queue is full ({limit} requests; "
                                f"{queued} queued, {len(seqs)} new)")
@@ -232,7 +235,7 @@ class EngineLoop:
     def metrics_snapshot(self) -> dict:
         """engine.stats() without waiting for the step in progress (plain reads of ints and lengths): what
         /metrics reports, so a scrape never waits on the engine."""
-        s = self.engine.stats()
+        s = self.engine.stats()             # waiting first: a request leaves pending before it enters waiting
         s["num_waiting"] += self._pending_admissions
         return s
 
@@ -271,10 +274,12 @@ class EngineLoop:
             items = list(self._inbox)
             self._inbox.clear()
             self.engine.arrivals_pending = False
-        added = 0
         for kind, arg in items:
             if kind == "add":
-                added += 1
+                # out of the pending count before it enters the waiting queue: a stats read (waiting, then
+                # pending) may miss it for that instant but never counts it twice
+                with self._inbox_lock:
+                    self._pending_admissions -= 1
                 try:
                     self.engine.add_sequence(arg)
                 except Exception as e:  # overloaded or duplicate: tell the one caller, keep serving
@@ -290,9 +295,6 @@ class EngineLoop:
                 except Exception as e:
                     box["error"] = e
                 done.set()
-        if added:
-            with self._inbox_lock:
-                self._pending_admissions -= added
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batches: dict = {}
@@ -331,7 +333,8 @@ class EngineLoop:
             try:
                 with self._lock:
                     outputs = self.engine.step()
-            except Exception as e:  # a failing step must not strand callers: fail its requests, go on
+                    failed = self.engine.pop_failed()
+            except Exception as e:  # the engine could not isolate the cause: fail every request, go on
                 log.exception("engine step failed")
                 self.error = e
                 with self._lock:
@@ -339,6 +342,10 @@ class EngineLoop:
                         self.engine.abort_request(rid)
                         self._close(rid, RuntimeError(f"engine step failed: {e}"))
                 continue
+            if failed:                  # requests whose rows made a step raise (the engine ran the others)
+                for rid, why in failed.items():
+                    self._close(rid, RequestFailed(f"engine step failed for this request: {why}"))
+                outputs = [o for o in outputs if o.request_id not in failed]
             self._deliver(outputs)
         for rid in list(self.engine.seqs):
             self.engine.abort_request(rid)

@@ -68,7 +68,8 @@ class FrontendEngine:
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, info["vocab_size"], self.max_model_len, self.block_size,
                                               self.num_blocks,
-                                              GrammarCompiler(tokenizer, info["vocab_size"], self.eos_token_ids))
+                                              GrammarCompiler(tokenizer, info["vocab_size"], self.eos_token_ids),
+                                              self.eos_token_ids)
 
 
 class _Acc:
@@ -258,7 +259,8 @@ class EngineCoreClient:
         with self._inbox_lock:
             admit_batch(seqs, request_ids, self._streams,
                         eng.config.scheduler_config.max_waiting_requests,
-                        self._stats.get("num_waiting", 0) + self._sent_since_stats,
+                        # never more than the requests open here (the core's stats may be a step old)
+                        min(self._stats.get("num_waiting", 0) + self._sent_since_stats, len(self._streams)),
                         lambda: f"core-{self._id_prefix}-{next(self._ids)}")
             streams = []
             for seq in seqs:

@@ -143,6 +143,7 @@ class CoreLoop(EngineLoop):
                 self.send(("out", by_conn.get(id(conn), (conn, []))[1], stats), conn)
 
     def _close(self, request_id: str, err: BaseException) -> None:
+        self._lp_sent.pop(request_id, None)
         with self._inbox_lock:
             self._streams.pop(request_id, None)
             conn = self._owner.pop(request_id, None)

@@ -12,8 +12,9 @@ from engine.core.sequence import Sequence
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int,
-                 grammar_compiler):
+                 grammar_compiler, eos_token_ids: set[int] = frozenset()):
         self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.block_size, self.num_blocks = block_size, num_blocks
         self.grammar_compiler = grammar_compiler
@@ -44,13 +45,20 @@ class InputProcessor:
             text, ids = prompt, self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
-            V = self.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < V for t in ids):
-                raise ValueError(f"prompt: token ids must be ints in [0, {V})")
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt: token ids must be ints in [0, {self.vocab_size})")
         else:
             raise ValueError("prompt: must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
+        V = self.vocab_size
+        if any(t >= V for t in params.stop_token_ids):     # the min_tokens ban indexes the logits by them
+            raise ValueError(f"stop_token_ids: must be token ids in [0, {V}) "
+                             f"(got {max(params.stop_token_ids)})")
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and not params.structured_outputs and len(banned) >= V:
+            raise ValueError(f"stop_token_ids: with EOS they are all {V} tokens, so min_tokens "
+                             f"({params.min_tokens}) would leave no token to sample")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
                              "and at least one output token must fit")

@@ -22,7 +22,7 @@ import torch
 from engine.core.kv_cache_manager import BlockManager
 from engine.config import EngineConfig
 from engine.runtime.detokenizer import Detokenizer
-from engine.events import EventBus
+from engine.distributed.executor import RankFailure
 from engine.distributed.parallel_state import SINGLE
 from engine.distributed.launch import env_launch
 from engine.distributed.start import parallel_layout, start_workers
@@ -39,6 +39,7 @@ from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence
+from engine.events import EventBus, StepFailureEvent
 from engine.runtime.step_events import phase_of, request_event, step_event
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.multi_step import MultiStepDecoder
@@ -52,6 +53,25 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (EngineConfig.max_waiting_requests): retry later."""
+
+
+@dataclasses.dataclass
+class ComputedStep:
+    """What a scheduled batch's prepare -> execute -> sample produced, before anything is committed."""
+    new_tokens: list[list[int]]         # per sequence
+    lp_rows: list
+    graphed: bool
+    decode_only: bool
+    num_spec: int
+    constrained: bool
+    t_prep: float
+    t_fwd: float
+    t_mask: float
+    t_sample: float
+
+
+class RequestFailed(RuntimeError):
+    """A request whose rows made an engine step raise; it was failed alone, its batch-mates ran on."""
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -194,7 +214,7 @@ class LLMEngine:
             fused_bitmask=config.structured_output_config.fused_token_bitmask and self.kernels == "triton",
             mask_threads=config.structured_output_config.structured_mask_threads)
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, self.block_size,
-                                              self.num_blocks, self.structured.compiler)
+                                              self.num_blocks, self.structured.compiler, self.eos_token_ids)
         generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
         self.sampler = Sampler(self.eos_token_ids, generator, self.fused_sampling)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.detok, self.eos_token_ids,
@@ -207,7 +227,9 @@ class LLMEngine:
         self._timer = make_timer(True, self.device) if config.observability_config.enable_step_timings else NullTimer()
         self._profile_next = False
         self.last_profile: list[dict] | None = None
-        self.stats_total = dict(prompt_tokens=0, finished=0, aborted=0)
+        self.stats_total = dict(prompt_tokens=0, finished=0, aborted=0, failed=0, step_failures=0)
+        self.failed: dict[str, str] = {}        # request id -> why its step failed (EngineLoop.pop_failed)
+        self._block_suspects: set[str] = set()  # requests of a multi-step block that raised: single steps
         self.drafter = self.fast_verify = None
         if config.speculative_config.speculative_method:
             from engine.spec import FastVerify, make_drafter
@@ -267,13 +289,19 @@ class LLMEngine:
         self._finished(seq)
         return self.output_processor.make_output(seq, [])
 
-    def _finished(self, seq: Sequence) -> None:
-        """Bookkeeping of a request the scheduler has finished (its blocks are free)."""
+    def _finished(self, seq: Sequence, failed: str | None = None) -> None:
+        """Bookkeeping of a request the scheduler has finished (its blocks are free); `failed`: why its step
+        raised (then it counts as failed, not aborted)."""
         self.seqs.pop(seq.request_id, None)
         self.structured.remove(seq)
-        self.stats_total["aborted" if seq.finish_reason == "abort" else "finished"] += 1
-        self._emit_request("aborted" if seq.finish_reason == "abort" else "finished", seq,
-                           finish_reason=seq.finish_reason)
+        kind = "failed" if failed else "aborted" if seq.finish_reason == "abort" else "finished"
+        self.stats_total[kind] += 1
+        self._emit_request(kind, seq, finish_reason=seq.finish_reason, message=failed)
+
+    def pop_failed(self) -> dict[str, str]:
+        """Requests failed since the last call ({request id: why}); their outputs finish with "abort"."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -295,9 +323,13 @@ class LLMEngine:
         ms.drop_finished()
         if self.drafter is not None and ms.inflight is None:     # (a multi-step block in flight: all off)
             self.drafter.propose(self.scheduler.running)
-        K = ms.plan(self.arrivals_pending) if ms.enabled and ms.inflight is None else 0
+        if self._block_suspects:
+            self._block_suspects &= self.seqs.keys()
+        K = ms.plan(self.arrivals_pending) if ms.enabled and ms.inflight is None and not self._block_suspects else 0
         if K or ms.inflight is not None:
-            return self._block_step(K, observe, timer)
+            outputs = self._block_step(K, observe, timer)
+            if outputs is not None:
+                return outputs                  # (None: the block raised; a single step isolates the cause)
 
         # schedule: who runs, how many tokens; blocks are allocated here only
         sched = self.scheduler.schedule()
@@ -312,6 +344,19 @@ class LLMEngine:
             if observe and sched.preempted:
                 self._emit_step(sched, t0, time.perf_counter(), [], {"schedule": t_sched - t0})
             return []
+        try:
+            done = self._compute(sched, observe)
+        except RankFailure:
+            raise                               # a dead tensor-parallel rank: no request is to blame
+        except Exception as e:  # noqa: BLE001 - fail only the requests that raise, run the others
+            if self.executor is not None:
+                self.executor.check()           # (raises RankFailure when a rank died with this step)
+            return self._isolate(sched, e, observe, timer, t0, t_sched)
+        return self._finish_step(sched, done, observe, timer, t0, t_sched)
+
+    def _compute(self, sched: SchedulerOutput, observe: bool) -> "ComputedStep":
+        """prepare -> execute -> [grammar masks] -> sample | verify for a scheduled batch. Commits nothing:
+        when it raises, the batch (or any part of it) can run again."""
         if observe:
             kv = self.config.cache_config.enable_kv_cache
             sched.phases = [phase_of(seq, n - k, start, kv) for seq, n, start, k in
@@ -358,33 +403,115 @@ class LLMEngine:
         t_sample = time.perf_counter()
         if self.executor is not None:
             self.executor.check()               # a rank that died mid-step leaves these tokens meaningless
+        return ComputedStep(new_tokens, lp_rows, graphed, decode_only, num_spec, constrained, t_prep, t_fwd, t_mask,
+                            t_sample)
 
-        # process outputs: append, stop, detokenize
-        outputs, finished = self._process_outputs(sched, new_tokens, lp_rows)
+    def _finish_step(self, sched: SchedulerOutput, done: "ComputedStep", observe: bool, timer, t0: float,
+                     t_sched: float) -> list[RequestOutput]:
+        """process outputs (append, stop, detokenize) and events for a computed batch."""
+        ms = self.multi_step
+        outputs, finished = self._process_outputs(sched, done.new_tokens, done.lp_rows)
         if self.drafter is not None:
             self.drafter.shadow_probe(sched.seqs)
         t_end = time.perf_counter()
         self.step_index += 1
+        num_spec = done.num_spec
         if self.config.scheduler_config.multi_step_max_ms and sched.num_tokens == len(sched.seqs):
             ms.observe_iteration(t_end - t0)    # a decode-only step: one iteration
-        if decode_only and (num_spec or self.num_scheduler_steps == 1):     # (multi-step: a block's iteration)
+        if done.decode_only and (num_spec or self.num_scheduler_steps == 1):   # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
         if observe:
+            t_prep, t_fwd, t_mask, t_sample = done.t_prep, done.t_fwd, done.t_mask, done.t_sample
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_mask, "postprocess": t_end - t_sample}
-            if constrained:
+            if done.constrained:
                 timings["grammar mask"] = t_mask - t_fwd
             timings.update(timer.collect())
-            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=graphed,
+            self._emit_step(sched, t0, t_end, finished, timings, cuda_graph=done.graphed,
                             rank_timings=self.collect_rank_timings())
         else:
             self.block_manager.pop_step_stats()
         return outputs
 
-    def _block_step(self, K: int, observe: bool, timer) -> list[RequestOutput]:
+    # ---- step failures -----------------------------------------------------------------------------
+    def _isolate(self, sched: SchedulerOutput, err: Exception, observe: bool, timer, t0: float, t_sched: float
+                 ) -> list[RequestOutput]:
+        """The batch's compute raised: run it again in halves (each half that runs is a step of its own, its
+        requests' tokens those of any batch), split the halves that raise until a request raises alone, and
+        fail those requests; the others keep running, their blocks untouched."""
+        self.stats_total["step_failures"] += 1
+        log.warning("engine step %d failed (%s: %s); isolating the requests that caused it", self.step_index,
+                    type(err).__name__, err)
+        outputs: list[RequestOutput] = []
+        culprits: list[tuple[Sequence, Exception]] = []
+        retries = 0
+
+        def attempt(idx: list[int]) -> Exception | None:
+            nonlocal retries
+            retries += 1
+            sub = sched.subset(idx)
+            t_sub = time.perf_counter()
+            try:
+                done = self._compute(sub, observe)
+            except Exception as e:  # noqa: BLE001
+                return e
+            outputs.extend(self._finish_step(sub, done, observe, timer, t_sub, t_sub))
+            return None
+
+        def bisect(idx: list[int], e: Exception) -> None:
+            if len(idx) == 1:
+                culprits.append((sched.seqs[idx[0]], e))
+                return
+            for half in (idx[:len(idx) // 2], idx[len(idx) // 2:]):
+                e_half = attempt(half)
+                if e_half is not None:
+                    bisect(half, e_half)
+
+        bisect(list(range(len(sched.seqs))), err)
+        for seq, e in culprits:
+            outputs.append(self._fail_request(seq, e))
+        if self.events.active:
+            self.events.emit(StepFailureEvent(step=self.step_index, time=time.perf_counter(),
+                                              error=f"{type(err).__name__}: {err}",
+                                              failed=[s.request_id for s, _ in culprits],
+                                              num_requests=len(sched.seqs), num_retries=retries))
+        return outputs
+
+    def _fail_request(self, seq: Sequence, err: Exception) -> RequestOutput:
+        """Finish seq as failed (finish reason "abort"; its blocks are freed); EngineLoop fails its stream."""
+        why = f"{type(err).__name__}: {err}"
+        log.warning("request %s failed in an engine step: %s", seq.request_id, why)
+        self.scheduler.finish(seq, "abort")
+        seq.metrics.finished_time = time.perf_counter()
+        self.failed[seq.request_id] = why
+        if len(self.failed) > 1024:             # an offline caller that never pops them keeps only the latest
+            self.failed.pop(next(iter(self.failed)))
+        self._finished(seq, failed=why)
+        return self.output_processor.make_output(seq, [])
+
+    def _block_failed(self, err: Exception) -> None:
+        """A multi-step block raised: drop the blocks in flight (their tokens were not processed; the KV slots
+        they wrote are written again) and run single steps, which isolate the cause, until its requests end."""
+        ms = self.multi_step
+        self.stats_total["step_failures"] += 1
+        log.warning("multi-step block failed (%s: %s); single steps isolate the cause", type(err).__name__, err)
+        self._block_suspects = {s.request_id for s in self.scheduler.running}
+        ms.inflight = None
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+        if self.events.active:
+            self.events.emit(StepFailureEvent(step=self.step_index, time=time.perf_counter(),
+                                              error=f"{type(err).__name__}: {err}", failed=[],
+                                              num_requests=len(self.scheduler.running), num_retries=0))
+
+    def _block_step(self, K: int, observe: bool, timer) -> list[RequestOutput] | None:
         """A step of pipelined multi-step decode: the next block is launched behind the in-flight one, whose
-        tokens are then processed as one step of K tokens per request."""
-        blk = self.multi_step.run(K, self.arrivals_pending)
+        tokens are then processed as one step of K tokens per request. None: the blocks raised and were dropped."""
+        try:
+            blk = self.multi_step.run(K, self.arrivals_pending)
+        except Exception as e:  # noqa: BLE001 - single steps isolate the cause (until these requests end)
+            self._block_failed(e)
+            return None
         sched = blk.sched
         if observe:
             sched.phases = ["decode"] * len(sched.seqs)
@@ -393,7 +520,11 @@ class LLMEngine:
         if self.drafter is not None:          # auto-off: probes from the block's tokens (the next block runs)
             self.drafter.shadow_probe(sched.seqs)
         t_post = time.perf_counter()
-        next_mask_s = self.multi_step.finish()  # a grammar block launched behind this one: masked and sampled
+        try:
+            next_mask_s = self.multi_step.finish()  # a grammar block launched behind this one: masked and sampled
+        except Exception as e:  # noqa: BLE001 - these tokens are processed; the next block is dropped
+            next_mask_s = 0.0
+            self._block_failed(e)
         t_end = time.perf_counter()
         self.step_index += 1
         if observe:

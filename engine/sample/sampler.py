@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.worker.host_copy import HostCopy
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 if TYPE_CHECKING:
     from engine.core.sequence import Sequence
@@ -63,7 +63,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks; returns probabilities [B, V]."""
     dev = logits.device
-    temp = _to_dev([r.params.temperature for r in rows], dev, torch.float32).clamp_min(1e-5)
+    temp = _to_dev([r.params.temperature for r in rows], dev, torch.float32).clamp_min(GREEDY_TEMPERATURE)
     logits = logits / temp[:, None]
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -71,7 +71,7 @@ def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         V = logits.shape[-1]
-        k = _to_dev([kk if kk > 0 else V for kk in top_k], dev)
+        k = _to_dev([kk if 0 < kk < V else V for kk in top_k], dev)   # any k >= V: no cut
         ranks = torch.arange(V, device=dev)[None, :]
         mask = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)

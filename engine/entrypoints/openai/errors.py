@@ -1,10 +1,12 @@
 """OpenAI-style errors: every fault is answered with `{"error": {"message", "type", "param", "code"}}`.
 
-- 400: malformed JSON, a bad parameter (the error's `param` names it), a prompt that cannot fit.
+- 400: malformed JSON, a bad parameter (the error's `param` names it; values the sampler cannot compute
+  too), a prompt that cannot fit, more sequences (`n` x prompts) than the waiting queue could ever hold.
 - 401: `--api-key` set and `Authorization: Bearer <key>` missing or wrong (only `/v1/*` is guarded).
 - 404: unknown model name. 413: request body over `max_body_bytes`.
+- 500 `engine_error`: an engine step raised on this request's rows (it alone failed; the others ran on).
 - 503 + `Retry-After`: no engine right now, or its waiting queue (`EngineConfig.max_waiting_requests`)
-  is full. A request is accepted whole or not at all (all `n` choices of all prompts), so nothing
+  is full now (only when waiting can help). A request is accepted whole or not at all (all `n` choices of all prompts), so nothing
   accepted is dropped.
 - 504: the request ran past `request_timeout`; it is aborted in the engine (in a stream: an error
   event, then `data: [DONE]`).

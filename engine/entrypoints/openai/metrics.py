@@ -88,6 +88,10 @@ class EngineCollector(Collector):
                 data_parallel_size=len(snaps), layout=s.get("parallel_layout", "")), idx=i)
             add(C, "num_preemptions", "Preemptions (a running request lost its KV blocks).",
                 s.get("num_preemptions_total", 0), idx=i)
+            add(C, "step_failures", "Engine steps whose prepare, forward or sampling raised; the requests that "
+                "caused it failed alone, the others kept running.", s.get("step_failures", 0), idx=i)
+            add(C, "request_failures", "Requests failed because an engine step raised on their rows.",
+                s.get("failed", 0), idx=i)
             add(C, "prompt_tokens", "Prompt tokens of requests admitted to the engine.", s.get("prompt_tokens", 0),
                 idx=i)
             add(C, "generation_tokens", "Tokens generated.", s.get("generation_tokens", 0), idx=i)

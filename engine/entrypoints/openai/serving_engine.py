@@ -140,6 +140,13 @@ class OpenAIServing:
     # ---- submission: validation, tokenization, the all-or-nothing enqueue ------------------------
     def _submit(self, loop: EngineLoop, prompts: list, req, chat: bool, arrival_time: float) -> Job:
         eng = loop.engine
+        limit = eng.config.scheduler_config.max_waiting_requests
+        total = req.n * len(prompts)
+        if limit is not None and total > limit:     # a 400: waiting (a 503's Retry-After) could never help
+            param = "n" if req.n > 1 else ("messages" if chat else "prompt")
+            raise APIError(f"{param}: this request is {total} sequences (n={req.n} x {len(prompts)} prompt(s)); "
+                           f"the engine's waiting queue holds at most {limit} (max_waiting_requests), so it "
+                           "could never be admitted", param=param, code="invalid_value")
         limit_param = req.limit_param if chat else "max_tokens"
         rename = {"logprobs": "top_logprobs" if chat else "logprobs", "prompt": "messages" if chat else "prompt",
                   "max_tokens": limit_param, **req.structured_param_names()}
