@@ -115,10 +115,15 @@ def playground_tab(host: EngineHost) -> None:
                 _check_text("message", message, "please type a message first")
                 params = make_sampling_params(*samp, max_model_len=max_model_len(host))
                 loop = host.require_loop()
-                msgs = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
+                system_prompt = str(system_prompt or "")
+                msgs = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
                 msgs += [{"role": m["role"], "content": _text(m["content"])} for m in history
                          if m.get("role") in ("user", "assistant")]
                 msgs.append({"role": "user", "content": message})
+                total = sum(len(m["content"]) for m in msgs)
+                if total > MAX_PROMPT_CHARS:
+                    raise ValueError(f"conversation: too long ({total} characters with the system prompt and the "
+                                     f"history; at most {MAX_PROMPT_CHARS}); clear the chat or shorten it")
                 prompt = loop.engine.apply_chat_template(msgs)
             except (ValueError, EngineUnavailable) as e:
                 raise gr.Error(str(e), duration=8)
