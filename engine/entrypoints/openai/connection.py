@@ -132,6 +132,7 @@ class GuardedProtocol(ArrivalProtocol):
         self._timer = None
         self._got_bytes = False          # bytes of a next request received (header timeout: 408, not silence)
         self._half_closed = False
+        self._checked = None             # the request cycle whose header size was checked
         next_event = self.conn.next_event
 
         def next_event_noting_errors():  # keep h11's reason and status hint for send_400_response
@@ -165,6 +166,11 @@ class GuardedProtocol(ArrivalProtocol):
         if self._in_request():
             self._set_idle(False)
             self._got_bytes = False
+            if self.cycle is not self._checked:       # a new request: its headers' size, once
+                self._checked = self.cycle
+                if self._header_size() > self.limits.max_header_bytes:
+                    self._refuse_headers()
+                    return
             if self.cycle.more_body or self.conn.their_state is h11.SEND_BODY:
                 self._arm(self.limits.body_timeout_s, self._body_timeout)
             else:
@@ -173,6 +179,20 @@ class GuardedProtocol(ArrivalProtocol):
             self._set_idle(True)
             if self._timer is None:
                 self._arm(self.limits.header_timeout_s, self._header_timeout)
+
+    def _header_size(self) -> int:
+        return len(self.scope.get("raw_path", b"")) + len(self.scope.get("query_string", b"")) + \
+            sum(len(k) + len(v) + 4 for k, v in self.headers or ())
+
+    def _refuse_headers(self) -> None:
+        """Complete headers over max_header_bytes (h11 only limits incomplete ones): 431; the request's ASGI
+        task, already scheduled, sees a disconnect and its responses go nowhere."""
+        self.cycle.scope.setdefault("state", {})["kvscope_status"] = 431
+        self.cycle.disconnected = True
+        self.cycle.message_event.set()
+        self.transport.write(raw_error(431, f"request headers too large (at most {self.limits.max_header_bytes} "
+                                            "bytes)", "invalid_request_error", "headers_too_large"))
+        self._close_quietly()
 
     # ---- asyncio protocol ---------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
