@@ -55,6 +55,9 @@ def raw(srv, data: bytes, half_close: bool = False, keep: bool = False):
 
 
 def parse(resp: bytes) -> tuple[int, dict | None]:
+    """The final response's status and JSON body (interim 1xx responses skipped, as clients do)."""
+    while resp.startswith(b"HTTP/1.1 1"):
+        resp = resp.partition(b"\r\n\r\n")[2]
     head, _, body = resp.partition(b"\r\n\r\n")
     status = int(head.split(b" ")[1])
     return status, (json.loads(body) if body.strip().startswith(b"{") else None)
@@ -151,6 +154,25 @@ def test_half_close_after_full_request_gets_response(srv, loop):
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}).encode()
     st, out = parse(with_good_traffic(srv, loop, lambda: raw(srv, post("/v1/completions", body), half_close=True)))
     assert st == 200 and out["usage"]["completion_tokens"] == 3
+
+
+def test_full_close_while_waiting_aborts(srv, loop):
+    """A client that closes fully while its non-streamed request runs: aborted (not run to its end), 499."""
+    before = scrape_metrics(srv.url)
+
+    def aborts(samples):
+        return metric_sum(samples, "kvscope:request_success_total", finished_reason="abort")
+
+    def leave():
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}).encode()
+        s = socket.create_connection((srv.host, srv.port), timeout=WAIT)
+        s.sendall(post("/v1/completions", body))
+        s.close()
+    with_good_traffic(srv, loop, leave)
+    after = scrape_metrics(srv.url)
+    assert aborts(after) - aborts(before) == 1
+    assert (metric_sum(after, "kvscope:api_requests_total", endpoint="/v1/completions", status="499")
+            - metric_sum(before, "kvscope:api_requests_total", endpoint="/v1/completions", status="499")) == 1
 
 
 def test_full_connection_table_still_serves(loop):

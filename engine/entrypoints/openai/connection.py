@@ -15,7 +15,8 @@ arrival.py) plus what production servers do:
 - malformed HTTP (`Content-Length: abc`, a garbage request line, headers over `max_header_bytes`) gets an
   OpenAI-style JSON 400 (431 for headers too large) instead of uvicorn's plain text.
 - a client that half-closes its side after a complete request still gets its response (then the
-  connection closes); uvicorn would treat the half-close as a disconnect and answer nothing.
+  connection closes); uvicorn would treat the half-close as a disconnect and answer nothing. A client that
+  closed fully is told apart by the reset its kernel sends back to a `102 Processing` probe.
 
     uvicorn.run(app, http=guarded_protocol(HttpLimits()), timeout_keep_alive=limits.keep_alive_s, ...)
 """
@@ -25,6 +26,7 @@ import dataclasses
 import json
 import logging
 import resource
+import socket
 import time
 from collections import OrderedDict
 
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 # file descriptors kept for everything but client connections (engine pipes, files, logs, outgoing calls)
 FD_RESERVE = 256
 WARN_EVERY_S = 60.0
+PROBE_FIRST_S, PROBE_S = 0.01, 0.5     # after a 102 probe, check for a reset this soon, backing off to this
 
 
 def set_ulimit(target_soft_limit: int = 65535) -> int:
@@ -132,6 +135,7 @@ class GuardedProtocol(ArrivalProtocol):
         self._timer = None
         self._got_bytes = False          # bytes of a next request received (header timeout: 408, not silence)
         self._half_closed = False
+        self._probe_timer = None
         self._checked = None             # the request cycle whose header size was checked
         next_event = self.conn.next_event
 
@@ -234,16 +238,37 @@ class GuardedProtocol(ArrivalProtocol):
         self._update()
 
     def eof_received(self):
-        # a complete request whose client closed only its sending side still gets its response
-        if self._in_request() and not self.cycle.more_body:
+        # A complete HTTP/1.1 request whose client closed its sending side still gets its response. A half-close
+        # and a full close look the same from here, so until the response starts, an interim `102 Processing`
+        # (which clients skip) goes out once: a client that closed fully answers it with a reset, which the
+        # socket's pending error shows (checked with back-off), and the request is aborted as for any disconnect.
+        if self._in_request() and not self.cycle.more_body and self.scope.get("http_version") == "1.1":
             self._half_closed = True
             self.cycle.keep_alive = False
+            self.transport.write(b"HTTP/1.1 102 Processing\r\n\r\n")
+            self._probe_timer = self.loop.call_later(PROBE_FIRST_S, self._probe, PROBE_FIRST_S)
             return True
         return None                                # asyncio closes the transport: a disconnect
+
+    def _probe(self, delay: float) -> None:
+        """Has the peer reset the connection since the 102 probe? Then it closed fully: a disconnect."""
+        self._probe_timer = None
+        if self.transport.is_closing() or not self._in_request():
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self.transport.abort()                 # connection_lost: the request is aborted
+            return
+        if self.cycle.response_started and delay >= PROBE_S:
+            return                                 # a started response's own writes will meet the reset
+        delay = min(2 * delay, PROBE_S)
+        self._probe_timer = self.loop.call_later(delay, self._probe, delay)
 
     def connection_lost(self, exc) -> None:
         self._set_idle(False)
         self._arm(None, None)
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
         super().connection_lost(exc)
 
     # ---- timeouts and errors ------------------------------------------------------------------------

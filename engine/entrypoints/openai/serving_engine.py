@@ -122,13 +122,11 @@ class OpenAIServing:
             if declared > limit:
                 raise APIError(f"request body is {declared} bytes; this server accepts at most {limit} bytes",
                                413, code="body_too_large")
-        chunks, size = [], 0
+        body = bytearray()           # one growing buffer: the read chunks are freed as they come (no heap litter)
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            if len(body) + len(chunk) > limit:
                 raise APIError(f"request body exceeds {limit} bytes", 413, code="body_too_large")
-            chunks.append(chunk)
-        body = b"".join(chunks)
+            body += chunk
         if not body.strip():
             raise APIError("request body: must be a JSON object (got an empty body)", code="invalid_body")
         try:
