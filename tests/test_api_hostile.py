@@ -4,6 +4,7 @@ every path. Each case checks the status and the error body, that good requests s
 and that KV blocks and running/waiting are back at baseline afterwards."""
 import concurrent.futures as cf
 import json
+import logging
 import socket
 import time
 
@@ -175,9 +176,11 @@ def test_full_close_while_waiting_aborts(srv, loop):
             - metric_sum(before, "kvscope:api_requests_total", endpoint="/v1/completions", status="499")) == 1
 
 
-def test_full_connection_table_still_serves(loop):
+def test_full_connection_table_still_serves(loop, caplog):
     """Three times max_connections idle sockets: the oldest idle ones are closed to make room (the header
-    timeout is a minute, so only the cap can close them), and good requests are served meanwhile."""
+    timeout is a minute, so only the cap can close them), good requests are served meanwhile, and the log
+    gets one warning, not a line per socket."""
+    caplog.set_level(logging.WARNING, logger="engine.entrypoints.openai.connection")
     limits = HttpLimits(header_timeout_s=60, max_connections=8)
     with ServerThread(build_app(loop), limits=limits) as s:
         idle = [socket.create_connection((s.host, s.port), timeout=WAIT) for _ in range(3 * limits.max_connections)]
@@ -191,6 +194,8 @@ def test_full_connection_table_still_serves(loop):
             for sock in idle:
                 sock.close()
     wait_idle(loop)
+    warnings = [r for r in caplog.records if "connection limit reached" in r.getMessage()]
+    assert len(warnings) == 1 and "max_connections=8" in warnings[0].getMessage()
 
 
 # ------------------------------------------------------------------------------ prompts that cannot fit

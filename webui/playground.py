@@ -7,7 +7,7 @@ import logging
 import gradio as gr
 
 from engine.sampling_params import MAX_LOGPROBS
-from webui.forms import MAX_PROMPT_CHARS, STRUCTURED_KINDS, make_sampling_params
+from webui.forms import MAX_PROMPT_CHARS, STRUCTURED_KINDS, check_conversation, make_sampling_params
 from webui.host import EngineHost, EngineUnavailable, max_model_len
 from webui.render import logprobs_rows, request_stats_md
 
@@ -120,10 +120,7 @@ def playground_tab(host: EngineHost) -> None:
                 msgs += [{"role": m["role"], "content": _text(m["content"])} for m in history
                          if m.get("role") in ("user", "assistant")]
                 msgs.append({"role": "user", "content": message})
-                total = sum(len(m["content"]) for m in msgs)
-                if total > MAX_PROMPT_CHARS:
-                    raise ValueError(f"conversation: too long ({total} characters with the system prompt and the "
-                                     f"history; at most {MAX_PROMPT_CHARS}); clear the chat or shorten it")
+                check_conversation(msgs)
                 prompt = loop.engine.apply_chat_template(msgs)
             except (ValueError, EngineUnavailable) as e:
                 raise gr.Error(str(e), duration=8)
