@@ -23,7 +23,7 @@ def _why(status: int, body: bytes) -> str:
         code = json.loads(body)["error"]["code"]
     except (ValueError, KeyError, TypeError):
         code = None
-    prefix = ENGINE_ERROR + " " if code in ENGINE_CODES and status in (200, 503) else ""
+    prefix = ENGINE_ERROR + " " if code in ENGINE_CODES and status in (200, 503) else ""   # 200: a stream's error
     return f"{prefix}status {status}: {body[:200]!r}"
 
 
@@ -57,7 +57,7 @@ class Soak:
         names, weights = list(self.weights), list(self.weights.values())
         timeout = httpx.Timeout(self.args.request_timeout, connect=30.0)
         async with httpx.AsyncClient(base_url=self.base, timeout=timeout) as client:
-            while time.monotonic() < self.deadline:
+            while time.monotonic() < self.deadline:      # (moved later while a killed engine comes back)
                 action = rng.choices(names, weights)[0]
                 self.tally.sent[action] += 1
                 t_sent = round(time.monotonic() - self.t0, 2)
@@ -69,7 +69,7 @@ class Soak:
                     self.tally.ok[action] += 1
                     if action in GOOD:
                         self.tally.good_ok_starts.append(t_sent)
-                elif action in GOOD and why.startswith(ENGINE_ERROR):
+                elif action in (*GOOD, *BAD) and why.startswith(ENGINE_ERROR):
                     self.tally.engine_errors.append((round(time.monotonic() - self.t0, 1), action, why[:300]))
                 elif action in (*GOOD, *BAD, "ui"):
                     self.tally.fail(self.t0, action, why)
@@ -149,12 +149,12 @@ class Soak:
                                                                                             "application/json"})
         else:
             r = await client.post("/v1/completions", json=body)
-        return 400 <= r.status_code < 500, f"bad #{kind}: status {r.status_code}"
+        return 400 <= r.status_code < 500, f"bad #{kind}: " + _why(r.status_code, r.content)
 
     async def too_long(self, client, rng):
         body = dict(model=self.model, prompt=self.prompt(rng, self.mml + rng.randint(1, 64)), max_tokens=4)
         r = await client.post("/v1/completions", json=body)
-        return 400 <= r.status_code < 500, f"status {r.status_code}"
+        return 400 <= r.status_code < 500, _why(r.status_code, r.content)
 
     async def ui(self, client, rng):
         r = await client.get("/")

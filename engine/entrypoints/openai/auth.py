@@ -4,7 +4,8 @@ With a key, every path except `/health` (for load-balancer probes) needs `Author
 the session cookie that `POST /login` sets after the same key is typed into the login page (`GET /login`).
 A browser asking for a page without either is sent to the login page; other requests get the OpenAI-style
 401; a WebSocket is closed with 1008 (policy violation). The cookie holds an HMAC of the key, never the key,
-and is HttpOnly and SameSite=Strict. Pure ASGI, so streams and disconnects pass through untouched.
+and is HttpOnly and SameSite=Lax (sent on links into the app, never on cross-site posts). Pure ASGI, so
+streams and disconnects pass through untouched.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class ApiKeyMiddleware:
         nxt = _safe_next(form.get("next", ["/"])[0])
         if not hmac.compare_digest(key, self._key):
             return await _respond(send, 401, _login_page(nxt, True), [(b"content-type", b"text/html; charset=utf-8")])
-        cookie = f"{COOKIE}={self._session.decode()}; Path=/; HttpOnly; SameSite=Strict".encode()
+        cookie = f"{COOKIE}={self._session.decode()}; Path=/; HttpOnly; SameSite=Lax".encode()
         await _respond(send, 303, b"", [(b"location", nxt.encode()), (b"set-cookie", cookie)])
 
 
