@@ -81,7 +81,10 @@ def core_process(pid: int):
     tracker), or None."""
     import psutil
     for child in psutil.Process(pid).children():
-        cmd = " ".join(child.cmdline())
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:                 # gone, or a killed core not reaped yet
+            continue
         if "spawn_main" in cmd and "resource_tracker" not in cmd:
             return child
     return None
