@@ -228,3 +228,26 @@ def test_byte_bound_never_refuses_what_fits(loop):
     with pytest.raises(ValueError, match=r"prompt: .* cannot fit in max_model_len 256"):
         big = "é" * (ip.max_text_bytes // 2 + 1)                 # few characters, too many bytes
         ip.check_text_size("prompt", len(big), big)
+
+
+def test_preprocessing_runs_at_most_its_concurrency_at_once():
+    import asyncio
+    import threading
+    from engine.entrypoints.openai.serving_engine import OpenAIServing
+    serving = OpenAIServing(lambda: None, None, None, None, 1 << 20, 1, None)
+    serving.preprocess_concurrency = 2
+    lock, now, peak = threading.Lock(), [0], [0]
+
+    def work(i):
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        threading.Event().wait(0.02)            # hold the slot a moment so calls overlap
+        with lock:
+            now[0] -= 1
+        return i
+
+    async def main():
+        return await asyncio.gather(*(serving.preprocess(work, i) for i in range(8)))
+    assert asyncio.run(main()) == list(range(8))
+    assert 1 <= peak[0] <= 2
