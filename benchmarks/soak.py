@@ -99,6 +99,7 @@ async def kill_core(base: str, pid: int | None, t0: float, at_s: float, soak: So
         return {"error": "no engine core process found (--server api, with the engine in its own process)"}
     core.kill()
     t_kill = time.monotonic() - t0
+    soak.deadline = float("inf")             # the users keep going until it is back
     async with httpx.AsyncClient(base_url=base, timeout=5.0) as c:
         while True:                          # back: a new core process, and /health says so
             await asyncio.sleep(0.1)
@@ -111,7 +112,7 @@ async def kill_core(base: str, pid: int | None, t0: float, at_s: float, soak: So
             except httpx.HTTPError:
                 pass
     t_back = time.monotonic() - t0
-    soak.deadline = max(soak.deadline, time.monotonic() + AFTER_RESTART_S)
+    soak.deadline = max(t0 + soak.args.duration, time.monotonic() + AFTER_RESTART_S)
     return {"killed_pid": core.pid, "t_kill_s": round(t_kill, 2), "t_restored_s": round(t_back, 2),
             "new_pid": new.pid if new is not None else None}
 
@@ -155,7 +156,7 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
         ta.failures.extend(ta.engine_errors[:10])
         checks["good requests complete with the right length"] = False
     return dict(users=args.users, duration_s=args.duration, users_done_s=round(t_users, 1), server=args.server,
-                kill_core=kill, engine_errors=ta.engine_errors[:50],
+                kill_core=kill, num_engine_errors=len(ta.engine_errors), engine_errors=ta.engine_errors[:50],
                 sent=ta.sent, ok=ta.ok, requests=sum(ta.sent.values()),
                 final={k: final.get(k) for k in ("kv_blocks_in_use", "num_kv_blocks", "num_requests_running",
                                                  "num_requests_waiting", "http_2xx", "http_4xx", "http_5xx", "http_503",
@@ -305,7 +306,7 @@ def report(res: dict, out: Path, args) -> int:
     if res.get("kill_core"):
         k = res["kill_core"]
         print(f"engine core killed at {k.get('t_kill_s')} s (pid {k.get('killed_pid')}), serving again at "
-              f"{k.get('t_restored_s')} s (pid {k.get('new_pid')}); {len(res['engine_errors'])} requests got "
+              f"{k.get('t_restored_s')} s (pid {k.get('new_pid')}); {res['num_engine_errors']} requests got "
               "a clear engine error")
         for e in res["engine_errors"][:3]:
             print("  engine error:", e)
