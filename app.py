@@ -2,6 +2,7 @@
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model PATH|dummy:NAME] [--device auto|cpu|cuda]
                   [--set FIELD=VALUE ...] [--api-only] [--api-key KEY] [--request-timeout S]
+                  [--allow-unauthenticated] [--header-timeout S] [--body-timeout S] [--max-connections N]
 
 Structure (one-way flow):
   webui/host.py  EngineHost owns the EngineLoop (engine on its own thread), the inspector Recorder subscribed to
@@ -14,7 +15,6 @@ Structure (one-way flow):
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import threading
@@ -28,8 +28,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import gradio as gr  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.entrypoints.openai.api_server import SERVER_ENGINE_DEFAULTS  # noqa: E402
-from engine.entrypoints.openai.arrival import ArrivalProtocol  # noqa: E402
+from engine.entrypoints.openai.api_server import (SERVER_ENGINE_DEFAULTS, CliParser, add_http_args,  # noqa: E402
+                                                  bind_socket, cli_error, http_limits_from_args, port_number)
+from engine.entrypoints.openai.auth import check_exposure  # noqa: E402
+from engine.entrypoints.openai.connection import HttpLimits, set_ulimit  # noqa: E402
 from webui.host import EngineHost  # noqa: E402
 from webui.ui import CSS, build_ui  # noqa: E402
 
@@ -87,7 +89,7 @@ class ServerHandle:
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}/"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=1, http=ArrivalProtocol))
+                                                    timeout_graceful_shutdown=1, **HttpLimits().uvicorn_kwargs()))
         self.thread = threading.Thread(target=self.server.run, name="kvscope-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerHandle":
@@ -113,9 +115,9 @@ def serve_in_thread(host: EngineHost, port: int = 0, bind: str = "127.0.0.1") ->
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="kvscope: an LLM inference engine you can see into")
+    ap = CliParser(prog="python app.py", description="kvscope: an LLM inference engine you can see into")
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=7860)
+    ap.add_argument("--port", type=port_number, default=7860)
     ap.add_argument("--model", default=None, help="HF folder, dummy:<preset>, or empty for the bundled SmolLM2")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -123,12 +125,15 @@ def parse_args(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="any EngineConfig field, e.g. --set num_kv_blocks=256 (repeatable)")
     ap.add_argument("--api-only", action="store_true", help="serve only the HTTP serving API (no UI)")
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise)")
+    ap.add_argument("--api-key", default=None,
+                    help="require the key on every path but /health: 'Authorization: Bearer <key>' for the API, "
+                         "the login page for the UI (401 otherwise)")
     ap.add_argument("--served-model-name", default=None, help="the model id API clients send (default: the model's)")
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="API: seconds before a request is aborted with 504 (0: never)")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20, help="API: larger request bodies get 413")
     ap.add_argument("--log-level", default="info")
+    add_http_args(ap)
     return ap.parse_args(argv)
 
 
@@ -142,25 +147,25 @@ def config_from_args(args) -> EngineConfig:
     sets: dict[str, str] = {}
     for item in args.set:
         if "=" not in item:
-            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE")
+            cli_error(f"--set {item!r}: expected FIELD=VALUE", "python app.py")
         k, v = item.split("=", 1)
         sets[k.strip()] = v
     unknown = sorted(set(sets) - set(EngineConfig.field_names()))
     if unknown:
-        raise SystemExit(f"--set: unknown EngineConfig field(s) {unknown}; "
-                         f"fields: {', '.join(EngineConfig.field_names())}")
+        cli_error(f"--set: unknown EngineConfig field(s) {unknown}; fields: {', '.join(EngineConfig.field_names())}",
+                  "python app.py")
     try:
         return EngineConfig.from_strings(sets, **kw)
     except ValueError as e:
-        raise SystemExit(f"--set: {e}")
+        cli_error(f"--set: {e}", "python app.py")
 
 
 def api_options_from_args(args) -> dict:
     """register() keyword arguments of the serving API from app.py's flags."""
     if args.request_timeout < 0:
-        raise SystemExit(f"--request-timeout: must be >= 0 seconds (got {args.request_timeout})")
+        cli_error(f"--request-timeout: must be >= 0 seconds (got {args.request_timeout})", "python app.py")
     if args.max_body_bytes < 1024:
-        raise SystemExit(f"--max-body-bytes: must be >= 1024 (got {args.max_body_bytes})")
+        cli_error(f"--max-body-bytes: must be >= 1024 (got {args.max_body_bytes})", "python app.py")
     return dict(api_key=args.api_key or None, served_model_name=args.served_model_name,
                 request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes)
 
@@ -170,17 +175,33 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)     # the HTTP load target: no line per request
-    host = EngineHost(cfg)
-    host.api_options = api_options_from_args(args)
-    host.self_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{args.port}"
-    log.info("loading the engine (%s)…", cfg.model_config.model or "bundled SmolLM2-135M-Instruct")
-    host.start(inspect=not args.api_only)
-    app, _ = create_app(host, api_only=args.api_only)
-    print(f"kvscope ready on http://{args.host}:{args.port}  ({host.describe()})", flush=True)
+    api_options = api_options_from_args(args)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2,
-                    http=ArrivalProtocol)
+        limits = http_limits_from_args(args)
+        warning = check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+    except ValueError as e:
+        cli_error(str(e), "python app.py")
+    if warning:
+        print(warning, flush=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)     # the HTTP load target: no line per request
+    set_ulimit()
+    sock = bind_socket(args.host, args.port, "python app.py")
+    port = sock.getsockname()[1]
+    host = EngineHost(cfg)
+    host.api_options = api_options
+    host.self_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::', '') else args.host}:{port}"
+    log.info("loading the engine (%s)…", cfg.model_config.model or "bundled SmolLM2-135M-Instruct")
+    try:
+        host.start(inspect=not args.api_only)
+    except Exception as e:  # noqa: BLE001 - a model that is not there, a device that is not there, ...
+        sock.close()
+        host.shutdown()
+        cli_error(f"the engine could not start: {host.error or e}", "python app.py")
+    app, _ = create_app(host, api_only=args.api_only)
+    print(f"kvscope ready on http://{args.host}:{port}  ({host.describe()})", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                      **limits.uvicorn_kwargs())).run(sockets=[sock])
     finally:
         host.shutdown()
 

@@ -3,6 +3,8 @@ process, as users run it), mixing good and bad traffic, while a sampler records 
 
     python benchmarks/soak.py --duration 1200 --users 16                  # starts `python app.py` itself
     python benchmarks/soak.py --url http://127.0.0.1:7860 --pid 1234 ...  # against a running app
+    python benchmarks/soak.py --server api --kill-core-at 60 ...          # the API server; its engine process
+                                                                          # is killed 60 s in
 
 Each user loops until the deadline, picking one action at a time (weights in ACTIONS):
   stream      streaming /v1/completions, token-id prompt, greedy, ignore_eos: must finish "length" with
@@ -23,6 +25,10 @@ row. At the end the script waits for the server to go idle and judges:
   - 0 KV blocks in use once idle
   - memory flat after warm-up: a least-squares fit of RSS over the samples after the first
     --warmup-frac of the run rises by at most --rss-tol-mib over that window
+With --kill-core-at S (--server api, whose engine runs in its own process) the engine core process is
+SIGKILLed S seconds in; the server restarts it. Then good requests may fail, but only with a clear error
+(503 or a stream error event with code engine_stopped / engine_unavailable), only around the restart, and
+good requests sent after it must be served again.
 It writes soak.csv, soak.json (counts, verdicts) and soak.html (Plotly), plus soak.png when kaleido or
 playwright + /usr/bin/chromium can render it; exit status 1 when a criterion fails.
 """
@@ -48,6 +54,8 @@ from benchmarks.serve_procs import wait_ready  # noqa: E402
 from benchmarks.soak_health import parse_metrics, sampler, slope_per_s, wait_idle  # noqa: E402
 from benchmarks.soak_users import ACTIONS, BAD, GOOD, Soak  # noqa: E402
 
+AFTER_RESTART_S = 15.0      # users keep going at least this long after a killed engine serves again
+
 
 async def run(base: str, pid: int | None, args) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=30.0) as c:
@@ -58,15 +66,58 @@ async def run(base: str, pid: int | None, args) -> dict:
     rows: list[dict] = []
     stop = asyncio.Event()
     samp = asyncio.create_task(sampler(base, pid, soak, rows, args.sample_s, stop))
+    kill = asyncio.create_task(kill_core(base, pid, t0, args.kill_core_at, soak)) if args.kill_core_at else None
     await asyncio.gather(*(soak.user(u) for u in range(args.users)))
     t_users = time.monotonic() - t0
+    kill_res = await kill if kill is not None else None
     final = await wait_idle(base, args.idle_timeout)
     stop.set()
     await samp
-    return judge(soak, rows, final, t_users, args)
+    return judge(soak, rows, final, t_users, args, kill_res)
 
 
-def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args) -> dict:
+def core_process(pid: int):
+    """The engine core process of the API server `pid` (its multiprocessing child that is not the resource
+    tracker), or None."""
+    import psutil
+    for child in psutil.Process(pid).children():
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:                 # gone, or a killed core not reaped yet
+            continue
+        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+            return child
+    return None
+
+
+async def kill_core(base: str, pid: int | None, t0: float, at_s: float, soak: Soak) -> dict:
+    """SIGKILL the engine core process `at_s` seconds into the run; wait until /health is ok again; the users
+    keep going for at least AFTER_RESTART_S more."""
+    await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
+    core = core_process(pid) if pid else None
+    if core is None:
+        return {"error": "no engine core process found (--server api, with the engine in its own process)"}
+    core.kill()
+    t_kill = time.monotonic() - t0
+    soak.deadline = float("inf")             # the users keep going until it is back
+    async with httpx.AsyncClient(base_url=base, timeout=5.0) as c:
+        while True:                          # back: a new core process, and /health says so
+            await asyncio.sleep(0.1)
+            new = core_process(pid)
+            if new is None or new.pid == core.pid:
+                continue
+            try:
+                if (await c.get("/health")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+    t_back = time.monotonic() - t0
+    soak.deadline = max(t0 + soak.args.duration, time.monotonic() + AFTER_RESTART_S)
+    return {"killed_pid": core.pid, "t_kill_s": round(t_kill, 2), "t_restored_s": round(t_back, 2),
+            "new_pid": new.pid if new is not None else None}
+
+
+def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill: dict | None = None) -> dict:
     ta = soak.tally
     warm_t = args.warmup_frac * t_users
     post = [r for r in rows if r["t_s"] >= warm_t and r["t_s"] <= t_users and r["rss_mib"] == r["rss_mib"]]
@@ -83,10 +134,32 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args) -> di
         f"RSS flat after warm-up (fit rises <= {args.rss_tol_mib:g} MiB)": len(post) >= 3 and
         growth <= args.rss_tol_mib,
     }
-    return dict(users=args.users, duration_s=args.duration, users_done_s=round(t_users, 1),
+    if kill is not None:
+        # good requests may fail around the restart, with a clear error only; afterwards they are served
+        engine_errs = ta.engine_errors
+        lo, hi = kill.get("t_kill_s", 0) - 1.0, kill.get("t_restored_s", 0) + 5.0
+        del checks["no 5xx from the server"]
+        checks["good requests complete with the right length"] = all(
+            ta.sent[a] == ta.ok[a] + sum(e[1] == a for e in engine_errs) for a in GOOD)
+        checks["bad requests get a 4xx"] = all(
+            ta.sent[a] == ta.ok[a] + sum(e[1] == a for e in engine_errs) for a in BAD)
+        checks["engine core killed and restarted (new pid)"] = bool(kill.get("new_pid")) and \
+            kill.get("new_pid") != kill.get("killed_pid")
+        checks["failed requests got a clear engine error, around the restart only"] = \
+            all(lo <= e[0] <= hi for e in engine_errs)
+        checks["no 5xx but the 503s of the restart"] = (final.get("http_5xx") or 0) == (final.get("http_503") or 0)
+        # RSS is no signal across a restart (a process went, a new one grew): not judged
+        checks = {k: v for k, v in checks.items() if not k.startswith("RSS flat")}
+        checks["good requests served after the restart"] = \
+            sum(t > kill.get("t_restored_s", float("inf")) for t in ta.good_ok_starts) > 0
+    elif ta.engine_errors:
+        ta.failures.extend(ta.engine_errors[:10])
+        checks["good requests complete with the right length"] = False
+    return dict(users=args.users, duration_s=args.duration, users_done_s=round(t_users, 1), server=args.server,
+                kill_core=kill, num_engine_errors=len(ta.engine_errors), engine_errors=ta.engine_errors[:50],
                 sent=ta.sent, ok=ta.ok, requests=sum(ta.sent.values()),
                 final={k: final.get(k) for k in ("kv_blocks_in_use", "num_kv_blocks", "num_requests_running",
-                                                 "num_requests_waiting", "http_2xx", "http_4xx", "http_5xx",
+                                                 "num_requests_waiting", "http_2xx", "http_4xx", "http_5xx", "http_503",
                                                  "num_preemptions_total")},
                 rss_mib_first=rows[0]["rss_mib"] if rows else None, rss_mib_last=rows[-1]["rss_mib"] if rows else None,
                 rss_mib_peak=max((r["rss_mib"] for r in rows), default=None),
@@ -129,11 +202,18 @@ def figure(rows: list[dict], res: dict, title: str):
 # ----------------------------------------------------------------------------- server
 def start_app(args) -> tuple[subprocess.Popen, str]:
     port = args.port or free_port()
-    cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--log-level", "warning"]
+    if args.server == "api":       # the engine in its own process; --set FIELD=VALUE -> --field VALUE
+        cmd = [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--port", str(port),
+               "--log-level", "warning"]
+        for s in args.set:
+            k, _, v = s.partition("=")
+            cmd += [f"--{k.strip().replace('_', '-')}", v]
+    else:
+        cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--log-level", "warning"]
+        for s in args.set:
+            cmd += ["--set", s]
     if args.model:
         cmd += ["--model", args.model]
-    for s in args.set:
-        cmd += ["--set", s]
     log = open(Path(args.out) / "soak_server.log", "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -150,6 +230,11 @@ def parse_args(argv=None):
     ap.add_argument("--duration", type=float, default=1200.0, help="seconds the users keep sending")
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--url", default=None, help="a running app's base URL (default: start app.py)")
+    ap.add_argument("--server", choices=["app", "api"], default="app",
+                    help="what to start: app.py (UI + API, engine on a thread) or the API server (engine in its "
+                         "own process)")
+    ap.add_argument("--kill-core-at", type=float, default=None, metavar="S",
+                    help="SIGKILL the engine core process S seconds in (--server api); it must come back")
     ap.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for RSS")
     ap.add_argument("--model", default=None, help="app.py --model (default: the bundled SmolLM2)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="app.py --set")
@@ -218,6 +303,13 @@ def report(res: dict, out: Path, args) -> int:
           f"after {res['rss_warmup_s']} s warm-up slope {res['rss_slope_mib_per_min']} MiB/min "
           f"(fit +{res['rss_fit_growth_mib']} MiB, tolerance {res['rss_tol_mib']} MiB)")
     print(f"final: {res['final']}")
+    if res.get("kill_core"):
+        k = res["kill_core"]
+        print(f"engine core killed at {k.get('t_kill_s')} s (pid {k.get('killed_pid')}), serving again at "
+              f"{k.get('t_restored_s')} s (pid {k.get('new_pid')}); {res['num_engine_errors']} requests got "
+              "a clear engine error")
+        for e in res["engine_errors"][:3]:
+            print("  engine error:", e)
     for name, ok in res["checks"].items():
         print(f"  [{'PASS' if ok else 'FAIL'}] {name}")
     for f in res["failures"][:10]:

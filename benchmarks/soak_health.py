@@ -25,6 +25,8 @@ def parse_metrics(text: str) -> dict:
             st = re.search(r'status="(\d)', labels)
             if st and f"http_{st.group(1)}xx" in out:
                 out[f"http_{st.group(1)}xx"] += value
+            if 'status="503"' in labels:
+                out["http_503"] = out.get("http_503", 0.0) + value
         elif name == "cache_config_info":
             mm = re.search(r'max_model_len="(\d+)"', labels)
             if mm:

@@ -13,6 +13,18 @@ import httpx
 ACTIONS = {"stream": 45, "chat": 10, "disconnect": 12, "cancel": 10, "bad": 12, "too_long": 6, "ui": 5}
 GOOD, BAD = ("stream", "chat"), ("bad", "too_long")
 PROMPT_IDS = (100, 40000)          # token ids drawn from here (inside every preset's and SmolLM2's vocabulary)
+ENGINE_ERROR = "engine:"           # a failure the server explained as its engine stopping or restarting
+ENGINE_CODES = ("engine_stopped", "engine_unavailable")
+
+
+def _why(status: int, body: bytes) -> str:
+    """A failed request's reason; prefixed with ENGINE_ERROR when the server said its engine went away."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    prefix = ENGINE_ERROR + " " if code in ENGINE_CODES and status in (200, 503) else ""   # 200: a stream's error
+    return f"{prefix}status {status}: {body[:200]!r}"
 
 
 @dataclass
@@ -21,6 +33,8 @@ class Tally:
     ok: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
     num_failed: int = 0
     failures: list = field(default_factory=list)     # (t, action, message), the first 50 kept
+    engine_errors: list = field(default_factory=list)  # (t, action, message): a clear "engine stopped" error
+    good_ok_starts: list = field(default_factory=list)  # when each good request that succeeded was sent (s)
 
     def fail(self, t0: float, action: str, msg: str) -> None:
         self.num_failed += 1
@@ -33,24 +47,30 @@ class Soak:
         self.base, self.model, self.mml, self.args, self.t0 = base.rstrip("/"), model, max_model_len, args, t0
         self.tally = Tally()
         self.deadline = t0 + args.duration
+        self.weights = {a: w for a, w in ACTIONS.items() if a != "ui" or getattr(args, "server", "app") == "app"}
 
     def prompt(self, rng: random.Random, n: int) -> list[int]:
         return [rng.randrange(*PROMPT_IDS) for _ in range(n)]
 
     async def user(self, uid: int) -> None:
         rng = random.Random(self.args.seed * 1000 + uid)
-        names, weights = list(ACTIONS), list(ACTIONS.values())
+        names, weights = list(self.weights), list(self.weights.values())
         timeout = httpx.Timeout(self.args.request_timeout, connect=30.0)
         async with httpx.AsyncClient(base_url=self.base, timeout=timeout) as client:
-            while time.monotonic() < self.deadline:
+            while time.monotonic() < self.deadline:      # (moved later while a killed engine comes back)
                 action = rng.choices(names, weights)[0]
                 self.tally.sent[action] += 1
+                t_sent = round(time.monotonic() - self.t0, 2)
                 try:
                     ok, why = await getattr(self, action)(client, rng)
                 except Exception as e:           # a transport error counts against the action
                     ok, why = False, f"{type(e).__name__}: {e}"
                 if ok:
                     self.tally.ok[action] += 1
+                    if action in GOOD:
+                        self.tally.good_ok_starts.append(t_sent)
+                elif action in (*GOOD, *BAD) and why.startswith(ENGINE_ERROR):
+                    self.tally.engine_errors.append((round(time.monotonic() - self.t0, 1), action, why[:300]))
                 elif action in (*GOOD, *BAD, "ui"):
                     self.tally.fail(self.t0, action, why)
                 await asyncio.sleep(rng.uniform(0, self.args.think_s))
@@ -64,11 +84,13 @@ class Soak:
         n_tok, finish, usage = 0, None, None
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                return False, f"status {r.status_code}: {(await r.aread())[:200]!r}"
+                return False, _why(r.status_code, await r.aread())
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 ev = json.loads(line[6:])
+                if "error" in ev:
+                    return False, _why(200, line[6:].encode())
                 for ch in ev.get("choices") or []:
                     n_tok += len((ch.get("logprobs") or {}).get("tokens") or [])
                     finish = ch.get("finish_reason") or finish
@@ -85,7 +107,7 @@ class Soak:
                     messages=[{"role": "user", "content": f"Count to {rng.randint(3, 30)}."}])
         r = await client.post("/v1/chat/completions", json=body)
         if r.status_code != 200:
-            return False, f"status {r.status_code}: {r.text[:200]}"
+            return False, _why(r.status_code, r.content)
         got = r.json()["usage"]["completion_tokens"]
         fin = r.json()["choices"][0]["finish_reason"]
         return (got == want and fin == "length"), f"finish={fin} usage={got} want={want}"
@@ -127,12 +149,12 @@ class Soak:
                                                                                             "application/json"})
         else:
             r = await client.post("/v1/completions", json=body)
-        return 400 <= r.status_code < 500, f"bad #{kind}: status {r.status_code}"
+        return 400 <= r.status_code < 500, f"bad #{kind}: " + _why(r.status_code, r.content)
 
     async def too_long(self, client, rng):
         body = dict(model=self.model, prompt=self.prompt(rng, self.mml + rng.randint(1, 64)), max_tokens=4)
         r = await client.post("/v1/completions", json=body)
-        return 400 <= r.status_code < 500, f"status {r.status_code}"
+        return 400 <= r.status_code < 500, _why(r.status_code, r.content)
 
     async def ui(self, client, rng):
         r = await client.get("/")

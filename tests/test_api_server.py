@@ -249,8 +249,9 @@ def test_api_key(guarded):
         OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0).models.list()
     ok = OpenAI(base_url=guarded.url + "/v1", api_key="sekrit", max_retries=0)
     assert ok.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
-    assert httpx.get(guarded.url + "/health").status_code == 200     # only /v1/* is guarded
-    assert httpx.get(guarded.url + "/metrics").status_code == 200
+    assert httpx.get(guarded.url + "/health").status_code == 200     # probes stay open
+    assert httpx.get(guarded.url + "/metrics").status_code == 401    # everything else needs the key
+    assert httpx.get(guarded.url + "/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
 
 
 def test_body_too_large_413(guarded):

@@ -264,7 +264,7 @@ def test_load_over_http_to_this_server(client, server):
 
 
 def test_api_only_with_api_key():
-    """`python app.py --api-only --api-key K`: the API without the UI, /v1/* guarded (401 without the key)."""
+    """`python app.py --api-only --api-key K`: the API without the UI, every path but /health guarded."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GRADIO_ANALYTICS_ENABLED="False")
     proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), "--model", "dummy:tiny", "--device", "cpu",
@@ -285,8 +285,10 @@ def test_api_only_with_api_key():
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert httpx.get(url + "/").status_code == 404            # no UI
-        assert httpx.get(url + "/healthz").status_code == 404
+        assert httpx.get(url + "/").status_code == 401            # every path but /health needs the key
+        auth = {"Authorization": "Bearer k3y"}
+        assert httpx.get(url + "/", headers=auth).status_code == 404            # no UI
+        assert httpx.get(url + "/healthz", headers=auth).status_code == 404
     finally:
         proc.terminate()
         try:

@@ -132,3 +132,15 @@ def test_cli_args():
     assert opts == dict(api_key="k", served_model_name=None, request_timeout=None, max_body_bytes=8192)
     with pytest.raises(SystemExit):
         A.api_options_from_args(A.parse_args(["--max-body-bytes", "10"]))
+
+
+def test_playground_conversation_cap_counts_the_system_prompt():
+    cap = forms.MAX_PROMPT_CHARS
+    forms.check_conversation([{"role": "system", "content": "s" * (cap // 2)},
+                              {"role": "user", "content": "u" * (cap // 2)}])          # exactly the cap: fine
+    with pytest.raises(ValueError, match=rf"conversation: too long \({cap + 1} characters with the system prompt"):
+        forms.check_conversation([{"role": "system", "content": "s" * (cap // 2 + 1)},
+                                  {"role": "user", "content": "u" * (cap // 2)}])
+    with pytest.raises(ValueError, match=rf"at most {cap}"):
+        forms.check_conversation([{"role": "user", "content": "a" * cap},
+                                  {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])

@@ -17,6 +17,14 @@ MAX_PROMPT_CHARS = 200_000
 PLAYGROUND_MAX_TOKENS = 8192
 
 
+def check_conversation(messages: list[dict]) -> None:
+    """A Playground chat: at most MAX_PROMPT_CHARS characters in all, system prompt and history included."""
+    total = sum(len(str(m.get("content") or "")) for m in messages)
+    if total > MAX_PROMPT_CHARS:
+        raise ValueError(f"conversation: too long ({total} characters with the system prompt and the history; "
+                         f"at most {MAX_PROMPT_CHARS}); clear the chat or shorten it")
+
+
 def parse_num(v, name: str, *, integer: bool = False, lo: float | None = None, hi: float | None = None,
          allow_none: bool = False, lo_exclusive: bool = False):
     """Parse a UI number with a clear message naming the field."""

@@ -85,7 +85,8 @@ class EngineHost:
             loop = self.loop_factory(config)
             loop.start()
         except Exception as e:
-            log.exception("engine failed to start")
+            log.error("engine failed to start: %s: %s", type(e).__name__, e,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
             self.state, self.error = "error", f"{type(e).__name__}: {e}"
             raise
         self.recorder.detach()

@@ -7,7 +7,7 @@ import logging
 import gradio as gr
 
 from engine.sampling_params import MAX_LOGPROBS
-from webui.forms import MAX_PROMPT_CHARS, STRUCTURED_KINDS, make_sampling_params
+from webui.forms import MAX_PROMPT_CHARS, STRUCTURED_KINDS, check_conversation, make_sampling_params
 from webui.host import EngineHost, EngineUnavailable, max_model_len
 from webui.render import logprobs_rows, request_stats_md
 
@@ -115,10 +115,12 @@ def playground_tab(host: EngineHost) -> None:
                 _check_text("message", message, "please type a message first")
                 params = make_sampling_params(*samp, max_model_len=max_model_len(host))
                 loop = host.require_loop()
-                msgs = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
+                system_prompt = str(system_prompt or "")
+                msgs = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
                 msgs += [{"role": m["role"], "content": _text(m["content"])} for m in history
                          if m.get("role") in ("user", "assistant")]
                 msgs.append({"role": "user", "content": message})
+                check_conversation(msgs)
                 prompt = loop.engine.apply_chat_template(msgs)
             except (ValueError, EngineUnavailable) as e:
                 raise gr.Error(str(e), duration=8)

@@ -1,10 +1,16 @@
 """Input processing: a prompt (text or token ids) and SamplingParams -> a validated Sequence, checked against the
 model's vocabulary, max_model_len and the KV pool, its grammar compiled. Runs on the caller's thread (the API
-server's, or the engine's in-process caller); it reads no engine state that a step changes."""
+server's, or the engine's in-process caller); it reads no engine state that a step changes.
+
+Text that cannot fit is refused before it is tokenized: a token of the vocabulary covers at most
+`max_token_bytes` bytes of text, so a text of more than max_model_len * max_token_bytes bytes has more than
+max_model_len tokens (`max_text_bytes`). Checked on characters first (never more than bytes), then on bytes,
+so a 4 MiB prompt costs no tokenization and no memory beyond its own string."""
 from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.core.sequence import Sequence
@@ -19,10 +25,28 @@ class InputProcessor:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.grammar_compiler = grammar_compiler
         self._ids = itertools.count()
+        self.max_token_bytes = max_token_bytes(tokenizer)
+        self.max_text_bytes = None if self.max_token_bytes is None else self.max_token_bytes * max_model_len
+
+    def check_text_size(self, field: str, n_chars: int, text: str | None = None) -> None:
+        """Refuse text that cannot fit in max_model_len tokens, without tokenizing it. `n_chars` is its length
+        in characters; `text` (when given) is measured in bytes too, only if its characters could not decide."""
+        limit = self.max_text_bytes
+        if limit is None:
+            return
+        n_bytes = n_chars
+        if n_chars <= limit < 4 * n_chars and text is not None:     # 1-4 UTF-8 bytes per character
+            n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if n_bytes > limit:
+            unit = "characters" if n_bytes == n_chars else "bytes"
+            raise ValueError(f"{field}: {n_bytes} {unit} cannot fit in max_model_len {self.max_model_len} tokens "
+                             f"(a token covers at most {self.max_token_bytes} bytes of text, so at most {limit} "
+                             "bytes fit); shorten it")
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
+        self.check_text_size("prompt", len(prompt), prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -30,6 +54,8 @@ class InputProcessor:
             raise ValueError("messages: this model has no chat template")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...}")
+        # the rendered conversation holds every message's content: refuse it before rendering
+        self.check_text_size("messages", sum(_text_chars(m.get("content")) for m in messages))
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
@@ -73,3 +99,38 @@ class InputProcessor:
         seq = Sequence(rid, text, ids, params, arrival_time if arrival_time is not None else time.perf_counter())
         seq.matcher = matcher
         return seq
+
+
+def _text_chars(content: Any) -> int:
+    """Characters of a message's content: a string, or parts (lists/dicts) holding strings."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, dict):
+        return sum(_text_chars(v) for v in content.values())
+    if isinstance(content, (list, tuple)):
+        return sum(_text_chars(v) for v in content)
+    return 0
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """The most bytes of text one token of `tokenizer` can stand for (None: unknown, no bound).
+
+    A byte-level BPE token string has one character per byte (added tokens excepted); otherwise a token's UTF-8 length bounds the
+    text it matches (byte-fallback and metaspace tokens only overstate it). A normalizer may shrink text
+    before it is split (NFKC folds up to 4 bytes into 1), so its bound is widened 4x."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        vocab = get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no bound
+        return None
+    if not vocab:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = type(getattr(backend, "pre_tokenizer", None)).__name__ == "ByteLevel"
+    added = set(getattr(tokenizer, "get_added_vocab", dict)())      # matched on raw text: UTF-8 length
+    n = max(len(t) if byte_level and t not in added else len(t.encode("utf-8", "surrogatepass")) for t in vocab)
+    if getattr(backend, "normalizer", None) is not None:
+        n *= 4
+    return max(n, 4)        # an unknown character maps to one token: up to 4 bytes

@@ -6,6 +6,8 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (s
 `GET /health`, `GET /metrics` (Prometheus text format).
 
 - `build_app(loop, api_key=None, ...)` returns a FastAPI app serving one EngineLoop.
+- With an API key, everything the app serves needs it except `/health` (auth.py): the API, /metrics, and a
+  UI mounted beside them. Connections are guarded by read timeouts and a connection cap (connection.py).
 - `register(app, get_loop, api_key=None, ...)` adds the same routes to an existing FastAPI app (app.py
   mounts the Gradio UI beside them with `gr.mount_gradio_app`). `get_loop()` is called per request, so
   the engine behind the API may be rebuilt (new config) while the server runs; while there is none
@@ -19,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
+import sys
 import time
 from typing import Callable
 
@@ -32,8 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.runtime.async_engine import EngineLoop
 from engine.config import EngineConfig, add_cli_args
 
-from engine.entrypoints.openai.arrival import ArrivalProtocol
-from engine.entrypoints.openai.errors import error_body, guarded, http_exception_handler, unauthorized
+from engine.entrypoints.openai.auth import ApiKeyMiddleware, check_exposure
+from engine.entrypoints.openai.connection import HttpLimits, set_ulimit
+from engine.entrypoints.openai.errors import CLIENT_CLOSED, error_body, guarded, http_exception_handler
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -49,21 +52,14 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 class ApiMiddleware:
-    """Guards /v1/* with the API key (when set) and counts API responses by endpoint and status.
-    Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnects pass through untouched; paths outside
-    /v1 (e.g. a mounted Gradio UI) are not touched at all."""
+    """Stamps arrival and counts API responses by endpoint and status: a request whose client left before
+    any response counts as 499 (client closed request), one the connection guard timed out as 408, neither
+    as a server error. Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnects pass through
+    untouched; paths outside /v1 (e.g. a mounted Gradio UI) are not touched at all."""
 
     def __init__(self, app, server: OpenAIServing):
         self.app = app
         self.server = server
-        self._key = server.api_key.encode() if server.api_key else None
-
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
-        return False
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -75,7 +71,15 @@ class ApiMiddleware:
             # Yield once, so every request that reached the event loop with this one is stamped before any
             # of them does its parsing and submission (in a burst the 500th would otherwise be stamped late).
             await asyncio.sleep(0)
-        status = 500
+        status = None
+        client_left = False
+
+        async def receive_():
+            nonlocal client_left
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                client_left = True
+            return msg
 
         async def send_(msg):
             nonlocal status
@@ -84,11 +88,12 @@ class ApiMiddleware:
             await send(msg)
 
         try:
-            if self._key is not None and not self._authorized(scope):
-                await unauthorized()(scope, receive, send_)
-                return
-            await self.app(scope, receive, send_)
+            await self.app(scope, receive_, send_)
         finally:
+            if state.get("kvscope_status"):                 # set by the connection guard (timeouts)
+                status = state["kvscope_status"]
+            elif status is None:
+                status = CLIENT_CLOSED if client_left else 500
             self.server.metrics.count_api(scope["path"], status)
 
 
@@ -99,7 +104,8 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
 
     get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
-    none: the API answers 503). api_key: required as `Authorization: Bearer <key>` on /v1/* when set.
+    none: the API answers 503). api_key: when set, required on every path of `app` but /health, as
+    `Authorization: Bearer <key>` or the cookie of the login page (auth.py).
     request_timeout: seconds per request (None: no limit). max_body_bytes: larger bodies get 413.
     retry_after_s: the Retry-After of 503s. metrics: a ServerMetrics to share (default: a new registry).
     Call before mounting anything at "/" so these routes take precedence."""
@@ -112,7 +118,9 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     serving_completion = OpenAIServingCompletion(server)
     serving_chat = OpenAIServingChat(server)
     app.state.kvscope_api = server
-    app.add_middleware(ApiMiddleware, server=server)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ApiMiddleware, server=server)       # added last: outermost, so it counts the 401s too
 
     async def health(request: Request):
         ok, why = server.healthy()
@@ -157,7 +165,8 @@ class ServerThread:
             OpenAI(base_url=srv.url + "/v1", api_key="-")
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 limits: HttpLimits | None = None):
         import socket
 
         import uvicorn
@@ -167,7 +176,7 @@ class ServerThread:
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2,
-                                                    http=ArrivalProtocol))
+                                                    **(limits or HttpLimits()).uvicorn_kwargs()))
         self._thread = None
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
@@ -205,11 +214,70 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_cli_args(args)
 
 
+class CliParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (the usage of a hundred engine flags would bury them), exit code 2."""
+
+    def error(self, message: str):
+        cli_error(f"{message} (see --help)", self.prog)
+
+
+def cli_error(message: str, prog: str | None = None):
+    """Print `prog: error: message` and exit with status 2, as argparse does for bad flags."""
+    print(f"{prog or 'kvscope'}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535] (got {text!r})")
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (got {port})")
+    return port
+
+
+def bind_socket(host: str, port: int, prog: str | None = None):
+    """A listening socket on host:port, bound before the engine loads so a taken port fails at once."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        cli_error(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}", prog)
+    return sock
+
+
+def add_http_args(g) -> None:
+    """Flags shared by the API server and app.py: auth exposure and the connection guard's limits."""
+    d = HttpLimits()
+    g.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without --api-key (refused otherwise)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds a connection has to send a request's headers (408 after; 0: no limit)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds allowed between reads of a request body (408 after; 0: no limit)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_s,
+                   help="seconds an idle kept-alive connection stays open")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most (default: the open-file limit less 256); over it the oldest "
+                        "idle connection is closed, or the new one gets 503")
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(header_timeout_s=args.header_timeout or None, body_timeout_s=args.body_timeout or None,
+                      keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    g.add_argument("--port", type=port_number, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every path but /health")
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's)")
     g.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds before a request is aborted with 504 (0: never)")
@@ -221,6 +289,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "a GIL with the engine; --no-engine-process runs it on a thread of this process")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes sharing the port in front of the one engine process (launcher.py)")
+    add_http_args(g)
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -230,21 +299,32 @@ def server_kwargs(args: argparse.Namespace) -> dict:
                 retry_after_s=args.retry_after)
 
 
-def app_for_args(loop, args: argparse.Namespace) -> FastAPI:
-    """The app one API server process serves, from the command line's server flags."""
-    return build_app(loop, **server_kwargs(args))
+def app_for_args(loop, args: argparse.Namespace) -> tuple[FastAPI, dict]:
+    """The app one API server process serves and its uvicorn settings (the connection guard), from the command
+    line's server flags."""
+    return build_app(loop, **server_kwargs(args)), http_limits_from_args(args).uvicorn_kwargs()
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    parser = argparse.ArgumentParser(prog="python -m engine.entrypoints.openai.api_server",
-                                     description="kvscope's OpenAI-compatible API server")
+    parser = CliParser(prog="python -m engine.entrypoints.openai.api_server",
+                       description="kvscope's OpenAI-compatible API server")
     add_server_args(parser)
     add_engine_args(parser, defaults=SERVER_ENGINE_DEFAULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+        limits = http_limits_from_args(args)
+        warning = check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+        build_app_kwargs = server_kwargs(args)
+        if build_app_kwargs["max_body_bytes"] < 1024:
+            raise ValueError(f"--max-body-bytes: must be >= 1024 (got {args.max_body_bytes})")
+    except ValueError as e:
+        parser.error(str(e))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if config.parallel_config.tensor_parallel_size > 1:
         from engine.distributed.worker import serve_if_worker
         serve_if_worker()                   # torchrun, ranks > 0: a tensor-parallel worker, never a server
@@ -255,24 +335,31 @@ def main(argv: list[str] | None = None) -> None:
         if config.parallel_config.data_parallel_size > 1:
             parser.error("--api-server-count > 1 with --data-parallel-size > 1 is not supported: choose one")
         from engine.entrypoints.openai.launcher import serve_many
+        set_ulimit()
         raise SystemExit(serve_many(args, config, args.api_server_count, app_for_args))
-    if config.parallel_config.data_parallel_size > 1:
-        if not args.engine_process:
-            parser.error("--data-parallel-size > 1 runs an engine process per replica: drop --no-engine-process")
-        from engine.runtime.dp_client import DPEngineClient
-        loop = DPEngineClient(config)
-    elif args.engine_process:
-        from engine.runtime.core_client import EngineCoreClient
-        loop = EngineCoreClient(config)
-    else:
-        loop = EngineLoop(config)
-    app = build_app(loop, **server_kwargs(args))
+    if config.parallel_config.data_parallel_size > 1 and not args.engine_process:
+        parser.error("--data-parallel-size > 1 runs an engine process per replica: drop --no-engine-process")
+    set_ulimit()
+    sock = bind_socket(args.host, args.port, parser.prog)
+    try:
+        if config.parallel_config.data_parallel_size > 1:
+            from engine.runtime.dp_client import DPEngineClient
+            loop = DPEngineClient(config)
+        elif args.engine_process:
+            from engine.runtime.core_client import EngineCoreClient
+            loop = EngineCoreClient(config)
+        else:
+            loop = EngineLoop(config)
+    except (ValueError, RuntimeError, OSError) as e:
+        sock.close()
+        cli_error(f"the engine could not start: {e}", parser.prog)
+    app = build_app(loop, **build_app_kwargs)
     log.info("serving %s on http://%s:%d (max_waiting_requests=%s)",
              app.state.kvscope_api.model_name_of(loop), args.host, args.port,
              loop.config.scheduler_config.max_waiting_requests)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), http=ArrivalProtocol,
-                    timeout_graceful_shutdown=5)
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
+                                      **limits.uvicorn_kwargs())).run(sockets=[sock])
     finally:
         loop.shutdown()
 

@@ -2,7 +2,7 @@
 
 In a burst, hundreds of requests reach the event loop together; a stamp taken in the ASGI app would
 leave out the time each one waited for uvicorn to accept its connection and parse the requests ahead of
-it. `ArrivalProtocol` (uvicorn's HTTP protocol, httptools or h11 as uvicorn would pick) stamps the first
+it. `ArrivalProtocol` (uvicorn's h11 HTTP protocol, which the connection guard in connection.py extends) stamps the first
 request of a connection when the connection is accepted, and a later request on a kept-alive connection
 when its first bytes are read; the stamp goes into the ASGI scope's `state["kvscope_arrival"]`, which
 TTFT, queue time and E2E latency count from.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-class ArrivalProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+class ArrivalProtocol(H11Protocol):
     def connection_made(self, transport) -> None:
         self._kvscope_t = time.perf_counter()     # the first request's arrival: the connection's
         self._kvscope_scope = None

@@ -1,9 +1,12 @@
 """OpenAI-style errors: every fault is answered with `{"error": {"message", "type", "param", "code"}}`.
 
-- 400: malformed JSON, a bad parameter (the error's `param` names it; values the sampler cannot compute
-  too), a prompt that cannot fit, more sequences (`n` x prompts) than the waiting queue could ever hold.
-- 401: `--api-key` set and `Authorization: Bearer <key>` missing or wrong (only `/v1/*` is guarded).
-- 404: unknown model name. 413: request body over `max_body_bytes`.
+- 400: malformed HTTP (answered by the connection guard, connection.py), malformed JSON or JSON nested deeper
+  than `MAX_JSON_DEPTH`, a bad parameter (the error's `param` names it; values the sampler cannot compute too),
+  a prompt that cannot fit, more sequences (`n` x prompts) than the waiting queue could ever hold.
+- 401: `--api-key` set and neither `Authorization: Bearer <key>` nor the login cookie sent (auth.py).
+- 404: unknown model name. 408: request headers or body not received in time (connection.py).
+- 413: request body over `max_body_bytes`. 431: request headers too large.
+- 499 (counted in /metrics, never seen by the client): the client closed the connection first.
 - 500 `engine_error`: an engine step raised on this request's rows (it alone failed; the others ran on).
 - 503 + `Retry-After`: no engine right now, or its waiting queue (`EngineConfig.max_waiting_requests`)
   is full now (only when waiting can help). A request is accepted whole or not at all (all `n` choices of all prompts), so nothing
@@ -21,8 +24,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
+
+# pydantic-core's JSON parser refuses deeper nesting ("recursion limit exceeded")
+MAX_JSON_DEPTH = 200
+CLIENT_CLOSED = 499         # nginx's status for a request whose client went away before the response
 
 _PARAM_RE = re.compile(r"^(?:SamplingParams\.)?([A-Za-z_][\w.]*):\s*(.*)$", re.S)
 
@@ -66,6 +74,9 @@ def validation_error(e: ValidationError) -> APIError:
         return APIError("invalid request body")
     err = errs[0]
     if err.get("type") == "json_invalid":
+        if "recursion limit" in str(err.get("msg", "")):
+            return APIError(f"request body: JSON nested too deep (at most {MAX_JSON_DEPTH} levels of arrays and "
+                            "objects)", code="json_too_deep")
         return APIError(f"malformed JSON body: {err.get('msg', '')}".rstrip(": "), code="invalid_json")
     if not err.get("loc"):
         return APIError("request body: must be a JSON object", code="invalid_body")
@@ -121,6 +132,11 @@ def request_timeout(timeout: float) -> APIError:
 
 
 # ------------------------------------------------------------------------------------------ responses
+def client_closed() -> JSONResponse:
+    return JSONResponse(error_body("client closed the connection before the response", "client_closed_request",
+                                   None, CLIENT_CLOSED), CLIENT_CLOSED)
+
+
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), e.status, headers=e.headers)
 
@@ -133,6 +149,8 @@ def guarded(handler):
             return await handler(request)
         except APIError as e:
             return error_response(e)
+        except ClientDisconnect:          # the client left while its body was read: no one to answer
+            return client_closed()
         except Exception as e:  # noqa: BLE001
             log.exception("unhandled error on %s", request.url.path)
             return JSONResponse(error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",

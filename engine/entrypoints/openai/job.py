@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from engine.runtime.async_engine import EngineLoop
+from engine.runtime.core_client import EngineDied
 from engine.runtime.llm_engine import EngineOverloaded
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -146,7 +147,8 @@ class Job:
                 self.closed[i] = True
                 if isinstance(x, EngineOverloaded):
                     raise self.server.overloaded(self.loop, str(x))
-                if getattr(self.loop, "_stop", False):     # the engine was shut down / rebuilt under us
+                # the engine was shut down / rebuilt under us, or its process died (and is restarting): 503
+                if getattr(self.loop, "_stop", False) or isinstance(x, EngineDied):
                     raise engine_stopped(x, self.server.retry_after_s)
                 raise APIError(f"engine error: {x}", 500, "server_error", code="engine_error")
             if not hasattr(x, "finished"):    # the end-of-stream marker

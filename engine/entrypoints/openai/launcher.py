@@ -42,14 +42,13 @@ def _api_server(make_app, args: dict, config: dict, conn, sock: socket.socket, i
     shared socket."""
     import uvicorn
 
-    from engine.entrypoints.openai.arrival import ArrivalProtocol
     from engine.runtime.core_client import EngineCoreClient
     ns = argparse.Namespace(**args)
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
     client = EngineCoreClient(EngineConfig(**config), attach=conn)
     try:
-        app = make_app(client, ns)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level.lower(), http=ArrivalProtocol,
+        app, server_kwargs = make_app(client, ns)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level.lower(), **server_kwargs,
                                                timeout_graceful_shutdown=5))
         server.run(sockets=[sock])
     finally:
@@ -58,7 +57,8 @@ def _api_server(make_app, args: dict, config: dict, conn, sock: socket.socket, i
 
 def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_app) -> int:
     """Run the engine core and `count` API server processes until one of them exits -> exit status.
-    make_app(client, args): the ASGI app of one API server (a module-level function: it travels by name)."""
+    make_app(client, args) -> (the ASGI app of one API server, its uvicorn.Config keyword arguments); a module-level
+    function: it travels by name."""
     from engine.runtime.core_proc import core_main
     ctx = mp.get_context("spawn")                  # CUDA cannot be forked
     sock = listen_socket(args.host, args.port)

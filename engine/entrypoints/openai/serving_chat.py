@@ -6,7 +6,6 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from engine.entrypoints.openai.errors import APIError, value_error
 from engine.entrypoints.openai.job import Job, SSEResponse, sse_stream, stream_choice
@@ -21,8 +20,8 @@ class OpenAIServingChat:
     async def create_chat_completion(self, request: Request) -> Response:
         req, loop = await self.serving.open_request(request, ChatCompletionRequest)
         try:
-            prompt = await run_in_threadpool(loop.engine.apply_chat_template, req.messages,
-                                             req.add_generation_prompt)
+            prompt = await self.serving.preprocess(loop.engine.apply_chat_template, req.messages,
+                                                   req.add_generation_prompt)
         except ValueError as e:
             raise value_error(e, {})
         except Exception as e:  # noqa: BLE001 - a template that raises on these messages (e.g. role order)

@@ -1,20 +1,23 @@
 """The state and steps every OpenAI endpoint shares: the engine behind the API (looked up per request),
 the model check, body parsing, sampling parameters, and the all-or-nothing submission of a request.
 
-Submitting never waits for an engine step (`EngineLoop.submit_many`); text prompts are tokenized on a
-worker thread so the event loop keeps serving other clients meanwhile.
+Submitting never waits for an engine step (`EngineLoop.submit_many`); text prompts are tokenized (and chat
+templates rendered) on worker threads, at most `preprocess_concurrency` at once, so the event loop keeps
+serving other clients and a burst of large prompts cannot take every core and its memory.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import time
 import uuid
 from typing import Any, Callable
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from engine.runtime.async_engine import EngineLoop
 from engine.runtime.llm_engine import EngineOverloaded
@@ -24,6 +27,11 @@ from engine.entrypoints.openai.errors import APIError, engine_unavailable, serve
 from engine.entrypoints.openai.job import Job
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import usage_dict
+
+
+# threads that tokenize and render chat templates at once; more requests wait their turn (cheaply: their
+# bodies are already read and bounded by max_body_bytes)
+DEFAULT_PREPROCESS_CONCURRENCY = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def arrival_of(request: Request) -> float:
@@ -45,6 +53,15 @@ class OpenAIServing:
         self.retry_after_s = retry_after_s
         self.metrics = metrics or ServerMetrics(self.loop_or_none, self.model_name_of)
         self.created = int(time.time())
+        self.preprocess_concurrency = DEFAULT_PREPROCESS_CONCURRENCY
+        self._preprocess_limiter: anyio.CapacityLimiter | None = None
+
+    async def preprocess(self, fn: Callable, *args):
+        """Run CPU work of a request (tokenization, chat template) on a worker thread, at most
+        `preprocess_concurrency` at once."""
+        if self._preprocess_limiter is None:
+            self._preprocess_limiter = anyio.CapacityLimiter(self.preprocess_concurrency)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._preprocess_limiter)
 
     # ---- the engine behind the API ------------------------------------------------------------
     def loop_or_none(self) -> EngineLoop | None:
@@ -105,13 +122,11 @@ class OpenAIServing:
             if declared > limit:
                 raise APIError(f"request body is {declared} bytes; this server accepts at most {limit} bytes",
                                413, code="body_too_large")
-        chunks, size = [], 0
+        body = bytearray()           # one growing buffer: the read chunks are freed as they come (no heap litter)
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            if len(body) + len(chunk) > limit:
                 raise APIError(f"request body exceeds {limit} bytes", 413, code="body_too_large")
-            chunks.append(chunk)
-        body = b"".join(chunks)
+            body += chunk
         if not body.strip():
             raise APIError("request body: must be a JSON object (got an empty body)", code="invalid_body")
         try:
@@ -212,7 +227,7 @@ class OpenAIServing:
         if all(isinstance(p, list) for p in prompts):
             job = self._submit(loop, prompts, req, chat, arrival)
         else:
-            job = await run_in_threadpool(self._submit, loop, prompts, req, chat, arrival)
+            job = await self.preprocess(self._submit, loop, prompts, req, chat, arrival)
         job.attach()
         return job
 
