@@ -24,13 +24,16 @@ class InputProcessor:
             raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages`; tools: passed to a template that renders them (OpenAI's shape)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...}")
+        kw = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **kw)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None) -> Sequence:

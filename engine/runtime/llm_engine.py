@@ -206,8 +206,9 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.input_processor.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, tools)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None) -> Sequence:

@@ -38,6 +38,7 @@ from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import OpenAIServing
+from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +96,14 @@ class ApiMiddleware:
 def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | None = None, *,
              served_model_name: str | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
-             metrics: ServerMetrics | None = None) -> OpenAIServing:
+             metrics: ServerMetrics | None = None, tool_call_parser: str | None = None) -> OpenAIServing:
     """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
 
     get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
     none: the API answers 503). api_key: required as `Authorization: Bearer <key>` on /v1/* when set.
     request_timeout: seconds per request (None: no limit). max_body_bytes: larger bodies get 413.
     retry_after_s: the Retry-After of 503s. metrics: a ServerMetrics to share (default: a new registry).
+    tool_call_parser: how tool calls are read from the output ("hermes", "llama3_json"; None: from the model).
     Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
@@ -110,7 +112,7 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     server = OpenAIServing(get_loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
                            retry_after_s, metrics)
     serving_completion = OpenAIServingCompletion(server)
-    serving_chat = OpenAIServingChat(server)
+    serving_chat = OpenAIServingChat(server, tool_call_parser)
     app.state.kvscope_api = server
     app.add_middleware(ApiMiddleware, server=server)
 
@@ -215,6 +217,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds before a request is aborted with 504 (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's output (default: from its chat template)")
     g.add_argument("--log-level", default="info")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process (default), so HTTP, JSON and SSE work never shares "
@@ -225,7 +229,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     """`register`/`build_app` keyword arguments from the flags of `add_server_args`."""
     return dict(api_key=args.api_key, served_model_name=args.served_model_name,
                 request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                retry_after_s=args.retry_after)
+                retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,9 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from engine.sampling_params import MAX_LOGPROBS
 
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.tools import ToolChoice, check_tool_choice, check_tools, tool_constraint
 
 MAX_N = 64                 # choices per request
 MAX_PROMPTS = 256          # prompts in one /v1/completions request
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 LOGPROB_FLOOR = -9999.0    # JSON has no -inf; masked tokens report this (as vLLM does)
 
 
@@ -195,6 +197,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True   # vLLM extension
 
     @field_validator("messages")
@@ -207,7 +210,10 @@ class ChatCompletionRequest(_SamplingRequest):
             role = m.get("role")
             if not isinstance(role, str) or not role:
                 raise ValueError(f"message {i}: 'role' must be a non-empty string")
+            if role not in CHAT_ROLES:
+                raise ValueError(f"message {i}: unknown role {role[:40]!r}; expected one of {', '.join(CHAT_ROLES)}")
             content = m.get("content")
+            calls = m.get("tool_calls") if role == "assistant" else None
             if content is None:
                 if role != "assistant":
                     raise ValueError(f"message {i}: 'content' is required")
@@ -222,14 +228,57 @@ class ChatCompletionRequest(_SamplingRequest):
                 content = "\n".join(parts)
             elif not isinstance(content, str):
                 raise ValueError(f"message {i}: 'content' must be a string or a list of text parts")
-            out.append({"role": role, "content": content})
+            msg = {"role": role, "content": content}
+            if calls:
+                if not isinstance(calls, list) or not all(
+                        isinstance(c, dict) and isinstance(c.get("function"), dict)
+                        and isinstance(c["function"].get("name"), str)
+                        and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls):
+                    raise ValueError(f"message {i}: 'tool_calls' must be a list of {{'id', 'type': 'function', "
+                                     "'function': {'name', 'arguments'}}")
+                msg["tool_calls"] = [{"id": str(c.get("id", "")), "type": "function",
+                                      "function": {"name": c["function"]["name"],
+                                                   "arguments": c["function"]["arguments"]}} for c in calls]
+            if role == "tool" and m.get("tool_call_id") is not None:
+                if not isinstance(m["tool_call_id"], str):
+                    raise ValueError(f"message {i}: 'tool_call_id' must be a string")
+                msg["tool_call_id"] = m["tool_call_id"]
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+            out.append(msg)
         return out
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v is None:
+            return None
+        try:
+            return check_tools(v) or None
+        except APIError as e:
+            raise ValueError(e.message)
+
+    def tool_choice_mode(self) -> ToolChoice:
+        return check_tool_choice(self.tool_choice, self.tools)
+
+    def structured_outputs(self) -> dict | None:
+        """As the base class, plus the grammar that enforces tool_choice `required` or a named function."""
+        found = super().structured_outputs()
+        enforced = tool_constraint(self.tool_choice_mode(), self.tools or [], self.parallel_tool_calls)
+        if enforced is not None and found is not None:
+            raise APIError("tool_choice: 'required' or a named function cannot be combined with another "
+                           "structured-output constraint", param="tool_choice")
+        return enforced if enforced is not None else found
+
+    def structured_param_names(self) -> dict[str, str]:
+        names = super().structured_param_names()
+        if self.tools and self.tool_choice_mode().enforced:
+            names.update({"structured_outputs": "tools", "structured_outputs.json": "tools"})
+        return names
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise APIError("tools: tool calling is not supported by this server", param="tools",
-                           code="unsupported")
+        self.tool_choice_mode()
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
