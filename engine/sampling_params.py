@@ -27,6 +27,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0                   # EngineConfig.scheduling_policy="priority": lower is scheduled sooner
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100] (OpenAI's)
     # constrain the output to a JSON schema / regex / choice / grammar (a dict of the same fields works too);
     # the grammar decides when it ends, so min_tokens does not ban EOS for these requests
     structured_outputs: StructuredOutputsParams | None = None
@@ -62,6 +63,10 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+            and -100 <= b <= 100 for t, b in self.logit_bias.items())), "logit_bias",
+             "must map token ids (ints >= 0) to biases in [-100, 100]")
         need(isinstance(self.priority, int) and not isinstance(self.priority, bool)
              and -2 ** 63 <= self.priority < 2 ** 63, "priority", "must be an int (lower = scheduled sooner)")
 
@@ -71,5 +76,6 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
+        """Logits processed on the host's terms before sampling: penalties, and logit_bias applied with them."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))

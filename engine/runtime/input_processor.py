@@ -54,6 +54,13 @@ class InputProcessor:
             raise ValueError("prompt: must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
+        V = self.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= V]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {V})")
+        bad = [t for t in (params.logit_bias or ()) if t >= V]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
                              "and at least one output token must fit")

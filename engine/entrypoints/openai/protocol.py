@@ -27,6 +27,7 @@ from engine.entrypoints.openai.tools import ToolChoice, check_tool_choice, check
 
 MAX_N = 64                 # choices per request
 MAX_PROMPTS = 256          # prompts in one /v1/completions request
+MAX_LOGIT_BIAS = 1024      # tokens biased per request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 LOGPROB_FLOOR = -9999.0    # JSON has no -inf; masked tokens report this (as vLLM does)
 
@@ -53,7 +54,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None     # token id (a JSON key) -> bias; ints after validation
     user: str | None = None
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
@@ -142,10 +143,23 @@ class _SamplingRequest(BaseModel):
             raise ValueError("must be a finite number")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return None
+        out = {}
+        for k, b in v.items():
+            if not (k.isascii() and k.isdigit()) or len(k) > 12:
+                raise ValueError(f"keys must be token ids (got {k[:20]!r})")
+            if not (math.isfinite(b) and -100 <= b <= 100):
+                raise ValueError(f"bias of token {k} must be in [-100, 100] (got {b})")
+            out[int(k)] = float(b)
+        if len(out) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+        return out or None
+
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise APIError("logit_bias: is not supported by this server", param="logit_bias",
-                           code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed when stream is true", param="stream_options")
         self.structured_outputs()                 # its shape errors before anything is tokenized

@@ -124,7 +124,8 @@ class OpenAIServing:
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  priority=req.priority, structured_outputs=req.structured_outputs())
+                                  priority=req.priority, structured_outputs=req.structured_outputs(),
+                                  logit_bias=req.logit_bias)
         if req.priority:                   # as vLLM: a priority needs the priority policy (a 400 otherwise)
             cfg = getattr(getattr(self.loop_or_none(), "engine", None), "config", None)
             if cfg is None or cfg.scheduler_config.scheduling_policy != "priority":
