@@ -83,12 +83,11 @@ class OutputProcessor:
         p = seq.params
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                seq.stop_reason = tok
-                return "stop"
             if tok in p.stop_token_ids:
                 seq.stop_reason = tok
                 return "stop"
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return "stop"                   # stop_reason None: EOS (as vLLM)
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

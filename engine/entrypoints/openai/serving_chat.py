@@ -52,7 +52,7 @@ class OpenAIServingChat:
         for i, out in enumerate(job.finals):
             lp = None
             if req.logprobs and out.logprobs is not None:
-                lp = chat_logprobs(out.logprobs[:len(out.token_ids)], top_n)
+                lp = chat_logprobs(out.logprobs[:len(out.token_ids)], top_n, req.return_tokens_as_token_ids)
             content, calls = parse_output(out.text, choice, parser, req.parallel_tool_calls)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -75,15 +75,18 @@ class OpenAIServingChat:
         ntok = [0] * k
         tool_streams = [ToolStream(choice, parser, req.parallel_tool_calls) for _ in range(k)]
         for i in range(k):              # as OpenAI: each choice's first chunk carries the role alone
-            yield {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                   "finish_reason": None}, 0
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            if req.return_token_ids:
+                first["prompt_token_ids"] = job.prompt_ids[job.prompt_of[i]]
+            yield first, 0
         gen = 0
         async for i, out in job.outputs():
             new = list(out.delta_token_ids)
             gen += len(new)
             lp = None
             if req.logprobs and out.logprobs is not None:
-                lp = chat_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], top_n)
+                lp = chat_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], top_n,
+                                   req.return_tokens_as_token_ids)
             ntok[i] += len(new)
             ts = tool_streams[i]
             content, calls = ts.feed(out.delta_text)

@@ -33,7 +33,8 @@ class OpenAIServingCompletion:
             text = (echo[job.prompt_of[i]] if echo else "") + out.text
             lp = None
             if req.logprobs is not None and out.logprobs is not None:
-                lp = completion_logprobs(out.logprobs[:len(out.token_ids)], 0, req.logprobs)
+                lp = completion_logprobs(out.logprobs[:len(out.token_ids)], 0, req.logprobs,
+                                         req.return_tokens_as_token_ids)
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                             "stop_reason": out.stop_reason})
         return self.serving.final_response(job, req, f"cmpl-{job.id_base}", "text_completion", choices,
@@ -59,7 +60,8 @@ class OpenAIServingCompletion:
             gen += len(new)
             lp = None
             if req.logprobs is not None and out.logprobs is not None:
-                lp = completion_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], nchar[i], req.logprobs)
+                lp = completion_logprobs(out.logprobs[ntok[i]:ntok[i] + len(new)], nchar[i], req.logprobs,
+                                         req.return_tokens_as_token_ids)
             ntok[i] += len(new)
             text = out.delta_text
             if echo and not started[i]:
@@ -67,6 +69,9 @@ class OpenAIServingCompletion:
             if not text and not out.finished and lp is None and not (req.return_token_ids and new):
                 yield None, gen
                 continue
+            c = stream_choice(i, out, lp, new, req.return_token_ids, text=text)
+            if req.return_token_ids and not started[i]:
+                c["prompt_token_ids"] = job.prompt_ids[job.prompt_of[i]]
             started[i] = True
             nchar[i] += len(out.delta_text)
-            yield stream_choice(i, out, lp, new, req.return_token_ids, text=text), gen
+            yield c, gen

@@ -95,6 +95,10 @@ class OpenAIServing:
         return req, loop
 
     async def read_json(self, request: Request, model_cls):
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            raise APIError(f"Content-Type: must be application/json (got {ctype[:60]!r})", 415,
+                           code="unsupported_media_type")
         limit = self.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None:
@@ -124,7 +128,7 @@ class OpenAIServing:
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  priority=req.priority, structured_outputs=req.structured_outputs(),
+                                  priority=req.priority, structured_outputs=req.structured_constraint(),
                                   logit_bias=req.logit_bias)
         if req.priority:                   # as vLLM: a priority needs the priority policy (a 400 otherwise)
             cfg = getattr(getattr(self.loop_or_none(), "engine", None), "config", None)
@@ -153,6 +157,9 @@ class OpenAIServing:
             if not ids:
                 what = "messages" if chat else "prompt"
                 raise APIError(f"{what}: must contain at least one token", param=what)
+            k = req.truncate_prompt_tokens
+            if k is not None:                      # vLLM's: keep the last k tokens (-1: all that leave room for one)
+                ids = ids[-(eng.max_model_len - 1 if k == -1 else k):]
             prompt_ids.append(ids)
         if chat:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -241,8 +248,9 @@ class OpenAIServing:
     def final_response(job: Job, req, id_: str, obj: str, choices: list[dict], prompt_token_ids) -> JSONResponse:
         """The non-streaming body: choices (plus their token ids when asked), usage, prompt ids when asked."""
         if req.return_token_ids:
-            for c, out in zip(choices, job.finals):
+            for i, (c, out) in enumerate(zip(choices, job.finals)):
                 c["token_ids"] = list(out.token_ids)
+                c["prompt_token_ids"] = job.prompt_ids[job.prompt_of[i]]
         body = {"id": id_, "object": obj, "created": int(time.time()), "model": job.model_name, "choices": choices,
                 "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
                                     job.cached_tokens())}
