@@ -179,7 +179,16 @@ BAD = [
     ("completions", {"prompt": "x", "stop": 5}, "stop"),
     ("completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids"),
+    ("completions", {"prompt": "x", "seed": 2 ** 63}, "seed"),
+    ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("completions", {"prompt": "x", "length_penalty": 1.0}, "length_penalty"),
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("completions", {}, "prompt"),
     ("completions", {"prompt": 123}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -390,3 +399,39 @@ def test_metrics_counters_match(srv, client, loop, tok):
     # refused and rejected requests are counted by status
     assert metric_sum(after, "kvscope:api_requests_total", endpoint="/v1/completions", status="503") >= 1
     assert metric_sum(after, "kvscope:api_requests_total", endpoint="/v1/completions", status="400") >= 1
+
+
+# ------------------------------------------------------------------------------ OpenAI / vLLM extras
+def test_logit_bias_forces_and_bans_and_eos_stop_reason_null(client, loop):
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, n=1,
+                                  logit_bias={"42": 100}, extra_body={**NO_EOS, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [42] * 5
+    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0,
+                                      extra_body={**NO_EOS, "return_token_ids": True}).choices[0]
+    first = plain.model_extra["token_ids"][0]
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logit_bias={str(first): -100},
+                                  extra_body={**NO_EOS, "return_token_ids": True})
+    assert first not in r.choices[0].model_extra["token_ids"]
+    eos = min(loop.engine.eos_token_ids)
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logit_bias={str(eos): 100})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] is None
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logit_bias={"42": 100},
+                                  extra_body={"stop_token_ids": [42]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == 42
+
+
+def test_vllm_extras_shapes(client, srv):
+    prompt = list(range(10, 30))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0,
+                                  extra_body={**NO_EOS, "truncate_prompt_tokens": 5, "return_token_ids": True,
+                                              "return_tokens_as_token_ids": True})
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == 5 and c.model_extra["prompt_token_ids"] == prompt[-5:]
+    toks = c.model_extra["token_ids"]
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in toks]
+    assert [list(d) for d in c.logprobs.top_logprobs] == [[f"token_id:{t}"] for t in toks]   # logprobs=0: the token
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8,
+                                       n=2, temperature=1.0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert all(ch.message.content in ("yes", "no") for ch in r.choices)
+    f = httpx.post(srv.url + "/v1/completions", data={"prompt": "x"}, timeout=30)      # form-encoded
+    assert f.status_code == 415 and f.json()["error"]["message"].startswith("Content-Type"), f.text
