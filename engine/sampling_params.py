@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None         # top-n logprobs per generated token (0 = only the chosen token's)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token, from the prefill (no prefix-cache hit)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0                   # EngineConfig.scheduling_policy="priority": lower is scheduled sooner
@@ -60,6 +61,9 @@ class SamplingParams:
         need(self.seed is None or isinstance(self.seed, int), "seed", "must be None or an int")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              "logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints")

@@ -185,6 +185,8 @@ BAD = [
     ("completions", {"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids"),
     ("completions", {"prompt": "x", "seed": 2 ** 63}, "seed"),
     ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("completions", {"prompt": "x", "length_penalty": 1.0}, "length_penalty"),
     ("completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
@@ -435,3 +437,18 @@ def test_vllm_extras_shapes(client, srv):
     assert all(ch.message.content in ("yes", "no") for ch in r.choices)
     f = httpx.post(srv.url + "/v1/completions", data={"prompt": "x"}, timeout=30)      # form-encoded
     assert f.status_code == 415 and f.json()["error"]["message"].startswith("Content-Type"), f.text
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(client):
+    prompt = [11, 12, 13, 14]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                  extra_body={**NO_EOS, "prompt_logprobs": 1, "return_tokens_as_token_ids": True})
+    c = r.choices[0]
+    lp = c.logprobs
+    assert lp.tokens[:4] == [f"token_id:{t}" for t in prompt] and len(lp.tokens) == 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and all(lp.token_logprobs[1:])
+    plp = c.model_extra["prompt_logprobs"]          # vLLM's shape: the prompt token and the top-1 by id
+    assert plp[0] is None and len(plp) == 4
+    for k in (1, 2, 3):
+        assert plp[k][str(prompt[k])]["logprob"] == pytest.approx(lp.token_logprobs[k])
+        assert any(v["rank"] == 1 for v in plp[k].values())

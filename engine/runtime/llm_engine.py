@@ -306,6 +306,8 @@ class LLMEngine:
 
         # prepare + execute: one forward (or the fast verify path's graph replay)
         fast = self.fast_verify.plan(sched) if self.fast_verify is not None else None
+        if fast is not None and any(seq.prompt_logprobs is not None for seq in sched.seqs):
+            fast = None
         if fast is not None:        # plain-greedy verify step: padded graph layout packed directly, argmax ids back
             graphed = self.fast_verify.launch(sched, fast)
             t_prep = t_fwd = time.perf_counter()
@@ -313,6 +315,8 @@ class LLMEngine:
             input_ids, md = self.runner.prepare(sched, sample_mask, extra)
             t_prep = time.perf_counter()
             logits = self.runner.execute(input_ids, md)
+            if md.prompt_logits:                # prompt logprobs out, the sampled rows stay (same forward)
+                logits = self.output_processor.take_prompt_logprobs(sched.seqs, md.prompt_logits, logits)
             if self.drafter is not None and not decode_only:    # while the prefill runs on the device
                 self.drafter.prefetch(sched)
             t_fwd, graphed = time.perf_counter(), md.graphed

@@ -79,6 +79,7 @@ class _SamplingRequest(BaseModel):
     # vLLM extensions
     truncate_prompt_tokens: int | None = Field(None, ge=-1)   # keep the prompt's last k tokens (-1: max_model_len - 1)
     return_tokens_as_token_ids: bool = False            # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # top-n per prompt token (from the prefill)
     use_beam_search: bool = False                       # accepted only as false
 
     def structured_constraint(self) -> dict | None:
@@ -366,6 +367,31 @@ def completion_logprobs(entries: list, text_offset: int, top_n: int, as_ids: boo
         offsets.append(off)
         off += len(chosen.decoded)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(*parts: dict) -> dict:
+    """Legacy completions logprobs of consecutive runs (echoed prompt, then output) as one."""
+    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def echo_logprobs(prompt_entries: list, first_text: str, first_id: int, top_n: int, as_ids: bool) -> dict:
+    """Legacy completions logprobs of an echoed prompt: its first token has none (null), as OpenAI's."""
+    head = {"tokens": [f"token_id:{first_id}" if as_ids else first_text], "token_logprobs": [None],
+            "top_logprobs": [None], "text_offset": [0]}
+    return join_logprobs(head, completion_logprobs(prompt_entries[1:], len(first_text), top_n, as_ids))
+
+
+def vllm_prompt_logprobs(entries: list, as_ids: bool = False) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    for the prompt token and the top-n."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        out.append({str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                       "decoded_token": _name(lp, as_ids)} for lp in reversed(e)})
+    return out
 
 
 def chat_logprobs(entries: list, top_n: int, as_ids: bool = False) -> dict:

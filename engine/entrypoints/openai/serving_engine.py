@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.entrypoints.openai.errors import APIError, engine_unavailable, server_overloaded, validation_error, value_error
 from engine.entrypoints.openai.job import Job
 from engine.entrypoints.openai.metrics import ServerMetrics
-from engine.entrypoints.openai.protocol import usage_dict
+from engine.entrypoints.openai.protocol import usage_dict, vllm_prompt_logprobs
 
 
 def arrival_of(request: Request) -> float:
@@ -129,7 +129,9 @@ class OpenAIServing:
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
                                   priority=req.priority, structured_outputs=req.structured_constraint(),
-                                  logit_bias=req.logit_bias)
+                                  logit_bias=req.logit_bias, prompt_logprobs=req.prompt_logprobs)
+        if getattr(req, "echo", False) and req.logprobs is not None:     # legacy echo: the prompt's logprobs too
+            kw["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
         if req.priority:                   # as vLLM: a priority needs the priority policy (a 400 otherwise)
             cfg = getattr(getattr(self.loop_or_none(), "engine", None), "config", None)
             if cfg is None or cfg.scheduler_config.scheduling_policy != "priority":
@@ -247,6 +249,9 @@ class OpenAIServing:
     @staticmethod
     def final_response(job: Job, req, id_: str, obj: str, choices: list[dict], prompt_token_ids) -> JSONResponse:
         """The non-streaming body: choices (plus their token ids when asked), usage, prompt ids when asked."""
+        if req.prompt_logprobs is not None and obj == "text_completion":
+            for c, out in zip(choices, job.finals):
+                c["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [], req.return_tokens_as_token_ids)
         if req.return_token_ids:
             for i, (c, out) in enumerate(zip(choices, job.finals)):
                 c["token_ids"] = list(out.token_ids)
@@ -256,6 +261,9 @@ class OpenAIServing:
                                     job.cached_tokens())}
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_token_ids
+        if req.prompt_logprobs is not None and obj == "chat.completion":     # vLLM: once, on the response
+            body["prompt_logprobs"] = vllm_prompt_logprobs(job.finals[0].prompt_logprobs or [],
+                                                           req.return_tokens_as_token_ids)
         return JSONResponse(body)
 
     # ---- /v1/models ---------------------------------------------------------------------------
