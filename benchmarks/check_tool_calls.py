@@ -53,24 +53,27 @@ def valid(calls: list[tuple[str, str]], want: str | None) -> bool:
     return True
 
 
-def one(client: OpenAI, model: str, tool_choice, seed: int, stream: bool) -> tuple[list, str | None]:
+def one(client: OpenAI, model: str, tool_choice, seed: int, stream: bool, max_tokens: int
+        ) -> tuple[list, str | None, str]:
     kw = dict(model=model, messages=ASK if tool_choice != "auto" else CHAT, tools=TOOLS, tool_choice=tool_choice,
-              seed=seed, temperature=1.0, max_tokens=120)
+              seed=seed, temperature=1.0, max_tokens=max_tokens)
     if not stream:
-        m = client.chat.completions.create(**kw).choices[0].message
-        return [(c.function.name, c.function.arguments) for c in m.tool_calls or []], m.content
+        c = client.chat.completions.create(**kw).choices[0]
+        m = c.message
+        return [(t.function.name, t.function.arguments) for t in m.tool_calls or []], m.content, c.finish_reason
     calls: dict[int, list] = {}
-    text = ""
+    text, finish = "", None
     for ch in client.chat.completions.create(stream=True, **kw):
         d = ch.choices[0].delta if ch.choices else None
         if d is None:
             continue
+        finish = ch.choices[0].finish_reason or finish
         text += d.content or ""
         for tc in d.tool_calls or []:
             c = calls.setdefault(tc.index, ["", ""])
             c[0] += (tc.function.name or "") if tc.function else ""
             c[1] += (tc.function.arguments or "") if tc.function else ""
-    return [tuple(c) for _, c in sorted(calls.items())], text or None
+    return [tuple(c) for _, c in sorted(calls.items())], text or None, finish
 
 
 def main() -> None:
@@ -79,6 +82,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--modes", nargs="+", default=["required", "named", "auto"])
+    ap.add_argument("--stream", nargs="+", default=["off", "on"])
     args = ap.parse_args()
     loop = EngineLoop(EngineConfig(model=args.model, device=args.device, max_model_len=1024,
                                    max_num_seqs=args.concurrency)).start()
@@ -87,22 +93,28 @@ def main() -> None:
         client = OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         named = {"type": "function", "function": {"name": "get_weather"}}
-        for label, tc in (("required", "required"), ("named get_weather", named), ("auto, no tool needed", "auto")):
-            for stream in (False, True):
+        modes = {"required": "required", "named": named, "auto": "auto"}
+        failures = []
+        for label in args.modes:
+            tc = modes[label]
+            for stream in (s == "on" for s in args.stream):
                 t0 = time.perf_counter()
-                res = list(pool.map(lambda s: one(client, model, tc, s, stream), range(args.calls)))
+                res = list(pool.map(lambda s: one(client, model, tc, s, stream, args.max_tokens), range(args.calls)))
                 if tc == "auto":
-                    ok = sum(1 for calls, text in res if not calls and text)
+                    good = [not calls and bool(text) for calls, text, _ in res]
                 else:
-                    ok = sum(valid(calls, "get_weather" if tc is named else None) for calls, _ in res)
-                rows.append({"tool_choice": label, "stream": stream, "calls": args.calls, "ok": ok,
+                    good = [valid(calls, "get_weather" if tc is named else None) for calls, _, _ in res]
+                failures += [{"mode": label, "stream": stream, "seed": s, "finish_reason": r[2], "calls": r[0],
+                              "content": r[1]} for s, (g, r) in enumerate(zip(good, res)) if not g]
+                rows.append({"tool_choice": label, "stream": stream, "calls": args.calls, "ok": sum(good),
                              "seconds": round(time.perf_counter() - t0, 1)})
                 print_table(rows[-1:], list(rows[-1]))
+                print(*failures[-5:], sep="\n", flush=True)
     loop.shutdown()
     print_table(rows, list(rows[0]))
     print("ok: tool_calls parse and validate against the schema (auto: a text answer, no tool call)")
     path = write_json(f"tool_calls_{slug(device_name(args.device))}", {"model": args.model or "SmolLM2-135M (bundled)",
-                                                                 "rows": rows})
+                                                                 "rows": rows, "failures": failures})
     print(f"wrote {path}")
 
 

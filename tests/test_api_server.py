@@ -452,3 +452,37 @@ def test_echo_with_logprobs_and_prompt_logprobs(client):
     for k in (1, 2, 3):
         assert plp[k][str(prompt[k])]["logprob"] == pytest.approx(lp.token_logprobs[k])
         assert any(v["rank"] == 1 for v in plp[k].values())
+
+
+def test_tokenizer_routes_version_invocations(srv, client, tok):
+    r = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    assert len(r["token_strs"]) == r["count"]
+    msgs = [{"role": "user", "content": "hey"}]
+    r = httpx.post(srv.url + "/tokenize", json={"messages": msgs}).json()
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                                     add_special_tokens=False)
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
+    bad = httpx.post(srv.url + "/detokenize", json={"tokens": [10 ** 8]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    info = httpx.get(srv.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["max_model_len"] == 1024
+    assert httpx.get(srv.url + "/version").json()["version"]
+    chat = httpx.post(srv.url + "/invocations", json={"messages": msgs, "max_tokens": 2}, timeout=60).json()
+    assert chat["object"] == "chat.completion"
+    cmpl = httpx.post(srv.url + "/invocations", json={"prompt": "hi", "max_tokens": 2}, timeout=60).json()
+    assert cmpl["object"] == "text_completion"
+
+
+def test_vllm_metric_families(srv, client):
+    before = scrape_metrics(srv.url)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, n=2, extra_body=NO_EOS)
+    after = scrape_metrics(srv.url)
+    for name, grew in (("kvscope:request_params_n_count", 1), ("kvscope:request_params_max_tokens_count", 2),
+                       ("kvscope:request_params_max_tokens_sum", 6), ("kvscope:request_params_n_sum", 2)):
+        assert metric_sum(after, name) - metric_sum(before, name) == grew, name
+    assert metric_sum(after, "kvscope:request_inference_time_seconds_count") \
+        - metric_sum(before, "kvscope:request_inference_time_seconds_count") == 2
+    steps = metric_sum(after, "kvscope:iteration_tokens_total_count") - metric_sum(before, "kvscope:iteration_tokens_total_count")
+    tokens = metric_sum(after, "kvscope:iteration_tokens_total_sum") - metric_sum(before, "kvscope:iteration_tokens_total_sum")
+    assert steps >= 3 and tokens >= 2 * 3       # 2 requests x 3 tokens, prompt tokens on top (other tests may run)

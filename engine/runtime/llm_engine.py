@@ -12,6 +12,7 @@ The engine emits a RequestEvent per lifecycle change and a StepEvent per step wh
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -38,6 +39,8 @@ from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.runtime.step_events import phase_of, request_event, step_event
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.multi_step import MultiStepDecoder
 from engine.core.sizing import derive_max_model_len, derive_num_blocks, with_device_defaults
@@ -189,6 +192,10 @@ class LLMEngine:
         self._profile_next = False
         self.last_profile: list[dict] | None = None
         self.stats_total = dict(prompt_tokens=0, finished=0, aborted=0)
+        # tokens per model iteration (vLLM's iteration_tokens_total): a count per bucket of ITERATION_TOKEN_BUCKETS
+        # (the last: above them all), and their sum
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self.drafter = self.fast_verify = None
         if config.speculative_config.speculative_method:
             from engine.spec import FastVerify, make_drafter
@@ -288,6 +295,8 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = t_sched
             self._emit_request("scheduled", seq)
+        if not sched.is_empty:
+            self._count_iteration(sched.num_tokens)
         if sched.is_empty:
             if observe and sched.preempted:
                 self._emit_step(sched, t0, time.perf_counter(), [], {"schedule": t_sched - t0})
@@ -370,6 +379,7 @@ class LLMEngine:
         tokens are then processed as one step of K tokens per request."""
         blk = self.multi_step.run(K, self.arrivals_pending)
         sched = blk.sched
+        self._count_iteration(len(sched.seqs), blk.K)
         if observe:
             sched.phases = ["decode"] * len(sched.seqs)
             sched.total_lens = [seq.num_tokens for seq in sched.seqs]
@@ -391,6 +401,10 @@ class LLMEngine:
         else:
             self.block_manager.pop_step_stats()
         return outputs
+
+    def _count_iteration(self, num_tokens: int, times: int = 1) -> None:
+        self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += times
+        self.iteration_tokens_sum += num_tokens * times
 
     def _process_outputs(self, sched: SchedulerOutput, new_tokens: list[list[int]], lp_rows: list
                          ) -> tuple[list[RequestOutput], list[str]]:
@@ -430,6 +444,8 @@ class LLMEngine:
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     kernels=self.kernels, model=self.model_name, quantization=self.quantization,
                     generation_tokens=self.output_processor.num_generation_tokens, **self.stats_total,
+                    iteration_tokens_counts=list(self.iteration_tokens_counts),
+                    iteration_tokens_sum=self.iteration_tokens_sum,
                     tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
                     parallel_layout=self.parallel_layout,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))

@@ -3,7 +3,8 @@
     python -m engine.entrypoints.openai.api_server --host 127.0.0.1 --port 8000 --model dummy:tiny
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not),
-`GET /health`, `GET /metrics` (Prometheus text format).
+`POST /invocations` (either, by its body), `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`,
+`GET /version`, `GET /health`, `GET /metrics` (Prometheus text format).
 
 - `build_app(loop, api_key=None, ...)` returns a FastAPI app serving one EngineLoop.
 - `register(app, get_loop, api_key=None, ...)` adds the same routes to an existing FastAPI app (app.py
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import time
 from typing import Callable
@@ -38,6 +40,7 @@ from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import OpenAIServing
+from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, version
 from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ class ApiMiddleware:
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] == "/invocations"):
             return await self.app(scope, receive, send)
         # arrival, TTFT counts from here: stamped by ArrivalProtocol when the bytes came in, else now
         state = scope.setdefault("state", {})
@@ -113,6 +116,7 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
                            retry_after_s, metrics)
     serving_completion = OpenAIServingCompletion(server)
     serving_chat = OpenAIServingChat(server, tool_call_parser)
+    serving_tokens = OpenAIServingTokenization(server, serving_chat)
     app.state.kvscope_api = server
     app.add_middleware(ApiMiddleware, server=server)
 
@@ -135,11 +139,38 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     async def chat(request: Request):
         return await serving_chat.create_chat_completion(request)
 
+    async def invocations(request: Request):       # SageMaker's route: chat when the body has messages
+        body = await server.read_body(request)
+        try:
+            is_chat = "messages" in json.loads(body)
+        except (ValueError, TypeError):
+            is_chat = False
+        request._body = body                        # read again by the endpoint (starlette caches it here)
+        return await (serving_chat.create_chat_completion if is_chat else serving_completion.create_completion)(
+            request)
+
+    async def tokenize(request: Request):
+        return await serving_tokens.tokenize(request)
+
+    async def detokenize(request: Request):
+        return await serving_tokens.detokenize(request)
+
+    async def tokenizer_info(request: Request):
+        return serving_tokens.tokenizer_info()
+
+    async def version_(request: Request):
+        return JSONResponse({"version": version()})
+
     app.add_api_route("/health", guarded(health), methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", guarded(metrics_), methods=["GET"], include_in_schema=False)
     app.add_api_route("/v1/models", guarded(models), methods=["GET"])
     app.add_api_route("/v1/completions", guarded(completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(chat), methods=["POST"])
+    app.add_api_route("/invocations", guarded(invocations), methods=["POST"])
+    app.add_api_route("/tokenize", guarded(tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", guarded(detokenize), methods=["POST"])
+    app.add_api_route("/tokenizer_info", guarded(tokenizer_info), methods=["GET"])
+    app.add_api_route("/version", guarded(version_), methods=["GET"])
     return server
 
 

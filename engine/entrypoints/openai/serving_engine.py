@@ -95,6 +95,19 @@ class OpenAIServing:
         return req, loop
 
     async def read_json(self, request: Request, model_cls):
+        return self.parse(await self.read_body(request), model_cls)
+
+    @staticmethod
+    def parse(body: bytes, model_cls):
+        if not body.strip():
+            raise APIError("request body: must be a JSON object (got an empty body)", code="invalid_body")
+        try:
+            return model_cls.model_validate_json(body)
+        except ValidationError as e:
+            raise validation_error(e)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body's bytes: JSON by its Content-Type (415 otherwise), at most max_body_bytes (413)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype and ctype != "application/json" and not ctype.endswith("+json"):
             raise APIError(f"Content-Type: must be application/json (got {ctype[:60]!r})", 415,
@@ -115,13 +128,7 @@ class OpenAIServing:
             if size > limit:
                 raise APIError(f"request body exceeds {limit} bytes", 413, code="body_too_large")
             chunks.append(chunk)
-        body = b"".join(chunks)
-        if not body.strip():
-            raise APIError("request body: must be a JSON object (got an empty body)", code="invalid_body")
-        try:
-            return model_cls.model_validate_json(body)
-        except ValidationError as e:
-            raise validation_error(e)
+        return b"".join(chunks)
 
     def _sampling(self, req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
         kw: dict[str, Any] = dict(max_tokens=max_tokens, seed=seed, logprobs=logprobs, stop=list(req.stop or []),
@@ -206,6 +213,7 @@ class OpenAIServing:
             raise engine_unavailable(self.retry_after_s, e)
         job = Job(self, loop, rids, streams, prompt_ids, prompt_of, params)
         job.id_base = base
+        self.metrics.observe_params(job.model_name, req.n, [sp.max_tokens for sp in params])
         return job
 
     async def submit(self, request: Request, loop: EngineLoop, prompts: list, req, chat: bool) -> Job:
