@@ -7,14 +7,19 @@ from engine import LLM, SamplingParams
 from engine.sample.sampler import SampleRow, sample
 
 
-def test_sampler_batched_biases_greedy_and_sampled():
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_sampler_batched_biases_greedy_and_sampled(device):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(device)
     top = logits.argmax(-1).tolist()
     params = [SamplingParams(temperature=0, logit_bias={7: 100}),            # forces token 7
               SamplingParams(temperature=0, logit_bias={top[1]: -100}),      # bans row 1's argmax
               SamplingParams(temperature=0),                                  # untouched
               SamplingParams(temperature=1.0, logit_bias={t: -100 for t in range(50) if t != 11})]  # only 11 left
-    toks, _ = sample(logits.clone(), [SampleRow(p, [], 0, 0) for p in params], torch.Generator().manual_seed(1))
+    toks, _ = sample(logits.clone(), [SampleRow(p, [], 0, 0) for p in params],
+                     torch.Generator(device=device).manual_seed(1))
     second = logits[1].clone()
     second[top[1]] = float("-inf")
     assert toks == [7, int(second.argmax()), top[2], 11]
@@ -33,6 +38,16 @@ def llm():
 
 
 def test_engine_batch_each_request_its_own_bias(llm):
+    check_batch(llm)
+
+
+@CUDA
+def test_engine_batch_biases_on_cuda_with_graphs_and_multi_step():
+    check_batch(LLM("dummy:tiny", device="cuda", num_kv_blocks=64, max_model_len=128, enable_cuda_graphs=True,
+                    num_scheduler_steps=8))
+
+
+def check_batch(llm):
     prompt = [5, 6, 7, 8]
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
     banned = plain[0]
