@@ -112,6 +112,8 @@ def template_messages(messages: list[dict], tools: list[dict] | None, parser: To
     out = []
     for m in messages:
         m = dict(m)
+        if m["role"] == "developer":        # OpenAI's newer name for the system message; templates know "system"
+            m["role"] = "system"
         calls = m.get("tool_calls")
         if calls:
             parsed = [(c["function"]["name"], _arguments(c["function"]["arguments"])) for c in calls]
@@ -127,8 +129,8 @@ def template_messages(messages: list[dict], tools: list[dict] | None, parser: To
     if tools and not native:
         prompt = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools),
                                             format=parser.prompt_format)
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
