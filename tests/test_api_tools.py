@@ -173,3 +173,37 @@ def test_auto_on_the_bundled_model_answers_text_when_no_tool_is_needed():
             assert _valid("get_weather", r.choices[0].message.tool_calls[0].function.arguments)
     finally:
         loop.shutdown()
+
+
+# A Qwen-2.5-style template that renders tools itself (trimmed): tools in the system turn, calls as JSON objects.
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+    "<|im_end|>\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_tools_gets_them_natively(srv):
+    import copy
+    from types import SimpleNamespace
+
+    from engine.entrypoints.openai.protocol import ChatCompletionRequest
+    from engine.entrypoints.openai.serving_chat import OpenAIServingChat
+    from engine.entrypoints.openai.tool_parsers import tool_parser_for
+
+    tok = copy.deepcopy(srv.loop.engine.tokenizer)
+    tok.chat_template = NATIVE_TEMPLATE
+    eng = SimpleNamespace(tokenizer=tok, apply_chat_template=lambda msgs, agp, tools: tok.apply_chat_template(
+        msgs, tools=tools, tokenize=False, add_generation_prompt=agp))
+    req = ChatCompletionRequest.model_validate({"messages": ASK + [
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "ping", "arguments": "{\"ok\": true}"}}]}, {"role": "tool", "content": "pong"}], "tools": TOOLS})
+    parser = tool_parser_for(None, tok.chat_template)
+    text = OpenAIServingChat.render(eng, req, req.tool_choice_mode(), parser)
+    assert parser.name == "hermes" and "function calling AI model" not in text      # no injected prompt
+    assert json.dumps(req.tools[0]) in text.replace("\n", "")
+    assert '{"name": "ping", "arguments": {"ok": true}}' in text                     # arguments as an object
+    assert "<tool_response>\npong\n</tool_response>" in text
+    assert tool_parser_for(None, "{{ '<|start_header_id|>' }}").name == "llama3_json"
