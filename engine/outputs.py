@@ -48,6 +48,7 @@ class Logprob:
     token_id: int
     logprob: float
     decoded: str
+    rank: int | None = None             # 1 = the most likely token (prompt logprobs)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class RequestOutput:
     finish_reason: str | None       # "stop" | "length" | "abort" | None
     metrics: RequestMetrics
     logprobs: list[list[Logprob]] | None = None  # per generated token: chosen first, then the top-n
+    prompt_logprobs: list | None = None          # per prompt token (the first: None): its Logprob, then the top-n
     stop_reason: str | int | None = None          # the stop string or token id that ended it
     num_cached_tokens: int = 0
 

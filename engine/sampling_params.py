@@ -41,9 +41,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None         # top-n logprobs per generated token (0 = only the chosen token's)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token, from the prefill (no prefix-cache hit)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0                   # EngineConfig.scheduling_policy="priority": lower is scheduled sooner
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100] (OpenAI's)
     # constrain the output to a JSON schema / regex / choice / grammar (a dict of the same fields works too);
     # the grammar decides when it ends, so min_tokens does not ban EOS for these requests
     structured_outputs: StructuredOutputsParams | None = None
@@ -87,9 +89,16 @@ class SamplingParams:
              "must be None or an int in [-2**63, 2**64)")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              "logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(all(_is_int(t) and 0 <= t < 2 ** 63 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints (token ids)")
+        need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and isinstance(b, (int, float)) and not isinstance(b, bool)
+            and -100 <= b <= 100 for t, b in self.logit_bias.items())), "logit_bias",
+             "must map token ids (ints >= 0) to biases in [-100, 100]")
         need(_is_int(self.priority) and INT64_MIN <= self.priority < 2 ** 63, "priority",
              "must be an int in [-2**63, 2**63) (lower = scheduled sooner)")
 
@@ -99,5 +108,6 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
+        """Logits processed on the host's terms before sampling: penalties, and logit_bias applied with them."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))

@@ -179,7 +179,6 @@ BAD = [
     ("completions", {"prompt": "x", "stop": 5}, "stop"),
     ("completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
     # values pydantic accepts but the sampler cannot compute in fp32 (one per class)
     ("completions", {"prompt": "x", "repetition_penalty": 1e-300, "temperature": 1}, "repetition_penalty"),
     ("completions", {"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
@@ -194,6 +193,18 @@ BAD = [
     ("completions", {"prompt": ["a", "b", "c", "d"], "n": 2}, "n"),
     ("completions", {"prompt": [[1], [2], [3], [4], [5], [6], [7]]}, "prompt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 7}, "n"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "x", "stop_token_ids": [999999]}, "stop_token_ids"),
+    ("completions", {"prompt": "x", "seed": 2 ** 63}, "seed"),
+    ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {"prompt": "x", "length_penalty": 1.0}, "length_penalty"),
+    ("completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("completions", {}, "prompt"),
     ("completions", {"prompt": 123}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -405,3 +416,88 @@ def test_metrics_counters_match(srv, client, loop, tok):
     # refused and rejected requests are counted by status
     assert metric_sum(after, "kvscope:api_requests_total", endpoint="/v1/completions", status="503") >= 1
     assert metric_sum(after, "kvscope:api_requests_total", endpoint="/v1/completions", status="400") >= 1
+
+
+# ------------------------------------------------------------------------------ OpenAI / vLLM extras
+def test_logit_bias_forces_and_bans_and_eos_stop_reason_null(client, loop):
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, n=1,
+                                  logit_bias={"42": 100}, extra_body={**NO_EOS, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [42] * 5
+    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0,
+                                      extra_body={**NO_EOS, "return_token_ids": True}).choices[0]
+    first = plain.model_extra["token_ids"][0]
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logit_bias={str(first): -100},
+                                  extra_body={**NO_EOS, "return_token_ids": True})
+    assert first not in r.choices[0].model_extra["token_ids"]
+    eos = min(loop.engine.eos_token_ids)
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logit_bias={str(eos): 100})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] is None
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logit_bias={"42": 100},
+                                  extra_body={"stop_token_ids": [42]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == 42
+
+
+def test_vllm_extras_shapes(client, srv):
+    prompt = list(range(10, 30))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0,
+                                  extra_body={**NO_EOS, "truncate_prompt_tokens": 5, "return_token_ids": True,
+                                              "return_tokens_as_token_ids": True})
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == 5 and c.model_extra["prompt_token_ids"] == prompt[-5:]
+    toks = c.model_extra["token_ids"]
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in toks]
+    assert [list(d) for d in c.logprobs.top_logprobs] == [[f"token_id:{t}"] for t in toks]   # logprobs=0: the token
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=8,
+                                       n=2, temperature=1.0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert all(ch.message.content in ("yes", "no") for ch in r.choices)
+    f = httpx.post(srv.url + "/v1/completions", data={"prompt": "x"}, timeout=30)      # form-encoded
+    assert f.status_code == 415 and f.json()["error"]["message"].startswith("Content-Type"), f.text
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(client):
+    prompt = [11, 12, 13, 14]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                  extra_body={**NO_EOS, "prompt_logprobs": 1, "return_tokens_as_token_ids": True})
+    c = r.choices[0]
+    lp = c.logprobs
+    assert lp.tokens[:4] == [f"token_id:{t}" for t in prompt] and len(lp.tokens) == 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and all(lp.token_logprobs[1:])
+    plp = c.model_extra["prompt_logprobs"]          # vLLM's shape: the prompt token and the top-1 by id
+    assert plp[0] is None and len(plp) == 4
+    for k in (1, 2, 3):
+        assert plp[k][str(prompt[k])]["logprob"] == pytest.approx(lp.token_logprobs[k])
+        assert any(v["rank"] == 1 for v in plp[k].values())
+
+
+def test_tokenizer_routes_version_invocations(srv, client, tok):
+    r = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+    assert len(r["token_strs"]) == r["count"]
+    msgs = [{"role": "user", "content": "hey"}]
+    r = httpx.post(srv.url + "/tokenize", json={"messages": msgs}).json()
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                                     add_special_tokens=False)
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
+    bad = httpx.post(srv.url + "/detokenize", json={"tokens": [10 ** 8]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    info = httpx.get(srv.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["max_model_len"] == 1024
+    assert httpx.get(srv.url + "/version").json()["version"]
+    chat = httpx.post(srv.url + "/invocations", json={"messages": msgs, "max_tokens": 2}, timeout=60).json()
+    assert chat["object"] == "chat.completion"
+    cmpl = httpx.post(srv.url + "/invocations", json={"prompt": "hi", "max_tokens": 2}, timeout=60).json()
+    assert cmpl["object"] == "text_completion"
+
+
+def test_vllm_metric_families(srv, client):
+    before = scrape_metrics(srv.url)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, n=2, extra_body=NO_EOS)
+    after = scrape_metrics(srv.url)
+    for name, grew in (("kvscope:request_params_n_count", 1), ("kvscope:request_params_max_tokens_count", 2),
+                       ("kvscope:request_params_max_tokens_sum", 6), ("kvscope:request_params_n_sum", 2)):
+        assert metric_sum(after, name) - metric_sum(before, name) == grew, name
+    assert metric_sum(after, "kvscope:request_inference_time_seconds_count") \
+        - metric_sum(before, "kvscope:request_inference_time_seconds_count") == 2
+    steps = metric_sum(after, "kvscope:iteration_tokens_total_count") - metric_sum(before, "kvscope:iteration_tokens_total_count")
+    tokens = metric_sum(after, "kvscope:iteration_tokens_total_sum") - metric_sum(before, "kvscope:iteration_tokens_total_sum")
+    assert steps >= 3 and tokens >= 2 * 3       # 2 requests x 3 tokens, prompt tokens on top (other tests may run)

@@ -125,8 +125,8 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> None:
         """On admission from waiting: adopt the longest chain of cached full blocks (not the last token)."""
-        if not self.enable_prefix_caching or seq.block_table:
-            return
+        if not self.enable_prefix_caching or seq.block_table or seq.prompt_logprobs is not None:
+            return              # prompt logprobs need every prompt position computed (as vLLM)
         limit = (seq.num_tokens - 1) // self.block_size   # keep >= 1 token to compute, for logits
         self._update_hashes(seq, limit * self.block_size)
         matched = []

@@ -38,6 +38,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.logprobs: list[list[Logprob]] | None = [] if params.logprobs is not None else None
+        # per prompt position (the first: None): [the prompt token's Logprob, top-n...], filled by the prefill
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * len(self.token_ids)
         self.admitted = False                        # ever scheduled (prefix-cache stats counted once)
         # detokenizer state
         self.text = ""

@@ -22,6 +22,7 @@ class AttentionMetadata:
     max_seqlen_k: int
     block_size: int
     graphed: bool = False          # set when the step was replayed from a CUDA graph
+    prompt_logits: list | None = None  # (seq index, first logits row, first position, rows): prompt-logprob rows
     mixed_splits: int = 0          # > 0: a mixed step captured in a CUDA graph (padded tokens, seq_lens.shape[0]
     #                                sequence slots): attention launches depend on tensor shapes only, and
     #                                decodes use this many splits; the host lists are not read

@@ -74,13 +74,14 @@ class FrontendEngine:
 
 class _Acc:
     """A request's output so far, rebuilt from the core's deltas."""
-    __slots__ = ("prompt", "prompt_ids", "text", "token_ids", "logprobs", "metrics")
+    __slots__ = ("prompt", "prompt_ids", "text", "token_ids", "logprobs", "metrics", "prompt_logprobs")
 
     def __init__(self, seq: Sequence):
         self.prompt, self.prompt_ids = seq.prompt, seq.prompt_token_ids
         self.text, self.token_ids = "", []
         self.logprobs = [] if seq.params.logprobs is not None else None
         self.metrics = seq.metrics
+        self.prompt_logprobs = None
 
 
 class _CoreProcess:
@@ -320,7 +321,8 @@ class EngineCoreClient:
 
     def _deliver(self, encoded: list) -> None:
         batches: dict = {}
-        for rid, delta_text, delta_ids, finished, reason, stop_reason, cached, first_tok, lps, metrics in encoded:
+        for rid, delta_text, delta_ids, finished, reason, stop_reason, cached, first_tok, lps, metrics, plps \
+                in encoded:
             with self._inbox_lock:
                 acc = self._acc.get(rid)
                 stream = self._streams.get(rid)
@@ -333,6 +335,8 @@ class EngineCoreClient:
             acc.token_ids = acc.token_ids + delta_ids
             if lps is not None and acc.logprobs is not None:
                 acc.logprobs.extend([Logprob(*e) for e in entry] for entry in lps)
+            if plps is not None:
+                acc.prompt_logprobs = [None if e is None else [Logprob(*x) for x in e] for e in plps]
             if metrics is not None:
                 acc.metrics = RequestMetrics(*metrics)
             elif acc.metrics.first_token_time is None:
@@ -340,7 +344,8 @@ class EngineCoreClient:
             out = RequestOutput(request_id=rid, prompt=acc.prompt, prompt_token_ids=acc.prompt_ids, text=acc.text,
                                 token_ids=acc.token_ids, delta_text=delta_text, delta_token_ids=delta_ids,
                                 finished=finished, finish_reason=reason, metrics=acc.metrics,
-                                logprobs=acc.logprobs, stop_reason=stop_reason, num_cached_tokens=cached)
+                                logprobs=acc.logprobs, stop_reason=stop_reason, num_cached_tokens=cached,
+                                prompt_logprobs=acc.prompt_logprobs)
             stream._put(out, batches)
             if finished:
                 stream._put(_END, batches)

@@ -44,8 +44,12 @@ def encode_output(out: RequestOutput, lp_from: int) -> tuple:
     lps = None
     if out.logprobs is not None:
         lps = [[(e.token_id, e.logprob, e.decoded) for e in entry] for entry in out.logprobs[lp_from:]]
+    plps = None                 # prompt logprobs: complete before the first token, sent with it
+    if out.prompt_logprobs is not None and len(out.token_ids) == len(out.delta_token_ids):
+        plps = [None if e is None else [(x.token_id, x.logprob, x.decoded, x.rank) for x in e]
+                for e in out.prompt_logprobs]
     return (out.request_id, out.delta_text, list(out.delta_token_ids), out.finished, out.finish_reason,
-            out.stop_reason, out.num_cached_tokens, m.first_token_time, lps, metrics)
+            out.stop_reason, out.num_cached_tokens, m.first_token_time, lps, metrics, plps)
 
 
 class CoreLoop(EngineLoop):

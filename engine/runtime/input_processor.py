@@ -49,15 +49,18 @@ class InputProcessor:
         self.check_text_size("prompt", len(prompt), prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages`; tools: passed to a template that renders them (OpenAI's shape)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...}")
         # the rendered conversation holds every message's content: refuse it before rendering
         self.check_text_size("messages", sum(_text_chars(m.get("content")) for m in messages))
+        kw = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **kw)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
@@ -85,6 +88,9 @@ class InputProcessor:
         if params.min_tokens and not params.structured_outputs and len(banned) >= V:
             raise ValueError(f"stop_token_ids: with EOS they are all {V} tokens, so min_tokens "
                              f"({params.min_tokens}) would leave no token to sample")
+        bad = [t for t in (params.logit_bias or ()) if t >= V]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
                              "and at least one output token must fit")

@@ -12,6 +12,7 @@ The engine emits a RequestEvent per lifecycle change and a StepEvent per step wh
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -41,6 +42,8 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Sequence
 from engine.events import EventBus, StepFailureEvent
 from engine.runtime.step_events import phase_of, request_event, step_event
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.multi_step import MultiStepDecoder
 from engine.core.sizing import derive_max_model_len, derive_max_num_seqs, derive_num_blocks, with_device_defaults
@@ -230,6 +233,10 @@ class LLMEngine:
         self.stats_total = dict(prompt_tokens=0, finished=0, aborted=0, failed=0, step_failures=0)
         self.failed: dict[str, str] = {}        # request id -> why its step failed (EngineLoop.pop_failed)
         self._block_suspects: set[str] = set()  # requests of a multi-step block that raised: single steps
+        # tokens per model iteration (vLLM's iteration_tokens_total): a count per bucket of ITERATION_TOKEN_BUCKETS
+        # (the last: above them all), and their sum
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self.drafter = self.fast_verify = None
         if config.speculative_config.speculative_method:
             from engine.spec import FastVerify, make_drafter
@@ -249,8 +256,9 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.input_processor.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, tools)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None) -> Sequence:
@@ -340,6 +348,8 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = t_sched
             self._emit_request("scheduled", seq)
+        if not sched.is_empty:
+            self._count_iteration(sched.num_tokens)
         if sched.is_empty:
             if observe and sched.preempted:
                 self._emit_step(sched, t0, time.perf_counter(), [], {"schedule": t_sched - t0})
@@ -371,6 +381,8 @@ class LLMEngine:
 
         # prepare + execute: one forward (or the fast verify path's graph replay)
         fast = self.fast_verify.plan(sched) if self.fast_verify is not None else None
+        if fast is not None and any(seq.prompt_logprobs is not None for seq in sched.seqs):
+            fast = None
         if fast is not None:        # plain-greedy verify step: padded graph layout packed directly, argmax ids back
             graphed = self.fast_verify.launch(sched, fast)
             t_prep = t_fwd = time.perf_counter()
@@ -378,6 +390,8 @@ class LLMEngine:
             input_ids, md = self.runner.prepare(sched, sample_mask, extra)
             t_prep = time.perf_counter()
             logits = self.runner.execute(input_ids, md)
+            if md.prompt_logits:                # prompt logprobs out, the sampled rows stay (same forward)
+                logits = self.output_processor.take_prompt_logprobs(sched.seqs, md.prompt_logits, logits)
             if self.drafter is not None and not decode_only:    # while the prefill runs on the device
                 self.drafter.prefetch(sched)
             t_fwd, graphed = time.perf_counter(), md.graphed
@@ -513,6 +527,7 @@ class LLMEngine:
             self._block_failed(e)
             return None
         sched = blk.sched
+        self._count_iteration(len(sched.seqs), blk.K)
         if observe:
             sched.phases = ["decode"] * len(sched.seqs)
             sched.total_lens = [seq.num_tokens for seq in sched.seqs]
@@ -538,6 +553,10 @@ class LLMEngine:
         else:
             self.block_manager.pop_step_stats()
         return outputs
+
+    def _count_iteration(self, num_tokens: int, times: int = 1) -> None:
+        self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += times
+        self.iteration_tokens_sum += num_tokens * times
 
     def _process_outputs(self, sched: SchedulerOutput, new_tokens: list[list[int]], lp_rows: list
                          ) -> tuple[list[RequestOutput], list[str]]:
@@ -577,6 +596,8 @@ class LLMEngine:
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     kernels=self.kernels, model=self.model_name, quantization=self.quantization,
                     generation_tokens=self.output_processor.num_generation_tokens, **self.stats_total,
+                    iteration_tokens_counts=list(self.iteration_tokens_counts),
+                    iteration_tokens_sum=self.iteration_tokens_sum,
                     tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
                     parallel_layout=self.parallel_layout,
                     **(self.drafter.total_stats() if self.drafter is not None else {}))

@@ -83,12 +83,11 @@ class OutputProcessor:
         p = seq.params
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                seq.stop_reason = tok
-                return "stop"
             if tok in p.stop_token_ids:
                 seq.stop_reason = tok
                 return "stop"
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return "stop"                   # stop_reason None: EOS (as vLLM)
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -109,6 +108,27 @@ class OutputProcessor:
             entry += [Logprob(int(t), float(v), self.detok.decode_one(int(t))) for v, t in zip(vals, idx)]
         return entry
 
+    def take_prompt_logprobs(self, seqs: list[Sequence], spans: list, logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of a prefill chunk; -> the other logits rows (the sampled ones), in order.
+        spans: (seq index, first row, first position p, rows): row r + k scores prompt token p + k + 1."""
+        keep = torch.ones(logits.shape[0], dtype=torch.bool)
+        for i, row0, pos0, cnt in spans:
+            seq = seqs[i]
+            n = seq.params.prompt_logprobs
+            lp = logits[row0:row0 + cnt].log_softmax(-1)                              # [cnt, V]
+            targets = torch.tensor(seq.token_ids[pos0 + 1:pos0 + 1 + cnt], device=lp.device)
+            chosen = lp.gather(1, targets[:, None])                                 # [cnt, 1]
+            ranks = (lp > chosen).sum(-1) + 1                                       # [cnt]
+            top = lp.topk(n) if n else None
+            chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+            top_v, top_i = (top.values.tolist(), top.indices.tolist()) if n else ([[]] * cnt, [[]] * cnt)
+            for k in range(cnt):
+                t = seq.token_ids[pos0 + 1 + k]
+                seq.prompt_logprobs[pos0 + 1 + k] = [Logprob(t, chosen[k], self.detok.decode_one(t), ranks[k])] + [
+                    Logprob(tt, v, self.detok.decode_one(tt), j + 1) for j, (v, tt) in enumerate(zip(top_v[k], top_i[k]))]
+            keep[row0:row0 + cnt] = False
+        return logits[keep.to(logits.device)]
+
     def make_output(self, seq: Sequence, added: list[int]) -> RequestOutput:
         upto = streamable_len(seq)
         delta = seq.text[seq.sent_text_len:upto]
@@ -118,7 +138,8 @@ class OutputProcessor:
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             text=seq.text[:upto], token_ids=out_ids, delta_text=delta, delta_token_ids=list(added),
             finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,
-            logprobs=seq.logprobs, stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens)
+            logprobs=seq.logprobs, stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=seq.prompt_logprobs)
 
 
 def consume_grammar(seq: Sequence, tok: int) -> tuple[str | None, str | None]:

@@ -45,10 +45,17 @@ class SampleRow:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place on logits [B, V]: repetition / presence / frequency penalties, then every row's logit_bias
+    (one scatter-add for the batch)."""
+    bias_rows, bias_ids, bias_vals = [], [], []
     for i, r in enumerate(rows):
         p = r.params
         if not p.needs_penalties:
             continue
+        if p.logit_bias:
+            bias_rows += [i] * len(p.logit_bias)
+            bias_ids += p.logit_bias.keys()
+            bias_vals += p.logit_bias.values()
         row = logits[i]
         if p.repetition_penalty != 1.0 and r.token_ids:
             ids = torch.tensor(sorted(set(r.token_ids)), device=logits.device)
@@ -58,6 +65,10 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         if out and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(out, device=logits.device).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    if bias_rows:
+        dev = logits.device
+        logits.index_put_((_to_dev(bias_rows, dev, torch.int64), _to_dev(bias_ids, dev, torch.int64)),
+                          _to_dev(bias_vals, dev, logits.dtype), accumulate=True)
 
 
 def filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -72,6 +72,7 @@ class ModelRunner:
         slots: list[int] = []
         logits_idx: list[int] = []
         q_lens, seq_lens = [], []
+        prompt_logits = []
         max_blocks = 0
         for i, (seq, n, start) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.computed_before)):
             end = start + n
@@ -87,6 +88,10 @@ class ModelRunner:
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(bt, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             off = len(ids) - 1
+            last = min(end, seq.num_prompt_tokens - 1)      # logits at p score prompt token p + 1
+            if seq.prompt_logprobs is not None and start < last:
+                prompt_logits.append((i, len(logits_idx), start, last - start))
+                logits_idx.extend(range(off - n + 1, off - n + 1 + last - start))
             if sample_mask[i]:
                 k = extra_logits[i] if extra_logits else 0
                 logits_idx.extend(range(off - k, off + 1))
@@ -123,6 +128,7 @@ class ModelRunner:
             block_tables=d[o_tab:o_tab + B * W].view(B, W).to(torch.int32), logits_indices=d[o_lg:o_lg + L],
             q_lens=q_lens, seq_lens_cpu=seq_lens,
             max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs,
+            prompt_logits=prompt_logits or None,
         )
         input_ids = d[o_ids:o_ids + T]
         return input_ids, md
@@ -159,7 +165,8 @@ class ModelRunner:
         """-> float32 logits [len(md.logits_indices), vocab]. With tensor parallelism rank 0 decides whether the
         forward replays a graph and tells the other ranks: every rank must run the same collectives (a graph's
         are on padded rows)."""
-        graphed = self.graphs is not None and self.graphs.can_run(md) and not self._timed_eagerly()
+        graphed = (self.graphs is not None and not md.prompt_logits and self.graphs.can_run(md)
+                   and not self._timed_eagerly())
         if self.executor is not None:
             try:
                 self.executor.launch(input_ids, md, self.timer.enabled, graphed)

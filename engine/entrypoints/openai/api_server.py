@@ -3,7 +3,8 @@
     python -m engine.entrypoints.openai.api_server --host 127.0.0.1 --port 8000 --model dummy:tiny
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not),
-`GET /health`, `GET /metrics` (Prometheus text format).
+`POST /invocations` (either, by its body), `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`,
+`GET /version`, `GET /health`, `GET /metrics` (Prometheus text format).
 
 - `build_app(loop, api_key=None, ...)` returns a FastAPI app serving one EngineLoop.
 - With an API key, everything the app serves needs it except `/health` (auth.py): the API, /metrics, and a
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -41,6 +43,8 @@ from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import OpenAIServing
+from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, version
+from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ class ApiMiddleware:
         self.server = server
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] == "/invocations"):
             return await self.app(scope, receive, send)
         # arrival, TTFT counts from here: stamped by ArrivalProtocol when the bytes came in, else now
         state = scope.setdefault("state", {})
@@ -100,7 +104,7 @@ class ApiMiddleware:
 def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | None = None, *,
              served_model_name: str | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
-             metrics: ServerMetrics | None = None) -> OpenAIServing:
+             metrics: ServerMetrics | None = None, tool_call_parser: str | None = None) -> OpenAIServing:
     """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
 
     get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
@@ -108,6 +112,7 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     `Authorization: Bearer <key>` or the cookie of the login page (auth.py).
     request_timeout: seconds per request (None: no limit). max_body_bytes: larger bodies get 413.
     retry_after_s: the Retry-After of 503s. metrics: a ServerMetrics to share (default: a new registry).
+    tool_call_parser: how tool calls are read from the output ("hermes", "llama3_json"; None: from the model).
     Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
@@ -116,7 +121,8 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     server = OpenAIServing(get_loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
                            retry_after_s, metrics)
     serving_completion = OpenAIServingCompletion(server)
-    serving_chat = OpenAIServingChat(server)
+    serving_chat = OpenAIServingChat(server, tool_call_parser)
+    serving_tokens = OpenAIServingTokenization(server, serving_chat)
     app.state.kvscope_api = server
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -141,11 +147,38 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     async def chat(request: Request):
         return await serving_chat.create_chat_completion(request)
 
+    async def invocations(request: Request):       # SageMaker's route: chat when the body has messages
+        body = await server.read_body(request)
+        try:
+            is_chat = "messages" in json.loads(body)
+        except (ValueError, TypeError):
+            is_chat = False
+        request._body = body                        # read again by the endpoint (starlette caches it here)
+        return await (serving_chat.create_chat_completion if is_chat else serving_completion.create_completion)(
+            request)
+
+    async def tokenize(request: Request):
+        return await serving_tokens.tokenize(request)
+
+    async def detokenize(request: Request):
+        return await serving_tokens.detokenize(request)
+
+    async def tokenizer_info(request: Request):
+        return serving_tokens.tokenizer_info()
+
+    async def version_(request: Request):
+        return JSONResponse({"version": version()})
+
     app.add_api_route("/health", guarded(health), methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", guarded(metrics_), methods=["GET"], include_in_schema=False)
     app.add_api_route("/v1/models", guarded(models), methods=["GET"])
     app.add_api_route("/v1/completions", guarded(completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", guarded(chat), methods=["POST"])
+    app.add_api_route("/invocations", guarded(invocations), methods=["POST"])
+    app.add_api_route("/tokenize", guarded(tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", guarded(detokenize), methods=["POST"])
+    app.add_api_route("/tokenizer_info", guarded(tokenizer_info), methods=["GET"])
+    app.add_api_route("/version", guarded(version_), methods=["GET"])
     return server
 
 
@@ -283,6 +316,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds before a request is aborted with 504 (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's output (default: from its chat template)")
     g.add_argument("--log-level", default="info")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process (default), so HTTP, JSON and SSE work never shares "
@@ -296,7 +331,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     """`register`/`build_app` keyword arguments from the flags of `add_server_args`."""
     return dict(api_key=args.api_key, served_model_name=args.served_model_name,
                 request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                retry_after_s=args.retry_after)
+                retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser)
 
 
 def app_for_args(loop, args: argparse.Namespace) -> tuple[FastAPI, dict]:

@@ -84,6 +84,8 @@ def validation_error(e: ValidationError) -> APIError:
     msg = err.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    if err.get("type") == "extra_forbidden":
+        return APIError(f"{param}: is not supported by this server", param=param, code="unsupported")
     if err.get("type") == "missing":
         return APIError(f"{param}: is required", param=param, code="missing_field")
     got = err.get("input")

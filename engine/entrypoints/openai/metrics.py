@@ -17,11 +17,14 @@ Each server gets its own `CollectorRegistry`, so several apps can live in one pr
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from engine.runtime.llm_engine import ITERATION_TOKEN_BUCKETS
 
 PREFIX = "kvscope:"
 
@@ -34,7 +37,7 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 FINISH_REASONS = ("stop", "length", "abort")
-API_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+API_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/invocations")
 
 
 class EngineCollector(Collector):
@@ -99,6 +102,16 @@ class EngineCollector(Collector):
                 s.get("prefix_cache_queries", 0), idx=i)
             add(C, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits", 0),
                 idx=i)
+            counts = s.get("iteration_tokens_counts")
+            if counts:
+                fam = fams.get("iteration_tokens_total")
+                if fam is None:
+                    fam = fams["iteration_tokens_total"] = HistogramMetricFamily(
+                        PREFIX + "iteration_tokens_total", "Tokens per model iteration (a step, or each iteration of "
+                        "a multi-step block).", labels=labels)
+                cum = list(itertools.accumulate(counts))
+                fam.add_metric([model, str(i)], [(str(float(le)), c) for le, c in zip(ITERATION_TOKEN_BUCKETS, cum)]
+                               + [("+Inf", cum[-1])], s.get("iteration_tokens_sum", 0))
             if "spec_decode_num_drafts" in s:
                 add(C, "spec_decode_num_drafts", "Speculative drafts proposed.", s["spec_decode_num_drafts"], idx=i)
                 add(C, "spec_decode_num_draft_tokens", "Draft tokens proposed.", s["spec_decode_num_draft_tokens"],
@@ -138,6 +151,11 @@ class ServerMetrics:
         self.decode = hist("request_decode_time_seconds", "First token -> last token.", REQUEST_BUCKETS)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self.gen_len = hist("request_generation_tokens", "Generated tokens per finished request.", TOKEN_BUCKETS)
+        self.inference = hist("request_inference_time_seconds", "First scheduled -> finished (prefill + decode).",
+                              REQUEST_BUCKETS)
+        self.params_n = hist("request_params_n", "The n (choices) of each API request.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist("request_params_max_tokens", "max_tokens of each engine request.",
+                                      TOKEN_BUCKETS)
         self.success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                lab + ["finished_reason"], registry=r)
         api = Counter(PREFIX + "api_requests", "HTTP API requests by endpoint and status code.",
@@ -173,12 +191,22 @@ class ServerMetrics:
                 h["prefill"].observe(m.first_token_time - m.first_scheduled_time)
         if m.first_token_time is not None and m.last_token_time is not None:
             h["decode"].observe(m.last_token_time - m.first_token_time)
+        done = m.finished_time if m.finished_time is not None else m.last_token_time
+        if m.first_scheduled_time is not None and done is not None:
+            self.inference.labels(model_name).observe(done - m.first_scheduled_time)
         t = list(m.token_times)
         for a, b in zip(t, t[1:]):
             h["itl"].observe(b - a)
         tpot = m.tpot(n)
         if tpot is not None:
             h["tpot"].observe(tpot)
+
+    def observe_params(self, model_name: str, n: int, max_tokens: list[int]) -> None:
+        """One accepted API request: its n, and each of its engine requests' max_tokens."""
+        self.params_n.labels(model_name).observe(n)
+        h = self.params_max_tokens.labels(model_name)
+        for m in max_tokens:
+            h.observe(m)
 
     def count_aborted(self, model_name: str, n: int = 1) -> None:
         """Requests the server aborted (client gone, timeout) before they finished."""

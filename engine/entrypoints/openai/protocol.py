@@ -1,17 +1,19 @@
 """OpenAI-compatible request/response shapes (pydantic).
 
-Requests are parsed strictly (JSON types are not coerced: `"max_tokens": "10"` is an error), unknown
-fields are ignored (clients often send fields meant for other servers), and every error names the
+Requests are parsed strictly (JSON types are not coerced: `"max_tokens": "10"` is an error), a field this
+server does not implement is a 400 naming it (nothing is silently dropped), and every error names the
 field it is about, the way OpenAI does: `{"error": {"message", "type", "param", "code"}}`.
 
 Beyond OpenAI's fields the requests accept vLLM's sampling extensions under vLLM's names: `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
-`include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`, `priority` (400 unless the engine
-runs `scheduling_policy="priority"`, as in vLLM).
+`include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`, `return_tokens_as_token_ids`,
+`truncate_prompt_tokens`, `priority` (400 unless the engine runs `scheduling_policy="priority"`, as in vLLM);
+`use_beam_search` only as false.
 
 Structured output: OpenAI's `response_format` (`{"type": "json_object"}` or `{"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}`) on both endpoints, plus the extensions `regex`, `choice`
-(a list of strings) and `grammar` (Lark); at most one of them per request.
+(a list of strings) and `grammar` (Lark), or vLLM's `structured_outputs` object with one of `json`, `regex`,
+`choice`, `grammar`; at most one constraint per request. Chat tools: tools.py.
 """
 from __future__ import annotations
 
@@ -23,22 +25,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from engine.sampling_params import MAX_LOGPROBS
 
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.tools import ToolChoice, check_tool_choice, check_tools, tool_constraint
 
 MAX_N = 64                 # choices per request
 MAX_PROMPTS = 256          # prompts in one /v1/completions request
+MAX_LOGIT_BIAS = 1024      # tokens biased per request
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 LOGPROB_FLOOR = -9999.0    # JSON has no -inf; masked tokens report this (as vLLM does)
 
 
 # --------------------------------------------------------------------------------------- requests
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False   # vLLM: usage on every chunk
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -51,8 +56,9 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None     # token id (a JSON key) -> bias; ints after validation
     user: str | None = None
+    metadata: dict[str, str] | None = None     # OpenAI's: stored nowhere, affects nothing
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -69,8 +75,14 @@ class _SamplingRequest(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None     # vLLM's name for the same constraints
+    # vLLM extensions
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)   # keep the prompt's last k tokens (-1: max_model_len - 1)
+    return_tokens_as_token_ids: bool = False            # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # top-n per prompt token (from the prefill)
+    use_beam_search: bool = False                       # accepted only as false
 
-    def structured_outputs(self) -> dict | None:
+    def structured_constraint(self) -> dict | None:
         """The request's constraint as StructuredOutputsParams fields, or None; APIError on a bad shape."""
         found = {}
         rf = self.response_format
@@ -90,6 +102,14 @@ class _SamplingRequest(BaseModel):
         for name in ("regex", "choice", "grammar"):
             if getattr(self, name) is not None:
                 found[name] = {name: getattr(self, name)}
+        so = self.structured_outputs
+        if so is not None:                      # vLLM's form: {"json" | "regex" | "choice" | "grammar": ...}
+            given = {k: v for k, v in so.items() if v is not None and v is not False}
+            unknown = set(given) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown or len(given) != 1:
+                raise APIError(f"structured_outputs: set exactly one of json, regex, choice, grammar, json_object "
+                               f"(got {', '.join(sorted(given)) or 'none'})", param="structured_outputs")
+            found["structured_outputs"] = given
         if len(found) > 1:
             raise APIError(f"{', '.join(found)}: send at most one structured-output constraint",
                            param=next(iter(found)))
@@ -97,6 +117,8 @@ class _SamplingRequest(BaseModel):
 
     def structured_param_names(self) -> dict[str, str]:
         """Engine field -> request parameter, for errors (`structured_outputs.json: ...` -> response_format)."""
+        if self.structured_outputs is not None:
+            return {}                           # the engine's names are this request's names
         src = "response_format" if self.response_format is not None else \
             next((n for n in ("regex", "choice", "grammar") if getattr(self, n) is not None), "response_format")
         return {"structured_outputs": src, "structured_outputs.json": "response_format",
@@ -121,8 +143,8 @@ class _SamplingRequest(BaseModel):
     @field_validator("seed", "priority")
     @classmethod
     def _seed(cls, v):
-        if v is not None and not (-(2 ** 63) <= v < 2 ** 64):
-            raise ValueError("must fit in 64 bits")
+        if v is not None and not (-(2 ** 63) <= v < 2 ** 63):
+            raise ValueError("must be a signed 64-bit integer")
         return v
 
     @field_validator("stop_token_ids")
@@ -140,13 +162,32 @@ class _SamplingRequest(BaseModel):
             raise ValueError("must be a finite number")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return None
+        out = {}
+        for k, b in v.items():
+            if not (k.isascii() and k.isdigit()) or len(k) > 12:
+                raise ValueError(f"keys must be token ids (got {k[:20]!r})")
+            if not (math.isfinite(b) and -100 <= b <= 100):
+                raise ValueError(f"bias of token {k} must be in [-100, 100] (got {b})")
+            out[int(k)] = float(b)
+        if len(out) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+        return out or None
+
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise APIError("logit_bias: is not supported by this server", param="logit_bias",
+        if self.truncate_prompt_tokens == 0:
+            raise APIError("truncate_prompt_tokens: must be -1 (max_model_len - 1) or >= 1 (got 0)",
+                           param="truncate_prompt_tokens")
+        if self.use_beam_search:
+            raise APIError("use_beam_search: beam search is not supported by this server", param="use_beam_search",
                            code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed when stream is true", param="stream_options")
-        self.structured_outputs()                 # its shape errors before anything is tokenized
+        self.structured_constraint()              # its shape errors before anything is tokenized
 
     @property
     def include_usage(self) -> bool:
@@ -195,6 +236,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True   # vLLM extension
 
     @field_validator("messages")
@@ -207,7 +249,10 @@ class ChatCompletionRequest(_SamplingRequest):
             role = m.get("role")
             if not isinstance(role, str) or not role:
                 raise ValueError(f"message {i}: 'role' must be a non-empty string")
+            if role not in CHAT_ROLES:
+                raise ValueError(f"message {i}: unknown role {role[:40]!r}; expected one of {', '.join(CHAT_ROLES)}")
             content = m.get("content")
+            calls = m.get("tool_calls") if role == "assistant" else None
             if content is None:
                 if role != "assistant":
                     raise ValueError(f"message {i}: 'content' is required")
@@ -222,14 +267,57 @@ class ChatCompletionRequest(_SamplingRequest):
                 content = "\n".join(parts)
             elif not isinstance(content, str):
                 raise ValueError(f"message {i}: 'content' must be a string or a list of text parts")
-            out.append({"role": role, "content": content})
+            msg = {"role": role, "content": content}
+            if calls:
+                if not isinstance(calls, list) or not all(
+                        isinstance(c, dict) and isinstance(c.get("function"), dict)
+                        and isinstance(c["function"].get("name"), str)
+                        and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls):
+                    raise ValueError(f"message {i}: 'tool_calls' must be a list of {{'id', 'type': 'function', "
+                                     "'function': {'name', 'arguments'}}")
+                msg["tool_calls"] = [{"id": str(c.get("id", "")), "type": "function",
+                                      "function": {"name": c["function"]["name"],
+                                                   "arguments": c["function"]["arguments"]}} for c in calls]
+            if role == "tool" and m.get("tool_call_id") is not None:
+                if not isinstance(m["tool_call_id"], str):
+                    raise ValueError(f"message {i}: 'tool_call_id' must be a string")
+                msg["tool_call_id"] = m["tool_call_id"]
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+            out.append(msg)
         return out
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v is None:
+            return None
+        try:
+            return check_tools(v) or None
+        except APIError as e:
+            raise ValueError(e.message)
+
+    def tool_choice_mode(self) -> ToolChoice:
+        return check_tool_choice(self.tool_choice, self.tools)
+
+    def structured_constraint(self) -> dict | None:
+        """As the base class, plus the grammar that enforces tool_choice `required` or a named function."""
+        found = super().structured_constraint()
+        enforced = tool_constraint(self.tool_choice_mode(), self.tools or [], self.parallel_tool_calls)
+        if enforced is not None and found is not None:
+            raise APIError("tool_choice: 'required' or a named function cannot be combined with another "
+                           "structured-output constraint", param="tool_choice")
+        return enforced if enforced is not None else found
+
+    def structured_param_names(self) -> dict[str, str]:
+        names = super().structured_param_names()
+        if self.tools and self.tool_choice_mode().enforced:
+            names.update({"structured_outputs": "tools", "structured_outputs.json": "tools"})
+        return names
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise APIError("tools: tool calling is not supported by this server", param="tools",
-                           code="unsupported")
+        self.tool_choice_mode()
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -259,28 +347,56 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
-def completion_logprobs(entries: list, text_offset: int, top_n: int) -> dict:
-    """Legacy completions logprobs for a run of tokens; each entry is [chosen, top-n...] Logprobs."""
+def _name(lp, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or vLLM's `token_id:<id>` (return_tokens_as_token_ids)."""
+    return f"token_id:{lp.token_id}" if as_ids else lp.decoded
+
+
+def completion_logprobs(entries: list, text_offset: int, top_n: int, as_ids: bool = False) -> dict:
+    """Legacy completions logprobs for a run of tokens; each entry is [chosen, top-n...] Logprobs (logprobs=0:
+    the chosen token alone, as OpenAI)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_offset
     for e in entries:
         chosen = e[0]
-        tokens.append(chosen.decoded)
+        tokens.append(_name(chosen, as_ids))
         token_lps.append(_lp(chosen.logprob))
-        if top_n:
-            d = {t.decoded: _lp(t.logprob) for t in e[1:1 + top_n]}
-            d.setdefault(chosen.decoded, _lp(chosen.logprob))
-            tops.append(d)
-        else:
-            tops.append(None)
+        d = {_name(t, as_ids): _lp(t.logprob) for t in e[1:1 + top_n]}
+        d.setdefault(_name(chosen, as_ids), _lp(chosen.logprob))
+        tops.append(d)
         offsets.append(off)
         off += len(chosen.decoded)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list, top_n: int) -> dict:
+def join_logprobs(*parts: dict) -> dict:
+    """Legacy completions logprobs of consecutive runs (echoed prompt, then output) as one."""
+    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def echo_logprobs(prompt_entries: list, first_text: str, first_id: int, top_n: int, as_ids: bool) -> dict:
+    """Legacy completions logprobs of an echoed prompt: its first token has none (null), as OpenAI's."""
+    head = {"tokens": [f"token_id:{first_id}" if as_ids else first_text], "token_logprobs": [None],
+            "top_logprobs": [None], "text_offset": [0]}
+    return join_logprobs(head, completion_logprobs(prompt_entries[1:], len(first_text), top_n, as_ids))
+
+
+def vllm_prompt_logprobs(entries: list, as_ids: bool = False) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    for the prompt token and the top-n."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        out.append({str(lp.token_id): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                       "decoded_token": _name(lp, as_ids)} for lp in reversed(e)})
+    return out
+
+
+def chat_logprobs(entries: list, top_n: int, as_ids: bool = False) -> dict:
     def one(lp):
-        return {"token": lp.decoded, "logprob": _lp(lp.logprob), "bytes": list(lp.decoded.encode("utf-8"))}
+        return {"token": _name(lp, as_ids), "logprob": _lp(lp.logprob), "bytes": list(lp.decoded.encode("utf-8"))}
 
     content = []
     for e in entries:

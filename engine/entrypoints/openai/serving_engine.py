@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from engine.entrypoints.openai.errors import APIError, engine_unavailable, server_overloaded, validation_error, value_error
 from engine.entrypoints.openai.job import Job
 from engine.entrypoints.openai.metrics import ServerMetrics
-from engine.entrypoints.openai.protocol import usage_dict
+from engine.entrypoints.openai.protocol import usage_dict, vllm_prompt_logprobs
 
 
 # threads that tokenize and render chat templates at once; more requests wait their turn (cheaply: their
@@ -112,6 +112,23 @@ class OpenAIServing:
         return req, loop
 
     async def read_json(self, request: Request, model_cls):
+        return self.parse(await self.read_body(request), model_cls)
+
+    @staticmethod
+    def parse(body: bytes, model_cls):
+        if not body.strip():
+            raise APIError("request body: must be a JSON object (got an empty body)", code="invalid_body")
+        try:
+            return model_cls.model_validate_json(body)
+        except ValidationError as e:
+            raise validation_error(e)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body's bytes: JSON by its Content-Type (415 otherwise), at most max_body_bytes (413)."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            raise APIError(f"Content-Type: must be application/json (got {ctype[:60]!r})", 415,
+                           code="unsupported_media_type")
         limit = self.max_body_bytes
         cl = request.headers.get("content-length")
         if cl is not None:
@@ -127,19 +144,17 @@ class OpenAIServing:
             if len(body) + len(chunk) > limit:
                 raise APIError(f"request body exceeds {limit} bytes", 413, code="body_too_large")
             body += chunk
-        if not body.strip():
-            raise APIError("request body: must be a JSON object (got an empty body)", code="invalid_body")
-        try:
-            return model_cls.model_validate_json(body)
-        except ValidationError as e:
-            raise validation_error(e)
+        return bytes(body)
 
     def _sampling(self, req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
         kw: dict[str, Any] = dict(max_tokens=max_tokens, seed=seed, logprobs=logprobs, stop=list(req.stop or []),
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  priority=req.priority, structured_outputs=req.structured_outputs())
+                                  priority=req.priority, structured_outputs=req.structured_constraint(),
+                                  logit_bias=req.logit_bias, prompt_logprobs=req.prompt_logprobs)
+        if getattr(req, "echo", False) and req.logprobs is not None:     # legacy echo: the prompt's logprobs too
+            kw["prompt_logprobs"] = max(req.prompt_logprobs or 0, req.logprobs)
         if req.priority:                   # as vLLM: a priority needs the priority policy (a 400 otherwise)
             cfg = getattr(getattr(self.loop_or_none(), "engine", None), "config", None)
             if cfg is None or cfg.scheduler_config.scheduling_policy != "priority":
@@ -174,6 +189,9 @@ class OpenAIServing:
             if not ids:
                 what = "messages" if chat else "prompt"
                 raise APIError(f"{what}: must contain at least one token", param=what)
+            k = req.truncate_prompt_tokens
+            if k is not None:                      # vLLM's: keep the last k tokens (-1: all that leave room for one)
+                ids = ids[-(eng.max_model_len - 1 if k == -1 else k):]
             prompt_ids.append(ids)
         if chat:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -218,6 +236,7 @@ class OpenAIServing:
             raise engine_unavailable(self.retry_after_s, e)
         job = Job(self, loop, rids, streams, prompt_ids, prompt_of, params)
         job.id_base = base
+        self.metrics.observe_params(job.model_name, req.n, [sp.max_tokens for sp in params])
         return job
 
     async def submit(self, request: Request, loop: EngineLoop, prompts: list, req, chat: bool) -> Job:
@@ -261,14 +280,21 @@ class OpenAIServing:
     @staticmethod
     def final_response(job: Job, req, id_: str, obj: str, choices: list[dict], prompt_token_ids) -> JSONResponse:
         """The non-streaming body: choices (plus their token ids when asked), usage, prompt ids when asked."""
-        if req.return_token_ids:
+        if req.prompt_logprobs is not None and obj == "text_completion":
             for c, out in zip(choices, job.finals):
+                c["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [], req.return_tokens_as_token_ids)
+        if req.return_token_ids:
+            for i, (c, out) in enumerate(zip(choices, job.finals)):
                 c["token_ids"] = list(out.token_ids)
+                c["prompt_token_ids"] = job.prompt_ids[job.prompt_of[i]]
         body = {"id": id_, "object": obj, "created": int(time.time()), "model": job.model_name, "choices": choices,
                 "usage": usage_dict(job.prompt_tokens(), sum(len(f.token_ids) for f in job.finals),
                                     job.cached_tokens())}
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_token_ids
+        if req.prompt_logprobs is not None and obj == "chat.completion":     # vLLM: once, on the response
+            body["prompt_logprobs"] = vllm_prompt_logprobs(job.finals[0].prompt_logprobs or [],
+                                                           req.return_tokens_as_token_ids)
         return JSONResponse(body)
 
     # ---- /v1/models ---------------------------------------------------------------------------
