@@ -166,7 +166,7 @@ class LLMEngine:
         self.runner.warmup()
         if ex is not None:
             ex.send("warmup")
-        self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.dtype)     # K and V of one token, all layers
+        self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.runner.kv_dtype)   # K and V of one token, all layers
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 itertools.chain(self.model.parameters(), self.model.buffers()))
         self.detok = Detokenizer(self.tokenizer)

@@ -11,7 +11,13 @@ from engine.core.scheduler import SchedulerOutput
 from engine.worker.timing import NullTimer
 
 
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: fp8 e4m3 codes (kv_cache_dtype="fp8") or the model's dtype."""
+    return torch.float8_e4m3fn if config.cache_config.kv_cache_dtype == "fp8" else dtype
+
+
 def kv_bytes_per_block(mcfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """dtype: the pool's element type (kv_cache_dtype)."""
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
@@ -20,12 +26,13 @@ class ModelRunner:
                  dtype: torch.dtype, num_blocks: int, max_model_len: int):
         self.model, self.mcfg, self.config = model, mcfg, config
         self.device, self.dtype = device, dtype
+        self.kv_dtype = kv_cache_dtype(config, dtype)
         self.block_size = config.cache_config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         # [2, layers, num_blocks, block_size, Hk, D]; Hk: this rank's KV heads (model.cfg is its shard)
         self.kv_cache = torch.zeros(2, mcfg.num_layers, num_blocks, self.block_size, model.cfg.num_kv_heads,
-                                    mcfg.head_dim, dtype=dtype, device=device)
+                                    mcfg.head_dim, dtype=self.kv_dtype, device=device)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
@@ -151,7 +158,7 @@ class ModelRunner:
             from engine.kernels.attention_warmup import warmup_variants
             layer = self.model.model.layers[0].self_attn
             warmup_variants(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, self.max_model_len,
-                            pdl=self.model.gemv_pdl)
+                            pdl=self.model.gemv_pdl, q_dtype=self.dtype)
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
