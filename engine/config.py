@@ -313,6 +313,12 @@ class EngineConfig:
                    "or a long prompt could never be scheduled")
         if not c.enable_kv_cache:
             sp.need(sp.speculative_method is None, "speculative_method", "needs the KV cache (enable_kv_cache=True)")
+        if c.kv_offload_gib:
+            c.need(c.enable_kv_cache and c.kv_cache_layout == "paged", "kv_offload_gib",
+                   "needs the paged KV cache (enable_kv_cache=True, kv_cache_layout='paged')")
+            c.need(p.tensor_parallel_size == 1, "kv_offload_gib", "is not supported with tensor_parallel_size > 1")
+            c.need(sp.speculative_method != "draft", "kv_offload_gib",
+                   "is not supported with a draft model (its KV pool is not swapped)")
 
     def __getattr__(self, name: str):
         if name in FIELD_SECTION:           # a flat read: say where the field lives now

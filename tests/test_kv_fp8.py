@@ -109,3 +109,40 @@ def test_paged_attention_decode_fp8_cache(splits):
                                     num_splits=splits)
     ref = paged_attention_decode_ref(q.double(), kc, vc, md.block_tables, md.seq_lens, scale)
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+# ---------------------------------------------------------------- the engine with an fp8 pool
+
+def _tiny(**cfg):
+    from engine import LLMEngine
+    cfg = {"device": "cpu", "kernels": "torch", "cpu_kv_cache_gib": 0.01, "block_size": 4, **cfg}
+    return LLMEngine(model="dummy:tiny", **cfg)
+
+
+def _greedy(eng, n=4, max_tokens=12):
+    from engine import SamplingParams
+    from helpers import run_requests
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, eng.arch_config.vocab_size, (9 + 7 * i,), generator=g).tolist() for i in range(n)]
+    prompts[1][:8] = prompts[0][:8]                          # a shared two-block prefix
+    outs = run_requests(eng, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * n)
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+    return [o.token_ids for o in outs]
+
+
+def test_fp8_pool_holds_the_bytes_of_its_codes():
+    full, fp8 = _tiny(), _tiny(kv_cache_dtype="fp8")
+    assert fp8.runner.kv_cache.dtype == FP8 and full.runner.kv_cache.dtype == torch.float32
+    assert fp8.runner.kv_cache.element_size() * 4 == full.runner.kv_cache.element_size()
+    assert abs(fp8.num_blocks - 4 * full.num_blocks) <= 4                   # the same bytes, 4x the blocks of fp32
+    assert fp8.slot_bytes * 4 == full.slot_bytes
+
+
+def test_fp8_engine_same_tokens_under_chunking_prefix_cache_and_preemption():
+    ref = _greedy(_tiny(kv_cache_dtype="fp8", enable_prefix_caching=False, max_num_batched_tokens=256))
+    chunked = _tiny(kv_cache_dtype="fp8", max_num_batched_tokens=8)          # chunks, prefix hits
+    assert _greedy(chunked) == ref
+    assert chunked.block_manager.total_hits > 0
+    tight = _tiny(kv_cache_dtype="fp8", num_kv_blocks=12, enable_prefix_caching=False)
+    assert _greedy(tight) == ref
+    assert tight.scheduler.num_preemptions > 0

@@ -27,7 +27,7 @@ from engine.distributed.parallel_state import SINGLE
 from engine.distributed.start import parallel_layout, start_workers
 from engine.runtime.input_processor import InputProcessor
 from engine.kernels.ops import get_ops, pdl_supported
-from engine.worker.model_runner import ModelRunner, kv_bytes_per_block
+from engine.worker.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from engine.models.config import ModelArchConfig
 from engine.models.loader import build_model, load_tokenizer, resolve
 from engine.runtime.output_processor import OutputProcessor
@@ -35,7 +35,7 @@ from engine.quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weig
 from engine.outputs import RequestOutput
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler, SchedulerOutput, SwapCostModel
 from engine.core.sequence import Sequence
 from engine.runtime.step_events import phase_of, request_event, step_event
 from engine.structured.manager import StructuredOutputManager
@@ -46,6 +46,10 @@ from engine.worker.timing import NullTimer, make_timer
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# SwapCostModel's starting (copy bytes/s each way, prefill tokens/s) by device (cuda?): pinned PCIe copies and a
+# small model's prefill on an H100-class GPU; a CPU's memcpy and its prefill (SmolLM2, 2 cores). The prefill
+# rate then follows the engine's measured steps.
+SWAP_COST_DEFAULTS = {True: (20e9, 20000.0), False: (4e9, 400.0)}
 
 
 class EngineOverloaded(RuntimeError):
@@ -156,10 +160,16 @@ class LLMEngine:
         prefix = config.cache_config.enable_prefix_caching and config.cache_config.enable_kv_cache
         reserve = -(-self.max_model_len // config.cache_config.block_size) \
             if config.cache_config.kv_cache_layout == "contiguous" else 0
-        self.block_manager = BlockManager(self.num_blocks, config.cache_config.block_size, prefix, reserve)
+        kv_dtype = kv_cache_dtype(config, self.dtype)
+        block_bytes = kv_bytes_per_block(self.model.cfg, config.cache_config.block_size, kv_dtype)
+        self.num_host_blocks = int(config.cache_config.kv_offload_gib * (1 << 30)) // block_bytes
+        self.block_manager = BlockManager(self.num_blocks, config.cache_config.block_size, prefix, reserve,
+                                          self.num_host_blocks)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        if self.num_host_blocks:
+            self.scheduler.cost_model = SwapCostModel(block_bytes, *SWAP_COST_DEFAULTS[self.device.type == "cuda"])
         self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
-                                  self.max_model_len + spec_margin)
+                                  self.max_model_len + spec_margin, self.num_host_blocks)
         if ex is not None:
             ex.send("cache", self.num_blocks, self.max_model_len + spec_margin)
             self.runner.executor = ex
@@ -280,6 +290,7 @@ class LLMEngine:
 
         # schedule: who runs, how many tokens; blocks are allocated here only
         sched = self.scheduler.schedule()
+        self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
         t_sched = time.perf_counter()
         for seq in sched.preempted:
             self._emit_request("preempted", seq)

@@ -1,6 +1,8 @@
 """ModelRunner: owns the model and the KV pool; packs a scheduled step into tensors and runs it."""
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
+
 import numpy as np
 import torch
 
@@ -23,7 +25,7 @@ def kv_bytes_per_block(mcfg: ModelArchConfig, block_size: int, dtype: torch.dtyp
 
 class ModelRunner:
     def __init__(self, model, mcfg: ModelArchConfig, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, num_blocks: int, max_model_len: int):
+                 dtype: torch.dtype, num_blocks: int, max_model_len: int, num_host_blocks: int = 0):
         self.model, self.mcfg, self.config = model, mcfg, config
         self.device, self.dtype = device, dtype
         self.kv_dtype = kv_cache_dtype(config, dtype)
@@ -36,6 +38,12 @@ class ModelRunner:
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
+        # the host tier: [num_host_blocks, 2, layers, block_size, Hk, D], a block contiguous (one copy each);
+        # pinned on cuda, copies on a side stream that the step's forward waits for
+        self.host_kv = torch.zeros(num_host_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:],
+                                   dtype=self.kv_dtype, pin_memory=device.type == "cuda") if num_host_blocks else None
+        self.copy_stream = torch.cuda.Stream(device) if num_host_blocks and device.type == "cuda" else None
+        self.bytes_swapped = [0, 0]     # (out, in) since the last pop_swap_bytes()
         self.timer = NullTimer()
         self.graphs = None  # CUDA graph runner, attached by the engine on cuda
         self.executor = None  # tensor parallelism, on rank 0: sends every forward's plan to the other ranks
@@ -159,6 +167,39 @@ class ModelRunner:
             layer = self.model.model.layers[0].self_attn
             warmup_variants(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, self.max_model_len,
                             pdl=self.model.gemv_pdl, q_dtype=self.dtype)
+
+    # ---- the host tier -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def swap_blocks(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> None:
+        """Run a step's block copies before its forward: (device, host) pairs out, then (host, device) in
+        (the scheduler may have refilled a block it freed in the same step). Byte views: fp8 has no index ops."""
+        if not blocks_out and not blocks_in:
+            return
+        kv = self.kv_cache.view(torch.uint8)                    # [2, L, N, bs, Hk, D * elem]
+        host = self.host_kv.view(torch.uint8)                   # [Nh, 2, L, bs, Hk, D * elem]
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))   # the blocks' contents are written
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            if blocks_out:
+                src = torch.tensor([d for d, _ in blocks_out], device=self.device)
+                staged = kv.index_select(2, src).movedim(2, 0).contiguous()   # [n, 2, L, bs, Hk, D * elem]
+                for i, (_, h) in enumerate(blocks_out):
+                    host[h].copy_(staged[i], non_blocking=True)
+                self.bytes_swapped[0] += staged.numel()
+            if blocks_in:
+                staged = torch.empty((len(blocks_in), *host.shape[1:]), dtype=torch.uint8, device=self.device)
+                for i, (h, _) in enumerate(blocks_in):
+                    staged[i].copy_(host[h], non_blocking=True)
+                dst = torch.tensor([d for _, d in blocks_in], device=self.device)
+                kv.index_copy_(2, dst, staged.movedim(0, 2))
+                self.bytes_swapped[1] += staged.numel()
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def pop_swap_bytes(self) -> tuple[int, int]:
+        out, self.bytes_swapped = tuple(self.bytes_swapped), [0, 0]
+        return out
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
