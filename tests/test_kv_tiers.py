@@ -1,0 +1,144 @@
+"""The host KV tier's bookkeeping under random workloads (hypothesis): preemption by swap or recompute, aborts,
+prefix-cache evictions to the host LRU and fetches back. A fake device replays each step's block copies (out,
+then in) and writes each scheduled token into its slot, so the test checks what the kernels would read: every
+scheduled request's blocks hold exactly its tokens, and no block is lost or owned twice in either tier."""
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+class FakeDevice:
+    """Slot contents (token ids, None: never written) of the device pool and the host tier."""
+
+    def __init__(self, num_blocks: int, num_host: int):
+        self.dev = [[None] * BS for _ in range(num_blocks)]
+        self.host = [[None] * BS for _ in range(num_host)]
+
+    def run(self, out) -> None:
+        for d, h in out.blocks_to_swap_out:
+            self.host[h] = list(self.dev[d])
+        for h, d in out.blocks_to_swap_in:
+            self.dev[d] = list(self.host[h])
+        for seq, n, start in zip(out.seqs, out.num_new_tokens, out.computed_before):
+            for p in range(start, start + n):
+                self.dev[seq.block_table[p // BS]][p % BS] = seq.token_ids[p]
+
+    def check(self, seq: Sequence, upto: int) -> None:
+        for p in range(upto):
+            assert self.dev[seq.block_table[p // BS]][p % BS] == seq.token_ids[p], (seq.request_id, p)
+
+
+def check_accounting(bm: BlockManager, seqs: list[Sequence]) -> None:
+    live = [s for s in seqs if s.status is not SequenceStatus.FINISHED]
+    refs = Counter(b for s in live for b in s.block_table)
+    pool = bm.pool
+    for b in range(1, pool.num_blocks):
+        assert pool.ref_counts[b] == refs[b], b                   # every reference is a table entry
+        assert (b in pool.free) == (refs[b] == 0), b              # free exactly when unreferenced
+    assert 0 not in refs and 0 not in pool.free
+    for s in live:
+        assert not (s.block_table and s.host_block_table)
+        if s.status is SequenceStatus.RUNNING:
+            assert not s.host_block_table
+    host = bm.host
+    owned = Counter(h for s in live for h in s.host_block_table)
+    assert all(c == 1 for c in owned.values())                    # a host block has one owner
+    assert set(owned) == host.owned
+    cached = set(host.cached.values())
+    assert len(cached) == len(host.cached) and set(host.block_hash) == cached
+    parts = [set(host.free), host.owned, cached]
+    assert sum(map(len, parts)) == host.num_blocks                # free, owned, cached: a partition
+    assert set().union(*parts) == set(range(host.num_blocks))
+    assert not host.pinned and not bm._host_to_free               # pins last one step
+
+
+def make(num_blocks, num_host, mode, prefix):
+    cfg = EngineConfig(model="dummy:tiny", device="cpu", block_size=BS, max_num_batched_tokens=32, max_num_seqs=6,
+                       num_kv_blocks=num_blocks, kv_offload_gib=0.001, preemption_mode=mode)
+    bm = BlockManager(num_blocks, BS, prefix, num_host_blocks=num_host)
+    return Scheduler(cfg, bm, max_model_len=num_blocks * BS), bm
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), mode=st.sampled_from(["swap", "recompute", "auto"]),
+       num_blocks=st.integers(6, 14), num_host=st.integers(1, 12), prefix=st.booleans())
+def test_tiers_keep_every_block_and_its_contents(seed, mode, num_blocks, num_host, prefix):
+    rng = random.Random(seed)
+    sch, bm = make(num_blocks, num_host, mode, prefix)
+    dev = FakeDevice(num_blocks, num_host)
+    shared = [rng.randrange(50) for _ in range(2 * BS)]          # prefixes repeat: cache hits, evictions, fetches
+    seqs, n = [], 0
+    for step in range(60):
+        if rng.random() < 0.4 and n < 14:
+            prompt = (shared[:rng.choice([0, BS, 2 * BS])] + [rng.randrange(50) for _ in range(rng.randrange(1, 10))])
+            max_len = min(len(prompt) + rng.randrange(1, 10), (num_blocks - 1) * BS)
+            seq = Sequence(f"r{n}", None, prompt[:max_len - 1], SamplingParams(max_tokens=max_len), 0.0)
+            seq.max_len = max_len
+            sch.add(seq)
+            seqs.append(seq)
+            n += 1
+        if rng.random() < 0.08:                                   # an abort, waiting (maybe swapped) or running
+            live = [s for s in seqs if s.status is not SequenceStatus.FINISHED]
+            if live:
+                sch.finish(rng.choice(live), "abort")
+        out = sch.schedule()
+        dev.run(out)
+        for seq, k, start in zip(out.seqs, out.num_new_tokens, out.computed_before):
+            dev.check(seq, start + k)                             # what attention reads this step
+        for seq, k in zip(out.seqs, out.num_new_tokens):          # the step computed them; decodes sample
+            seq.num_computed_tokens += k
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(rng.randrange(50))
+            bm.commit_computed(seq)
+            if seq.num_tokens >= seq.max_len:
+                sch.finish(seq, "length")
+        check_accounting(bm, seqs)
+    for s in seqs:
+        if s.status is not SequenceStatus.FINISHED:
+            sch.finish(s, "abort")
+    check_accounting(bm, seqs)
+    assert bm.pool.num_free == num_blocks - 1 and not bm.host.owned
+
+
+def test_swap_keeps_computed_tokens_and_recompute_drops_them():
+    for mode, kept in (("swap", True), ("recompute", False)):
+        sch, bm = make(6, 8, mode, prefix=False)
+        a = Sequence("a", None, list(range(9)), SamplingParams(max_tokens=20), 0.0)
+        b = Sequence("b", None, list(range(100, 109)), SamplingParams(max_tokens=20), 0.0)
+        for s in (a, b):
+            sch.add(s)
+        out = sch.schedule()
+        for s, k in zip(out.seqs, out.num_new_tokens):
+            s.num_computed_tokens += k
+            s.append_token(1)
+        # both need a 4th block of 4 tokens soon: the pool (5 usable) cannot hold 2 x 3 + growth
+        while not sch.num_preemptions:
+            out = sch.schedule()
+            for s, k in zip(out.seqs, out.num_new_tokens):
+                s.num_computed_tokens += k
+                s.append_token(1)
+        victim = next(s for s in (a, b) if s.status is SequenceStatus.WAITING)
+        assert bool(victim.host_block_table) == kept
+        assert (victim.num_computed_tokens == victim.num_tokens - 1) == kept
+        assert (victim.num_computed_tokens == 0) == (not kept)
+
+
+def test_tier_config_is_checked():
+    with pytest.raises(ValueError, match="kv_offload_gib"):
+        EngineConfig(kv_offload_gib=-1)
+    with pytest.raises(ValueError, match="kv_offload_gib: needs the paged KV cache"):
+        EngineConfig(kv_offload_gib=1, kv_cache_layout="contiguous")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig(preemption_mode="drop")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
