@@ -142,3 +142,38 @@ def test_tier_config_is_checked():
         EngineConfig(preemption_mode="drop")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_engine_swaps_are_in_events_tracks_and_block_map():
+    from engine import LLMEngine, SamplingParams
+    from engine.events import StepEvent
+    from inspector.figures.blocks import block_map_spec
+    from inspector.tracks import TrackBuilder
+    from helpers import add_random_requests
+    eng = LLMEngine(model="dummy:tiny", device="cpu", kernels="torch", block_size=4, num_kv_blocks=12,
+                    enable_prefix_caching=False, kv_offload_gib=0.001, preemption_mode="swap", kv_cache_dtype="fp8")
+    events, tracks, snaps = [], TrackBuilder(100, 1000), []
+    eng.events.subscribe(events.append)
+    add_random_requests(eng, [9, 16, 23, 30], max_tokens=12, vocab=eng.arch_config.vocab_size)
+    while eng.has_unfinished_requests():
+        eng.step()
+        if eng.block_manager.host.owned and not snaps:
+            snaps.append(eng.kv_snapshot())
+    for ev in events:
+        (tracks.on_step if isinstance(ev, StepEvent) else tracks.on_request)(ev)
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    out = [e for e in steps if e.swapped_out]
+    assert out and eng.scheduler.num_swaps == sum(len(e.swapped_out) for e in steps)
+    block_bytes = eng.slot_bytes * 4
+    assert sum(e.bytes_swapped_out for e in steps) == eng.block_manager.swap_stats["swapped_out"] * block_bytes
+    assert sum(e.bytes_swapped_in for e in steps) == eng.block_manager.swap_stats["swapped_in"] * block_bytes > 0
+    rid = out[0].swapped_out[0]
+    spans = tracks.tracks[rid].copy(1e9, 1e9).spans
+    assert "swapped" in [sp.phase for sp in spans]
+    assert any(sp.note.startswith("swapped in") for sp in spans)
+    snap = snaps[0]
+    assert snap["kv_format"] == "float8_e4m3fn" and snap["host"]["block_tables"]
+    fig = block_map_spec(snap)
+    assert [d.get("name") for d in fig["data"]][:2] == ["blocks", "host tier"]
+    assert "fp8 e4m3" in fig["layout"]["title"]["text"] or "fp8 e4m3" in str(fig["layout"])
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1 and not eng.block_manager.host.owned

@@ -147,6 +147,7 @@ class BlockManager:
         self.blocks_to_swap_in: list[tuple[int, int]] = []
         self.swap_stats = dict(swapped_out=0, swapped_in=0, offloaded=0, fetched=0)
         self._host_to_free: list[int] = []
+        self._seen = dict(self.swap_stats)              # swap_stats at the last pop_step_stats
         self.block_size = block_size
         self.reserve_blocks = reserve_blocks
         self.enable_prefix_caching = enable_prefix_caching and not reserve_blocks
@@ -322,8 +323,11 @@ class BlockManager:
 
     def pop_step_stats(self) -> dict:
         alloc, freed, evicted = self.pool.pop_journal()
+        st = self.swap_stats
         out = dict(blocks_allocated=alloc, blocks_freed=freed, blocks_evicted=evicted,
                    blocks_shared=self.step_shared, prefix_cache_queries=self.step_queries,
-                   prefix_cache_hits=self.step_hits)
+                   prefix_cache_hits=self.step_hits, blocks_offloaded=st["offloaded"] - self._seen["offloaded"],
+                   blocks_fetched=st["fetched"] - self._seen["fetched"])
+        self._seen = dict(st)
         self.step_queries = self.step_hits = self.step_shared = 0
         return out

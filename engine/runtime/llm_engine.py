@@ -294,6 +294,10 @@ class LLMEngine:
         t_sched = time.perf_counter()
         for seq in sched.preempted:
             self._emit_request("preempted", seq)
+        for seq in sched.swapped_out:
+            self._emit_request("swapped_out", seq)
+        for seq in sched.swapped_in:
+            self._emit_request("swapped_in", seq)
         for seq in sched.admitted:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = t_sched
@@ -422,7 +426,11 @@ class LLMEngine:
             num_decode_steps=num_decode_steps,
             spec=self.drafter.pop_step_stats() if self.drafter is not None else None,
             memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
-            rank_timings=rank_timings, **self.block_manager.pop_step_stats()))
+            rank_timings=rank_timings, **self.block_manager.pop_step_stats(), **self._swap_bytes()))
+
+    def _swap_bytes(self) -> dict:
+        out, inn = self.runner.pop_swap_bytes()
+        return dict(bytes_swapped_out=out, bytes_swapped_in=inn)
 
     # ---- introspection (read between steps by the inspector, /metrics and the benchmarks) ---------
     def stats(self) -> dict:
@@ -430,7 +438,9 @@ class LLMEngine:
         return dict(step=self.step_index, num_running=len(self.scheduler.running),
                     num_waiting=len(self.scheduler.waiting), num_blocks=self.num_blocks,
                     num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
-                    num_preemptions_total=self.scheduler.num_preemptions,
+                    num_preemptions_total=self.scheduler.num_preemptions, num_swaps_total=self.scheduler.num_swaps,
+                    num_host_blocks=self.num_host_blocks, kv_format=str(self.runner.kv_dtype).replace("torch.", ""),
+                    **self.block_manager.swap_stats,
                     prefix_cache_queries=bm.total_queries, prefix_cache_hits=bm.total_hits,
                     max_model_len=self.max_model_len, block_size=self.block_size,
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
@@ -460,7 +470,17 @@ class LLMEngine:
                     cached=[h is not None for h in pool.block_hash],
                     block_tables={s.request_id: list(s.block_table) for s in holders},
                     num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
-                    kv_cache_layout=self.config.cache_config.kv_cache_layout)
+                    kv_cache_layout=self.config.cache_config.kv_cache_layout,
+                    kv_format=str(self.runner.kv_dtype).replace("torch.", ""), host=self._host_snapshot())
+
+    def _host_snapshot(self) -> dict | None:
+        """The host tier for the block map: each host block's owner (a swapped-out request) or cached hash."""
+        host = self.block_manager.host
+        if host is None:
+            return None
+        swapped = [s for s in self.scheduler.waiting if s.host_block_table]
+        return dict(num_blocks=host.num_blocks, cached=sorted(host.cached.values()),
+                    block_tables={s.request_id: list(s.host_block_table) for s in swapped})
 
     def collect_rank_timings(self) -> dict[int, dict[str, float]] | None:
         """The other ranks' forward regions of this step's timed forwards: {rank: {region: seconds}}."""
