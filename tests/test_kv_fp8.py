@@ -138,6 +138,7 @@ def test_fp8_pool_holds_the_bytes_of_its_codes():
     assert fp8.slot_bytes * 4 == full.slot_bytes
 
 
+@pytest.mark.slow
 def test_fp8_engine_same_tokens_under_chunking_prefix_cache_and_preemption():
     ref = _greedy(_tiny(kv_cache_dtype="fp8", enable_prefix_caching=False, max_num_batched_tokens=256))
     chunked = _tiny(kv_cache_dtype="fp8", max_num_batched_tokens=8)          # chunks, prefix hits

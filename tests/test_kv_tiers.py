@@ -69,7 +69,7 @@ def make(num_blocks, num_host, mode, prefix):
     return Scheduler(cfg, bm, max_model_len=num_blocks * BS), bm
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), mode=st.sampled_from(["swap", "recompute", "auto"]),
        num_blocks=st.integers(6, 14), num_host=st.integers(1, 12), prefix=st.booleans())
 def test_tiers_keep_every_block_and_its_contents(seed, mode, num_blocks, num_host, prefix):
@@ -133,6 +133,19 @@ def test_swap_keeps_computed_tokens_and_recompute_drops_them():
         assert (victim.num_computed_tokens == 0) == (not kept)
 
 
+def test_cost_model_swaps_when_copying_is_cheaper_than_prefilling():
+    from engine.core.scheduler import SwapCostModel
+    m = SwapCostModel(block_bytes=1 << 20, copy_bytes_per_s=1e9, prefill_tokens_per_s=1000.0)
+    # 16 blocks out and back: 2 * 16 MiB at 1 GB/s = 33.6 ms; 256 tokens at 1000 tok/s = 256 ms
+    assert m.prefer_swap(num_tokens=256, num_blocks=16)
+    assert not m.prefer_swap(num_tokens=16, num_blocks=16)      # 16 ms of prefill beats 33.6 ms of copies
+    m.observe(1000, 0.01)                                         # the device prefills faster than assumed
+    assert m.prefill_tokens_per_s == 0.8 * 1000 + 0.2 * 100000
+    assert not m.prefer_swap(num_tokens=256, num_blocks=16)
+    m.observe(8, 1.0)                                             # a decode step says nothing about prefill
+    assert m.prefill_tokens_per_s == 0.8 * 1000 + 0.2 * 100000
+
+
 def test_tier_config_is_checked():
     with pytest.raises(ValueError, match="kv_offload_gib"):
         EngineConfig(kv_offload_gib=-1)
@@ -144,6 +157,7 @@ def test_tier_config_is_checked():
         EngineConfig(kv_cache_dtype="int4")
 
 
+@pytest.mark.slow
 def test_engine_swaps_are_in_events_tracks_and_block_map():
     from engine import LLMEngine, SamplingParams
     from engine.events import StepEvent

@@ -230,7 +230,9 @@ class BlockManager:
 
     # ---- the host tier -------------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return self.host is not None and 0 < len(seq.block_table) <= self.host.num_available
+        """A host tier with room for seq's blocks, and computed tokens worth keeping."""
+        return self.host is not None and min(seq.num_computed_tokens, seq.num_tokens - 1) > 0 \
+            and len(seq.block_table) <= self.host.num_available
 
     def swap_out(self, seq: Sequence) -> None:
         """Preemption by swapping: seq's blocks move to the host tier (check can_swap_out first); its computed

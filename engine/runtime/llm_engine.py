@@ -363,6 +363,8 @@ class LLMEngine:
             ms.observe_iteration(t_end - t0)    # a decode-only step: one iteration
         if decode_only and (num_spec or self.num_scheduler_steps == 1):     # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
+        if self.scheduler.cost_model is not None:           # the prefill rate a recompute would run at
+            self.scheduler.cost_model.observe(sched.num_tokens, t_end - t0)
         if observe:
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
                        "sampling": t_sample - t_mask, "postprocess": t_end - t_sample}

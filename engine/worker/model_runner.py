@@ -13,6 +13,9 @@ from engine.core.scheduler import SchedulerOutput
 from engine.worker.timing import NullTimer
 
 
+SWAP_CHUNK_BLOCKS = 256        # blocks staged on the device per host-tier copy
+
+
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type: fp8 e4m3 codes (kv_cache_dtype="fp8") or the model's dtype."""
     return torch.float8_e4m3fn if config.cache_config.kv_cache_dtype == "fp8" else dtype
@@ -181,18 +184,20 @@ class ModelRunner:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))   # the blocks' contents are written
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            if blocks_out:
-                src = torch.tensor([d for d, _ in blocks_out], device=self.device)
+            for lo in range(0, len(blocks_out), SWAP_CHUNK_BLOCKS):      # staging memory stays bounded
+                part = blocks_out[lo:lo + SWAP_CHUNK_BLOCKS]
+                src = torch.tensor([d for d, _ in part], device=self.device)
                 staged = kv.index_select(2, src).movedim(2, 0).contiguous()   # [n, 2, L, bs, Hk, D * elem]
-                for i, (_, h) in enumerate(blocks_out):
+                for i, (_, h) in enumerate(part):
                     host[h].copy_(staged[i], non_blocking=True)
                 self.bytes_swapped[0] += staged.numel()
-            if blocks_in:
-                staged = torch.empty((len(blocks_in), *host.shape[1:]), dtype=torch.uint8, device=self.device)
-                for i, (h, _) in enumerate(blocks_in):
+            for lo in range(0, len(blocks_in), SWAP_CHUNK_BLOCKS):
+                part = blocks_in[lo:lo + SWAP_CHUNK_BLOCKS]
+                staged = torch.empty((len(part), *host.shape[1:]), dtype=torch.uint8, device=self.device)
+                for i, (h, _) in enumerate(part):
                     staged[i].copy_(host[h], non_blocking=True)
-                dst = torch.tensor([d for _, d in blocks_in], device=self.device)
-                kv.index_copy_(2, dst, staged.movedim(0, 2))
+                dst = torch.tensor([d for _, d in part], device=self.device)
+                kv.index_copy_(2, dst, staged.movedim(0, 2))                  # staged as [2, L, n, bs, Hk, D * elem]
                 self.bytes_swapped[1] += staged.numel()
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
