@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import device_name, print_table, write_json  # noqa: E402
+from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLMEngine, SamplingParams  # noqa: E402
 from inspector.load.text import text_set  # noqa: E402
 
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
     print_table([row], list(row))
     payload = dict(device=device_name(args.device), model=args.model or "SmolLM2-135M (bundled)",
                    max_tokens=args.max_tokens, **row)
-    write_json(f"check_kv_fp8_{payload['device'].split()[0].lower()}", payload)
+    write_json(f"check_kv_fp8_{slug(payload['device'])}_{args.num_prompts}x{args.max_tokens}", payload)
     return payload
 
 
