@@ -87,8 +87,8 @@ def _fp8_batch(q_lens, seq_lens, dtype, bs=4, H=9, Hk=3, D=32):
 FP8_CASES = {"mixed": ([1, 23, 1, 9, 1], [70, 23, 5, 41, 1]), "chunk": ([11], [50]), "prefill": ([37], [37])}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(FP8_CASES))
+@pytest.mark.parametrize("dtype, case", [(d, "mixed") for d in DTYPES] + [(torch.float32, "chunk"),
+                                                                          (torch.float32, "prefill")])
 def test_paged_attention_fp8_cache(dtype, case):
     q, kc, vc, md = _fp8_batch(*FP8_CASES[case], dtype)
     scale = q.shape[-1] ** -0.5
@@ -131,19 +131,33 @@ def _greedy(eng, n=4, max_tokens=12):
 
 
 def test_fp8_pool_holds_the_bytes_of_its_codes():
-    full, fp8 = _tiny(), _tiny(kv_cache_dtype="fp8")
-    assert fp8.runner.kv_cache.dtype == FP8 and full.runner.kv_cache.dtype == torch.float32
-    assert fp8.runner.kv_cache.element_size() * 4 == full.runner.kv_cache.element_size()
-    assert abs(fp8.num_blocks - 4 * full.num_blocks) <= 4                   # the same bytes, 4x the blocks of fp32
-    assert fp8.slot_bytes * 4 == full.slot_bytes
+    from engine.config import EngineConfig
+    from engine.core.sizing import derive_num_blocks
+    from engine.models.config import ModelArchConfig
+    from engine.models.presets import preset_config
+    from engine.worker.model_runner import kv_bytes_per_block, kv_cache_dtype
+    mcfg = ModelArchConfig.from_hf(preset_config("tiny"))
+    cpu = torch.device("cpu")
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        cfg = EngineConfig(model="dummy:tiny", kv_cache_dtype=kv, cpu_kv_cache_gib=0.01, block_size=16)
+        dt = kv_cache_dtype(cfg, torch.bfloat16)
+        assert dt == (FP8 if kv == "fp8" else torch.bfloat16)
+        blocks[kv] = derive_num_blocks(cfg, mcfg, cpu, torch.bfloat16)
+        assert blocks[kv] == int(0.01 * 2**30) // kv_bytes_per_block(mcfg, 16, dt)
+    assert blocks["fp8"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)      # the same bytes, twice the blocks
 
 
 @pytest.mark.slow
 def test_fp8_engine_same_tokens_under_chunking_prefix_cache_and_preemption():
     ref = _greedy(_tiny(kv_cache_dtype="fp8", enable_prefix_caching=False, max_num_batched_tokens=256))
     chunked = _tiny(kv_cache_dtype="fp8", max_num_batched_tokens=8)          # chunks, prefix hits
+    assert chunked.runner.kv_cache.dtype == FP8 and chunked.slot_bytes * 4 == _tiny().slot_bytes
     assert _greedy(chunked) == ref
     assert chunked.block_manager.total_hits > 0
     tight = _tiny(kv_cache_dtype="fp8", num_kv_blocks=12, enable_prefix_caching=False)
     assert _greedy(tight) == ref
     assert tight.scheduler.num_preemptions > 0
+    spec = _tiny(kv_cache_dtype="fp8", enable_prefix_caching=False, speculative_method="ngram")
+    assert _greedy(spec) == ref
+    assert spec.drafter.total_stats()["spec_decode_num_draft_tokens"] > 0
