@@ -8,7 +8,7 @@ import torch
 from engine.kernels import torch_ops
 from engine.kernels import triton_ops as tk
 from engine.kernels.paged_attention_ref import paged_attention_decode_ref, paged_attention_ref
-from kernel_helpers import DEV, DTYPES, GPU, TOL, make_batch, qkv_views, rand, rel_err
+from kernel_helpers import DEV, DTYPES, TOL, make_batch, qkv_views, rand, rel_err
 
 FP8 = torch.float8_e4m3fn
 

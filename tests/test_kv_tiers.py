@@ -159,7 +159,7 @@ def test_tier_config_is_checked():
 
 @pytest.mark.slow
 def test_engine_swaps_are_in_events_tracks_and_block_map():
-    from engine import LLMEngine, SamplingParams
+    from engine import LLMEngine
     from engine.events import StepEvent
     from inspector.figures.blocks import block_map_spec
     from inspector.tracks import TrackBuilder

@@ -11,8 +11,9 @@ WHAT = ("The same burst overflows the same KV memory: an fp8 pool holds more blo
 
 
 def run_lesson(setup: Setup, num_requests: int | None = None, prompt_len: int | None = None,
-               output_len: int | None = None, pool_tokens: int | None = None, offload_gib: float = 1.0) -> dict:
+               output_len: int | None = None, pool_tokens: int | None = None, offload_gib: float | None = None) -> dict:
     n = num_requests or (64 if setup.large else 8)
+    offload_gib = offload_gib or (2.0 if setup.large else 0.05)
     prompt_len = prompt_len or (512 if setup.large else 24)
     output_len = output_len or (256 if setup.large else 16)
     bs = 16
