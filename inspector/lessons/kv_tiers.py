@@ -19,17 +19,17 @@ def run_lesson(setup: Setup, num_requests: int | None = None, prompt_len: int | 
     bs = 16
     # the budget: a model-dtype pool of about a third of the burst's tokens (it must preempt)
     base_blocks = max(4, (pool_tokens or n * (prompt_len + output_len) // 3) // bs)
-    series, model = {}, None
+    series, model, elem = {}, None, 1
     for kv in ("auto", "fp8"):
         for mode in ("recompute", "swap"):
-            probe = setup.engine(kv_cache_dtype=kv, num_kv_blocks=2, block_size=bs, max_model_len=bs)
-            ratio, fmt = probe.slot_bytes, str(probe.runner.kv_dtype).replace("torch.", "")
-            close(probe)
-            series.setdefault("_bytes", {})[kv] = ratio
-            blocks = base_blocks * series["_bytes"]["auto"] // ratio + 1
+            # the same bytes: an fp8 pool holds (bytes of the model dtype) x the blocks
+            blocks = base_blocks * (elem if kv == "fp8" else 1) + 1
             eng = setup.engine(kv_cache_dtype=kv, num_kv_blocks=blocks, block_size=bs, enable_prefix_caching=False,
                                max_model_len=prompt_len + output_len + 1, kv_offload_gib=offload_gib,
                                preemption_mode=mode, max_num_seqs=n)
+            fmt = str(eng.runner.kv_dtype).replace("torch.", "")
+            if kv == "auto":
+                elem = eng.runner.kv_cache.element_size()
             r = run(eng, random_prompts(n, prompt_len, eng.arch_config.vocab_size, setup.seed), greedy(output_len))
             ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in r.outputs.values()]
             series[f"{'fp8' if kv == 'fp8' else fmt} · {mode}"] = dict(
@@ -38,7 +38,6 @@ def run_lesson(setup: Setup, num_requests: int | None = None, prompt_len: int | 
                 swaps=eng.scheduler.num_swaps, max_running=r.max_running)
             model = eng
             close(eng)
-    series.pop("_bytes")
     arms = list(series)
     best = max(arms, key=lambda a: series[a]["output_tok_s"])
     summary = dict(capacity_ratio=series[arms[2]]["blocks"] / series[arms[0]]["blocks"], best_throughput=best,
