@@ -20,6 +20,8 @@ CHOICES: dict[str, tuple] = {
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "quantization": (None, "fp8", "int8", "int4"),
     "kv_cache_layout": ("paged", "contiguous"),
+    "kv_cache_dtype": ("auto", "fp8"),
+    "preemption_mode": ("auto", "recompute", "swap"),
     "scheduling": ("continuous", "static"),
     "scheduling_policy": ("fcfs", "priority"),
     "speculative_method": (None, "ngram", "draft", "self"),
@@ -87,6 +89,9 @@ class CacheConfig(_Checks):
     enable_kv_cache: bool = True        # False: every step recomputes each request's whole prefix
     enable_prefix_caching: bool = True  # requests reuse the cached blocks of a prompt prefix they share
     kv_cache_layout: str = "paged"      # "contiguous": a request reserves max_model_len slots when admitted, unshared
+    kv_cache_dtype: str = "auto"        # "fp8": K/V stored as e4m3 (scale 1.0), twice the blocks per byte; auto: the model's dtype
+    kv_offload_gib: float = 0.0         # host (CPU) tier for KV blocks: swapped-out requests and evicted prefix blocks; 0: off
+    preemption_mode: str = "auto"       # with the host tier: "swap" or "recompute" a preempted request; auto: the cheaper
 
     def __post_init__(self):
         self.need(isinstance(self.block_size, int) and 1 <= self.block_size <= 256
@@ -98,6 +103,10 @@ class CacheConfig(_Checks):
                   "cpu_kv_cache_gib", "must be > 0")
         self.need_bool("enable_kv_cache", "enable_prefix_caching")
         self.need_choice("kv_cache_layout")
+        self.need_choice("kv_cache_dtype")
+        self.need(isinstance(self.kv_offload_gib, (int, float)) and not isinstance(self.kv_offload_gib, bool)
+                  and 0 <= self.kv_offload_gib <= 1024, "kv_offload_gib", "must be in [0, 1024] (GiB; 0: off)")
+        self.need_choice("preemption_mode")
 
 
 @dataclass(frozen=True)
@@ -307,6 +316,12 @@ class EngineConfig:
                    "or a long prompt could never be scheduled")
         if not c.enable_kv_cache:
             sp.need(sp.speculative_method is None, "speculative_method", "needs the KV cache (enable_kv_cache=True)")
+        if c.kv_offload_gib:
+            c.need(c.enable_kv_cache and c.kv_cache_layout == "paged", "kv_offload_gib",
+                   "needs the paged KV cache (enable_kv_cache=True, kv_cache_layout='paged')")
+            c.need(p.tensor_parallel_size == 1, "kv_offload_gib", "is not supported with tensor_parallel_size > 1")
+            c.need(sp.speculative_method != "draft", "kv_offload_gib",
+                   "is not supported with a draft model (its KV pool is not swapped)")
 
     def __getattr__(self, name: str):
         if name in FIELD_SECTION:           # a flat read: say where the field lives now

@@ -63,6 +63,12 @@ class StepEvent:
     timings_sampled: bool = False    # a graph-eligible step run eagerly to time it (graph_timing_interval)
     rank_timings: dict[int, dict[str, float]] | None = None   # tensor parallelism: the other ranks' forward
     #                                   regions (seconds, incl. all_reduce), by rank; rank 0's are in timings
+    swapped_out: list[str] = field(default_factory=list)   # preempted by swapping to the host tier (in `preempted`)
+    swapped_in: list[str] = field(default_factory=list)    # admitted with their blocks copied back from it
+    blocks_offloaded: int = 0        # evicted cached blocks kept in the host tier's LRU this step
+    blocks_fetched: int = 0          # prefix-cache blocks copied back from the host tier this step
+    bytes_swapped_out: int = 0       # device -> host bytes this step (swaps and offloads)
+    bytes_swapped_in: int = 0        # host -> device bytes this step
     kind: str = "step"
 
     def to_dict(self) -> dict:
@@ -71,8 +77,8 @@ class StepEvent:
 
 @dataclass
 class RequestEvent:
-    kind: str                        # "arrived" | "scheduled" | "first_token" | "preempted" |
-    #                                  "finished" | "aborted" | "rejected" | "failed"
+    kind: str                        # "arrived" | "scheduled" | "first_token" | "preempted" | "swapped_out" |
+    #                                  "swapped_in" | "finished" | "aborted" | "rejected" | "failed"
     request_id: str
     time: float
     step: int                        # engine step index at the event (-1 before any step)

@@ -7,7 +7,8 @@ Timeline spans per request (phase, start, end) in both seconds and engine-step c
   prefill    consecutive steps that computed prompt tokens (chunked prefill shows as several spans,
              recompute after a preemption shows as prefill again)
   decode     consecutive decode steps
-  preempted  preemption -> next scheduled step
+  preempted  preemption -> next scheduled step (recompute)
+  swapped    preemption by swapping to the host KV tier -> swapped in (its first span after notes the bytes back)
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.events import RequestEvent, StepEvent
 
-PHASES = ("frontend", "waiting", "prefill", "decode", "preempted")
+PHASES = ("frontend", "waiting", "prefill", "decode", "preempted", "swapped")
 _TERMINAL = ("finished", "aborted", "rejected", "failed")
 
 
@@ -45,6 +46,7 @@ class RequestTrack:
     finish_reason: str | None = None
     status: str = "waiting"   # waiting | running | preempted | finished | aborted | rejected | failed
     num_preemptions: int = 0
+    num_swaps: int = 0
     message: str | None = None
     priority: int | None = None   # SamplingParams.priority (lower = sooner under the priority policy)
     structured: str | None = None  # the output constraint's kind (json, regex, choice, ...), None = unconstrained
@@ -55,6 +57,7 @@ class RequestTrack:
     _last_step: int = -10
     _pending_since: tuple[float, float] | None = None   # (time, step coord) of waiting/preempted start
     _pending_phase: str = "waiting"
+    _last_pending: str = "waiting"      # the pending phase that the latest scheduled step closed
 
     def copy(self, now: float, now_step: float) -> "RequestTrack":
         """A detached copy whose open spans are closed at `now` (for display)."""
@@ -87,7 +90,8 @@ class TrackBuilder:
         self.last_step_end: float | None = None
         self.totals = dict(steps=0, prompt_tokens=0, decode_tokens=0, output_tokens=0, preemptions=0,
                            finished=0, aborted=0, rejected=0, failed=0, step_failures=0, arrived=0, prefix_cache_queries=0,
-                           prefix_cache_hits=0, blocks_shared=0, blocks_evicted=0, busy_time=0.0)
+                           prefix_cache_hits=0, blocks_shared=0, blocks_evicted=0, busy_time=0.0,
+                           swaps=0, bytes_swapped_out=0, bytes_swapped_in=0)
         self.spec = dict(num_steps=0, num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                          accepted_per_pos=[], history=deque(maxlen=max_steps))
 
@@ -145,6 +149,8 @@ class TrackBuilder:
                 tr.first_token = ev.time
         elif k == "preempted":
             self._preempt(tr, ev.time, self.step_coord())
+        elif k == "swapped_out":
+            self._swap_out(tr)
         elif k in _TERMINAL:
             if tr.status not in _TERMINAL:
                 self.totals[k] += 1
@@ -162,12 +168,20 @@ class TrackBuilder:
         tr._pending_since = (t, step_coord)
         tr._pending_phase = "preempted"
 
+    def _swap_out(self, tr: RequestTrack) -> None:
+        """A preemption (already folded) whose blocks went to the host tier: its pending span is "swapped"."""
+        if tr._pending_phase != "swapped":
+            tr._pending_phase = "swapped"
+            tr.num_swaps += 1
+            self.totals["swaps"] += 1
+
     def _finish(self, tr: RequestTrack, t: float, status: str, reason: str | None) -> None:
         # the open span stays open: the finishing step's StepEvent may still arrive and extend it
         if tr._pending_since is not None and tr.status in ("waiting", "preempted"):
             ts, ss = tr._pending_since
             tr.spans.append(Span(tr._pending_phase, ts, max(t, ts), ss, max(self.step_coord(), ss)))
         tr._pending_since = None
+        tr._pending_phase = "waiting"
         tr.status = status
         tr.finished = t if tr.finished is None else tr.finished
         if reason:
@@ -185,6 +199,9 @@ class TrackBuilder:
         tot["blocks_shared"] += ev.blocks_shared
         tot["blocks_evicted"] += len(ev.blocks_evicted)
         tot["busy_time"] += max(0.0, ev.end - ev.start)
+        tot["bytes_swapped_out"] += getattr(ev, "bytes_swapped_out", 0)
+        tot["bytes_swapped_in"] += getattr(ev, "bytes_swapped_in", 0)
+        swapped_in = set(getattr(ev, "swapped_in", ()))
         tot["output_tokens"] += step_output_tokens(ev)
         s = ev.step
         for sr in ev.scheduled:
@@ -194,11 +211,14 @@ class TrackBuilder:
                 tr.arrival_step = float(s)
             if tr.first_scheduled is None:
                 tr.first_scheduled = ev.start
+            tr._last_pending = tr._pending_phase
             if tr._pending_since is not None:
                 ts, ss = tr._pending_since
                 tr.spans.append(Span(tr._pending_phase, ts, max(ev.start, ts), ss, max(float(s), ss)))
                 tr._pending_since = None
+                tr._pending_phase = "waiting"
             was_preempted = tr.status == "preempted"
+            was_swapped = was_preempted and tr._last_pending == "swapped"
             if tr.status not in _TERMINAL:
                 tr.status = "running"
             o = tr._open
@@ -209,7 +229,10 @@ class TrackBuilder:
             else:
                 self._close_open(tr)
                 note = ""
-                if sr.phase == "prefill" and (was_preempted or (tr.num_preemptions and sr.num_computed_before == 0)):
+                if sr.request_id in swapped_in or was_swapped:
+                    n_in = len(swapped_in) or 1
+                    note = f"swapped in ({getattr(ev, 'bytes_swapped_in', 0) / n_in / 2**20:.2f} MiB back)"
+                elif sr.phase == "prefill" and (was_preempted or (tr.num_preemptions and sr.num_computed_before == 0)):
                     note = "recompute"                 # what the prefix cache no longer held is recomputed
                 elif was_preempted:
                     note = "resumed from prefix cache"  # its own blocks were still cached: nothing to redo
@@ -223,6 +246,8 @@ class TrackBuilder:
         self.last_step_end = ev.end
         for rid in ev.preempted:
             self._preempt(self.track(rid), ev.end, s + 1.0)
+        for rid in getattr(ev, "swapped_out", ()):
+            self._swap_out(self.track(rid))
         for rid in ev.finished:
             tr = self.track(rid)
             if tr.status not in _TERMINAL:

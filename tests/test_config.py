@@ -25,6 +25,7 @@ VALUES = {
     "block_size": ("32", 32), "num_kv_blocks": ("64", 64), "gpu_memory_utilization": ("0.5", 0.5),
     "cpu_kv_cache_gib": ("0.25", 0.25), "enable_kv_cache": ("false", False),
     "enable_prefix_caching": ("false", False), "kv_cache_layout": ("contiguous", "contiguous"),
+    "kv_cache_dtype": ("fp8", "fp8"), "kv_offload_gib": ("0.5", 0.5), "preemption_mode": ("swap", "swap"),
     "max_num_batched_tokens": ("512", 512), "max_num_seqs": ("8", 8), "enable_chunked_prefill": ("false", False),
     "scheduling": ("static", "static"), "scheduling_policy": ("fcfs", "fcfs"), "max_waiting_requests": ("16", 16),
     "num_scheduler_steps": ("4", 4), "multi_step_max_ms": ("2.5", 2.5), "multi_step_trim": ("false", False),

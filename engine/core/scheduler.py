@@ -6,6 +6,11 @@ prefill chunks), then waiting ones FCFS. Prefill chunks and decodes share one fo
 run out the most recently admitted running request is preempted (recompute) and rejoins the front of
 the waiting queue.
 
+With a host tier (kv_offload_gib > 0) a preempted request may instead be swapped: its blocks are copied to
+host memory and back when it is readmitted, keeping its computed tokens. `preemption_mode` picks swap or
+recompute, or "auto" per request by SwapCostModel: copying its blocks out and back against prefilling its
+tokens again.
+
 `scheduling_policy="priority"` (vLLM's): the waiting queue is a heap on (SamplingParams.priority,
 arrival time, insertion count), lower first, and preempted requests rejoin it by the same key. When
 running requests need blocks the victim is the worst running request (largest priority, then latest
@@ -37,6 +42,10 @@ class SchedulerOutput:
     computed_before: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)  # the preempted ones whose blocks went to the host
+    swapped_in: list[Sequence] = field(default_factory=list)   # admitted ones whose blocks come back from it
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) copies, run first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device) copies
     phases: list[str] = field(default_factory=list)            # filled by the engine when observed
     total_lens: list[int] = field(default_factory=list)
 
@@ -56,6 +65,30 @@ class SchedulerOutput:
         return SchedulerOutput(pick(self.seqs), pick(self.num_new_tokens), pick(self.num_spec_tokens),
                                pick(self.computed_before), [], [s for s in pick(self.seqs) if id(s) in admitted],
                                pick(self.phases), pick(self.total_lens))
+
+
+@dataclass
+class SwapCostModel:
+    """Swap or recompute a preempted request: the time to copy its blocks out and back (block_bytes at
+    copy_bytes_per_s each way) against the time to prefill its computed tokens again (prefill_tokens_per_s,
+    updated by observe() from the engine's prefill steps)."""
+    block_bytes: int
+    copy_bytes_per_s: float
+    prefill_tokens_per_s: float
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.block_bytes / self.copy_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefer_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        return self.swap_seconds(num_blocks) < self.recompute_seconds(num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A step that computed num_tokens tokens took seconds (moving average)."""
+        if num_tokens >= 64 and seconds > 0:
+            self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * num_tokens / seconds
 
 
 class PriorityWaitingQueue:
@@ -108,6 +141,9 @@ class Scheduler:
         self.waiting: deque[Sequence] | PriorityWaitingQueue = PriorityWaitingQueue() if self.priority else deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swaps = 0
+        self.preemption_mode = config.cache_config.preemption_mode
+        self.cost_model: SwapCostModel | None = None    # set by the engine with a host tier
 
     def add(self, seq: Sequence) -> None:
         if self.priority:
@@ -118,11 +154,23 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _should_swap(self, seq: Sequence) -> bool:
+        if self.preemption_mode == "recompute" or not self.bm.can_swap_out(seq):
+            return False
+        if self.preemption_mode == "swap" or self.cost_model is None:
+            return True
+        return self.cost_model.prefer_swap(seq.num_computed_tokens, len(seq.block_table))
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.bm.free(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
         seq.spec_token_ids = []
+        if self._should_swap(seq):
+            self.bm.swap_out(seq)                 # keeps its computed tokens, its blocks in the host tier
+            self.num_swaps += 1
+            out.swapped_out.append(seq)
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         if self.priority:
@@ -145,8 +193,11 @@ class Scheduler:
         return 0
 
     def schedule(self) -> SchedulerOutput:
-        if self.priority:
-            return self._schedule_priority()
+        out = self._schedule_priority() if self.priority else self._schedule_fcfs()
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
+        return out
+
+    def _schedule_fcfs(self) -> SchedulerOutput:
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.scheduler_config.max_num_batched_tokens
@@ -215,6 +266,7 @@ class Scheduler:
                 self.running.append(seq)
             self._admit(out, seq, num_new)
             budget -= num_new
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
         return out
 
     def _fit_waiting(self, seq: Sequence, budget: int) -> int | None:
@@ -235,6 +287,9 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         """A request leaving the waiting queue (the caller placed it in `running`) computes its first chunk."""
         self.bm.record_admission(seq)
+        if seq.host_block_table:
+            self.bm.swap_in(seq)
+            out.swapped_in.append(seq)
         self.bm.allocate(seq, num_new)
         seq.status = SequenceStatus.RUNNING
         out.admitted.append(seq)
@@ -356,6 +411,8 @@ class Scheduler:
         return 0
 
     def _undo_match(self, seq: Sequence) -> None:
+        if seq.host_block_table:                  # swapped out: nothing was matched, its tokens stay computed
+            return
         if seq.block_table:
             self.bm.free(seq)
         seq.num_computed_tokens = 0
@@ -376,6 +433,7 @@ class Scheduler:
             out.num_new_tokens.append(K)
             out.num_spec_tokens.append(0)
             out.computed_before.append(seq.num_computed_tokens + extra)
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
         return out
 
     @staticmethod

@@ -26,6 +26,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0                 # tokens whose K/V are in the cache
         self.block_table: list[int] = []
+        self.host_block_table: list[int] = []        # swapped out: its blocks in the host tier (block_table empty)
         self.block_hashes: list[int] = []            # chained hashes of full blocks of token_ids
         self.num_committed_blocks = 0                # leading blocks whose hash is published
         self.num_cached_tokens = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.worker.model_runner import kv_bytes_per_block
+from engine.worker.model_runner import kv_bytes_per_block, kv_cache_dtype
 from engine.models.config import ModelArchConfig
 
 
@@ -63,10 +63,11 @@ def derive_max_model_len(cfg: EngineConfig, mcfg: ModelArchConfig) -> int:
 
 
 def derive_num_blocks(cfg: EngineConfig, mcfg: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """KV blocks in the pool: num_kv_blocks, or what the memory budget holds (free GPU memory, or the CPU size)."""
+    """KV blocks in the pool: num_kv_blocks, or what the memory budget holds (free GPU memory, or the CPU size),
+    in bytes of the pool's element type (an fp8 pool holds twice the blocks of a bf16 one)."""
     if cfg.cache_config.num_kv_blocks is not None:
         return cfg.cache_config.num_kv_blocks
-    per_block = kv_bytes_per_block(mcfg, cfg.cache_config.block_size, dtype)
+    per_block = kv_bytes_per_block(mcfg, cfg.cache_config.block_size, kv_cache_dtype(cfg, dtype))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         reserve = cfg.scheduler_config.max_num_batched_tokens \

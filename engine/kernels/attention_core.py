@@ -1,5 +1,7 @@
 """What the paged attention kernels share: the online-softmax inner loop over a key range of one sequence and
-kv head (fp32 accumulation, exp2 with the scale folded in, keys found through the block table)."""
+kv head (fp32 accumulation, exp2 with the scale folded in, keys found through the block table). K/V tiles are
+upcast to q's dtype as loaded: a no-op for a cache in the model's dtype, the dequantization of an fp8 cache
+(codes at scale 1.0)."""
 from __future__ import annotations
 
 import torch
@@ -28,11 +30,11 @@ def _attn_range(acc, m_i, l_i, q, k_base, v_base, bt_ptr, lo, hi, seq_len, row_p
         v_ptrs = v_base + (blk * stride_vb + (n % BLOCK_SIZE) * stride_vt)[:, None] + offs_d[None, :]
         if MASKED or BD != D:
             kv_mask = (n[:, None] < seq_len) & (offs_d[None, :] < D)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)                    # [BN, BD]
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)        # [BN, BD]
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            k = tl.load(k_ptrs).to(q.dtype)
+            v = tl.load(v_ptrs).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # [M, BN]
         if MASKED:
             ok = (n < seq_len)[None, :]

@@ -11,11 +11,11 @@ from engine.kernels.paged_attention import paged_attention
 
 
 def warmup_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_seqlen_k: int,
-                    pdl: bool = False) -> int:
+                    pdl: bool = False, q_dtype: torch.dtype | None = None) -> int:
     """Compile every kernel variant a real step can pick (prefill tile heights with and without decodes
     apart, decode split counts with and without varlen rows) on the null block 0, so no step pays a JIT
-    compile mid-run. Returns the number of launches."""
-    dev, dt = k_cache.device, k_cache.dtype
+    compile mid-run. q_dtype: the model's (None: the cache's; an fp8 cache needs it). Returns the number of launches."""
+    dev, dt = k_cache.device, q_dtype or k_cache.dtype
     bs, D = k_cache.shape[1], k_cache.shape[3]
     n = 64
     bt = torch.zeros(2, -(-n // bs), dtype=torch.int32, device=dev)

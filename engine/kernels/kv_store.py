@@ -1,4 +1,11 @@
-"""Scatter this step's K/V [T, Hk, D] into the paged caches [num_blocks, block_size, Hk, D] by slot."""
+"""Scatter this step's K/V [T, Hk, D] into the paged caches [num_blocks, block_size, Hk, D] by slot.
+
+An fp8 cache (EngineConfig.kv_cache_dtype="fp8", torch.float8_e4m3fn) holds e4m3 codes of K/V at scale 1.0:
+`kv_code` saturates at +-448 and rounds to nearest even before the cast, the same values as torch's
+conversion (torch_ops.kv_encode), so the store kernels here, in rope.py and qkv_rope.py agree with the torch
+path bit for bit (the Triton interpreter's own fp32 -> fp8 cast drops the carry of a mantissa round-up).
+The attention kernels upcast the codes in registers (attention_core.py).
+"""
 from __future__ import annotations
 
 import torch
@@ -6,6 +13,23 @@ import triton
 import triton.language as tl
 
 from engine.kernels import torch_ops
+
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def kv_code(x, dt: tl.constexpr):
+    """x (any float) -> the cache's element type dt; fp8 e4m3: saturated, rounded to nearest even."""
+    if dt == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        bits = x.to(tl.int32, bitcast=True)                  # keep 3 mantissa bits, carry into the exponent
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+        normal = bits.to(tl.float32, bitcast=True)
+        sub = (tl.abs(x) + 24576.0) - 24576.0                # below 2^-6: multiples of 2^-9 (subnormals)
+        sub = tl.where(bits < 0, -sub, sub)                  # signed, -0.0 included
+        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+    return x.to(dt)
 
 
 @triton.jit
@@ -24,15 +48,15 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
-             k.to(kc_ptr.dtype.element_ty), mask=mask)
+             kv_code(k, kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
-             v.to(vc_ptr.dtype.element_ty), mask=mask)
+             kv_code(v, vc_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hk, D] (any strides) into caches [num_blocks, block_size, Hk, D] (D contiguous) at
-    flat slots block * block_size + offset; a negative slot is skipped."""
+    flat slots block * block_size + offset; a negative slot is skipped. An fp8 cache gets e4m3 codes."""
     T, Hk, D = k.shape
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if T == 0:

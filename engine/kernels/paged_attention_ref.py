@@ -9,7 +9,8 @@ from engine.kernels.metadata import AttentionMetadata
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         md: AttentionMetadata, scale: float) -> torch.Tensor:
     """Plain torch, one sequence at a time, reading exactly each sequence's seq_len keys (so garbage
-    elsewhere in the cache cannot leak in). Computes in q's dtype: pass float64 inputs for a tight reference."""
+    elsewhere in the cache cannot leak in). Computes in q's dtype: pass float64 inputs for a tight reference (an
+    fp8 cache's codes are upcast to it)."""
     T, H, D = q.shape
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
     out = torch.zeros_like(q)
@@ -17,8 +18,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for i, (ql, sl) in enumerate(zip(md.q_lens, md.seq_lens_cpu)):
         pos = torch.arange(sl, device=q.device)
         blk = md.block_tables[i].long()[pos // bs]
-        k = k_cache[blk, pos % bs].repeat_interleave(H // Hk, dim=1)      # [sl, H, D]
-        v = v_cache[blk, pos % bs].repeat_interleave(H // Hk, dim=1)
+        k = k_cache[blk, pos % bs].to(q.dtype).repeat_interleave(H // Hk, dim=1)      # [sl, H, D]
+        v = v_cache[blk, pos % bs].to(q.dtype).repeat_interleave(H // Hk, dim=1)
         qi = q[cu[i]:cu[i] + ql]                                           # [ql, H, D]
         s = torch.einsum("qhd,khd->hqk", qi, k) * scale
         causal = pos[None, :] <= (sl - ql + torch.arange(ql, device=q.device))[:, None]

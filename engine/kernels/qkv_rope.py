@@ -14,6 +14,7 @@ import triton.language as tl
 
 from engine.kernels import torch_ops
 from engine.kernels.gemv import _activation
+from engine.kernels.kv_store import kv_code
 
 
 @triton.jit
@@ -89,8 +90,8 @@ def _rope_store(x1, x2, head, j, offs_m, mm, H, Hk, q_ptr, kc_ptr, vc_ptr, pos_p
             dst = kc_ptr + blk * stride_kcb + off * stride_kcs + (head - H) * stride_kch + j[None, :]
         else:
             dst = vc_ptr + blk * stride_vcb + off * stride_vcs + (head - H - Hk) * stride_vch + j[None, :]
-        tl.store(dst, x1.to(kc_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, x2.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst, kv_code(x1.to(dt), kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, kv_code(x2.to(dt), kc_ptr.dtype.element_ty), mask=ok)
 
 
 # (N, K, D) -> (P rotation pairs per program, BLOCK_K, num_warps) at M = 1 on CUDA: benchmarks/sweep_gemv.py

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import torch_ops
+from engine.kernels.kv_store import kv_code
 
 
 @triton.jit
@@ -68,24 +69,25 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slo
     k1 = tl.load(kp, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(kp + HALF * stride_kd, mask=mask, other=0.0).to(tl.float32)
     kc = kc_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + offs_x[None, :]
-    tl.store(kc, (k1 * cos - k2 * sin).to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(kc + HALF, (k2 * cos + k1 * sin).to(kc_ptr.dtype.element_ty), mask=mask)
+    kdt = k_ptr.dtype.element_ty                             # rounded to k's dtype first, as the unfused store
+    tl.store(kc, kv_code((k1 * cos - k2 * sin).to(kdt), kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc + HALF, kv_code((k2 * cos + k1 * sin).to(kdt), kc_ptr.dtype.element_ty), mask=mask)
     vp = v_ptr + t * stride_vt + h * stride_vh + offs_x[None, :] * stride_vd
     vc = vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + offs_x[None, :]
-    tl.store(vc, tl.load(vp, mask=mask), mask=mask)
-    tl.store(vc + HALF, tl.load(vp + HALF * stride_vd, mask=mask), mask=mask)
+    tl.store(vc, kv_code(tl.load(vp, mask=mask), vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc + HALF, kv_code(tl.load(vp + HALF * stride_vd, mask=mask), vc_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """RoPE on q in place; RoPE(k) and v into caches [num_blocks, block_size, Hk, D] at flat slots (negative:
-    skipped). k itself is left unrotated. One launch instead of apply_rope + store_kvcache. pdl: launch as a
+    skipped; an fp8 cache gets e4m3 codes). k itself is left unrotated. One launch instead of apply_rope + store_kvcache. pdl: launch as a
     programmatic dependent of the previous kernel (Hopper+, compiled Triton only)."""
     T, H, D = q.shape
     Hk = k.shape[1]
     assert cos_sin.stride(-1) == 1 and D % 2 == 0 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert k_cache.dtype == v.dtype, "the fused store does not cast v"
+    assert k_cache.dtype in (v.dtype, torch.float8_e4m3fn), "the fused store casts v only to fp8 codes"
     if T == 0:
         return
     half = D // 2

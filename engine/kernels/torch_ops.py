@@ -77,14 +77,35 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         t.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
 
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def kv_encode(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K/V values -> what a cache of cache_dtype stores: fp8 e4m3 codes at scale 1.0 (saturated at +-448,
+    rounded to nearest even), else x itself."""
+    if cache_dtype != FP8_KV:
+        return x
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_KV)
+
+
+def kv_decode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K/V (codes of an fp8 cache, or values) -> values in dtype."""
+    return x.to(dtype)
+
+
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots (negative = skip)."""
+    """k, v [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at flat slots (negative = skip); an fp8
+    cache gets e4m3 codes (kv_encode)."""
     kc = k_cache.view(-1, *k_cache.shape[2:])              # [num_blocks*block_size, Hk, D]
     vc = v_cache.view(-1, *v_cache.shape[2:])
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k, v = kv_encode(k, kc.dtype), kv_encode(v, vc.dtype)
+    if kc.dtype == FP8_KV:                                 # index_copy_ has no fp8 kernel: copy the bytes
+        kc, vc, k, v = kc.view(torch.uint8), vc.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     kc.index_copy_(0, slot_mapping, k)
     vc.index_copy_(0, slot_mapping, v)
 
@@ -109,7 +130,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of packed varlen queries over each sequence's paged KV (pdl, a launch option of the
     Triton kernels, means nothing here).
 
-    q [T, H, D]; caches [num_blocks, block_size, Hk, D] already hold this step's K/V. Returns [T, H, D].
+    q [T, H, D]; caches [num_blocks, block_size, Hk, D] already hold this step's K/V (fp8 codes are upcast
+    to q's dtype as they are gathered). Returns [T, H, D].
     A sequence's queries are its last q_len positions of its seq_len context.
     """
     T, H, D = q.shape
@@ -124,8 +146,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if ql == 1:
             dec_seqs.append(i)
         else:
-            k = _gather_kv(k_cache, md.block_tables[i], sl)  # [S, Hk, D]
-            v = _gather_kv(v_cache, md.block_tables[i], sl)
+            k = kv_decode(_gather_kv(k_cache, md.block_tables[i], sl), q.dtype)  # [S, Hk, D]
+            v = kv_decode(_gather_kv(v_cache, md.block_tables[i], sl), q.dtype)
             qi = q[cu:cu + ql]                                 # [ql, H, D]
             # causal with offset: query j (absolute pos sl-ql+j) sees keys 0..sl-ql+j
             mask = torch.ones(ql, sl, dtype=torch.bool, device=q.device).tril(sl - ql)
@@ -146,8 +168,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         bs = k_cache.shape[1]
         nb = (max_len + bs - 1) // bs
         bt = bt[:, :nb].long()                                     # [Bd, nb]
-        k = _gather_blocks(k_cache, bt)[:, :max_len]               # [Bd, S, Hk, D]
-        v = _gather_blocks(v_cache, bt)[:, :max_len]
+        k = kv_decode(_gather_blocks(k_cache, bt)[:, :max_len], q.dtype)   # [Bd, S, Hk, D]
+        v = kv_decode(_gather_blocks(v_cache, bt)[:, :max_len], q.dtype)
         mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None].long()  # [Bd, S]
         qd = q if tok_idx is None else q[tok_idx]                  # [Bd, H, D]
         o = F.scaled_dot_product_attention(

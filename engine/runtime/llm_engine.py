@@ -30,7 +30,7 @@ from engine.distributed.start import parallel_layout, start_workers
 from engine.distributed.worker import serve_if_worker
 from engine.runtime.input_processor import InputProcessor
 from engine.kernels.ops import get_ops, pdl_supported
-from engine.worker.model_runner import ModelRunner, kv_bytes_per_block
+from engine.worker.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from engine.models.config import ModelArchConfig
 from engine.models.loader import build_model, load_tokenizer, resolve
 from engine.runtime.output_processor import OutputProcessor
@@ -38,7 +38,7 @@ from engine.quant.linear import set_fp8_gemm, set_packed, set_tensor_cores, weig
 from engine.outputs import RequestOutput
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler, SchedulerOutput, SwapCostModel
 from engine.core.sequence import Sequence
 from engine.events import EventBus, StepFailureEvent
 from engine.runtime.step_events import phase_of, request_event, step_event
@@ -52,6 +52,10 @@ from engine.worker.timing import NullTimer, make_timer
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# SwapCostModel's starting (copy bytes/s each way, prefill tokens/s) by device (cuda?): pinned PCIe copies and a
+# small model's prefill on an H100-class GPU; a CPU's memcpy and its prefill (SmolLM2, 2 cores). The prefill
+# rate then follows the engine's measured steps.
+SWAP_COST_DEFAULTS = {True: (20e9, 20000.0), False: (4e9, 400.0)}
 
 
 class EngineOverloaded(RuntimeError):
@@ -198,17 +202,23 @@ class LLMEngine:
         prefix = config.cache_config.enable_prefix_caching and config.cache_config.enable_kv_cache
         reserve = -(-self.max_model_len // config.cache_config.block_size) \
             if config.cache_config.kv_cache_layout == "contiguous" else 0
-        self.block_manager = BlockManager(self.num_blocks, config.cache_config.block_size, prefix, reserve)
+        kv_dtype = kv_cache_dtype(config, self.dtype)
+        block_bytes = kv_bytes_per_block(self.model.cfg, config.cache_config.block_size, kv_dtype)
+        self.num_host_blocks = int(config.cache_config.kv_offload_gib * (1 << 30)) // block_bytes
+        self.block_manager = BlockManager(self.num_blocks, config.cache_config.block_size, prefix, reserve,
+                                          self.num_host_blocks)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        if self.num_host_blocks:
+            self.scheduler.cost_model = SwapCostModel(block_bytes, *SWAP_COST_DEFAULTS[self.device.type == "cuda"])
         self.runner = ModelRunner(self.model, mcfg, config, self.device, self.dtype, self.num_blocks,
-                                  self.max_model_len + spec_margin)
+                                  self.max_model_len + spec_margin, self.num_host_blocks)
         if ex is not None:
             ex.send("cache", self.num_blocks, self.max_model_len + spec_margin)
             self.runner.executor = ex
         self.runner.warmup()
         if ex is not None:
             ex.send("warmup")
-        self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.dtype)     # K and V of one token, all layers
+        self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.runner.kv_dtype)   # K and V of one token, all layers
         self.weight_bytes = sum(t.numel() * t.element_size() for t in
                                 itertools.chain(self.model.parameters(), self.model.buffers()))
         self.detok = Detokenizer(self.tokenizer)
@@ -341,9 +351,14 @@ class LLMEngine:
 
         # schedule: who runs, how many tokens; blocks are allocated here only
         sched = self.scheduler.schedule()
+        self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
         t_sched = time.perf_counter()
         for seq in sched.preempted:
             self._emit_request("preempted", seq)
+        for seq in sched.swapped_out:
+            self._emit_request("swapped_out", seq)
+        for seq in sched.swapped_in:
+            self._emit_request("swapped_in", seq)
         for seq in sched.admitted:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = t_sched
@@ -434,6 +449,8 @@ class LLMEngine:
             ms.observe_iteration(t_end - t0)    # a decode-only step: one iteration
         if done.decode_only and (num_spec or self.num_scheduler_steps == 1):   # (multi-step: a block's iteration)
             self.drafter.observe_step(len(sched.seqs), num_spec, t_end - t0)
+        if self.scheduler.cost_model is not None:           # the prefill rate a recompute would run at
+            self.scheduler.cost_model.observe(sched.num_tokens, t_end - t0)
         if observe:
             t_prep, t_fwd, t_mask, t_sample = done.t_prep, done.t_fwd, done.t_mask, done.t_sample
             timings = {"schedule": t_sched - t0, "prepare": t_prep - t_sched, "forward": t_fwd - t_prep,
@@ -582,7 +599,11 @@ class LLMEngine:
             num_decode_steps=num_decode_steps,
             spec=self.drafter.pop_step_stats() if self.drafter is not None else None,
             memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
-            rank_timings=rank_timings, **self.block_manager.pop_step_stats()))
+            rank_timings=rank_timings, **self.block_manager.pop_step_stats(), **self._swap_bytes()))
+
+    def _swap_bytes(self) -> dict:
+        out, inn = self.runner.pop_swap_bytes()
+        return dict(bytes_swapped_out=out, bytes_swapped_in=inn)
 
     # ---- introspection (read between steps by the inspector, /metrics and the benchmarks) ---------
     def stats(self) -> dict:
@@ -590,7 +611,9 @@ class LLMEngine:
         return dict(step=self.step_index, num_running=len(self.scheduler.running),
                     num_waiting=len(self.scheduler.waiting), num_blocks=self.num_blocks,
                     num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
-                    num_preemptions_total=self.scheduler.num_preemptions,
+                    num_preemptions_total=self.scheduler.num_preemptions, num_swaps_total=self.scheduler.num_swaps,
+                    num_host_blocks=self.num_host_blocks, kv_format=str(self.runner.kv_dtype).replace("torch.", ""),
+                    **self.block_manager.swap_stats,
                     prefix_cache_queries=bm.total_queries, prefix_cache_hits=bm.total_hits,
                     max_model_len=self.max_model_len, block_size=self.block_size,
                     device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
@@ -622,7 +645,17 @@ class LLMEngine:
                     cached=[h is not None for h in pool.block_hash],
                     block_tables={s.request_id: list(s.block_table) for s in holders},
                     num_computed_tokens={s.request_id: s.num_computed_tokens for s in holders},
-                    kv_cache_layout=self.config.cache_config.kv_cache_layout)
+                    kv_cache_layout=self.config.cache_config.kv_cache_layout,
+                    kv_format=str(self.runner.kv_dtype).replace("torch.", ""), host=self._host_snapshot())
+
+    def _host_snapshot(self) -> dict | None:
+        """The host tier for the block map: each host block's owner (a swapped-out request) or cached hash."""
+        host = self.block_manager.host
+        if host is None:
+            return None
+        swapped = [s for s in self.scheduler.waiting if s.host_block_table]
+        return dict(num_blocks=host.num_blocks, cached=sorted(host.cached.values()),
+                    block_tables={s.request_id: list(s.host_block_table) for s in swapped})
 
     def parallel_info(self) -> dict:
         """How the model is split over the tensor-parallel ranks (the inspector's parallel view): per rank its

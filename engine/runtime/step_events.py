@@ -15,7 +15,7 @@ def request_event(kind: str, seq: Sequence, step: int, finish_reason: str | None
         kind=kind, request_id=seq.request_id, time=time.perf_counter(), step=step,
         prompt_len=seq.num_prompt_tokens, output_len=seq.num_output_tokens,
         num_cached_tokens=seq.num_cached_tokens, finish_reason=finish_reason,
-        block_table=list(seq.block_table) if kind in ("scheduled", "preempted") else None,
+        block_table=list(seq.block_table) if kind in ("scheduled", "preempted", "swapped_in") else None,
         priority=seq.params.priority,
         message=message, arrival_time=seq.metrics.arrival_time if kind == "arrived" else None,
         structured=seq.params.structured_outputs.kind if kind == "arrived" and seq.params.structured_outputs
@@ -45,4 +45,5 @@ def step_event(sched: SchedulerOutput, step: int, t0: float, t1: float, finished
         scheduled.append(ScheduledRequest(seq.request_id, n, phase, start, total, k))
     return StepEvent(step=step, start=t0, end=t1, scheduled=scheduled, num_prefill_tokens=n_pre,
                      num_decode_tokens=n_dec, preempted=[s.request_id for s in sched.preempted], finished=finished,
-                     **fields)
+                     swapped_out=[s.request_id for s in sched.swapped_out],
+                     swapped_in=[s.request_id for s in sched.swapped_in], **fields)

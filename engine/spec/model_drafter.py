@@ -63,7 +63,7 @@ def load_draft_model(engine):
     model.gemv_max_tokens, model.gemv_pdl = engine.model.gemv_max_tokens, engine.model.gemv_pdl
     model.set_kernel_options(engine.config)
     kv = torch.zeros(2, dcfg.num_layers, engine.num_blocks, cfg.cache_config.block_size, dcfg.num_kv_heads,
-                     dcfg.head_dim, dtype=engine.dtype, device=engine.device)
+                     dcfg.head_dim, dtype=engine.runner.kv_dtype, device=engine.device)
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.k_cache = kv[0, i]
         layer.self_attn.v_cache = kv[1, i]

@@ -1,6 +1,8 @@
 """ModelRunner: owns the model and the KV pool; packs a scheduled step into tensors and runs it."""
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
+
 import numpy as np
 import torch
 
@@ -11,24 +13,40 @@ from engine.core.scheduler import SchedulerOutput
 from engine.worker.timing import NullTimer
 
 
+SWAP_CHUNK_BLOCKS = 256        # blocks staged on the device per host-tier copy
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: fp8 e4m3 codes (kv_cache_dtype="fp8") or the model's dtype."""
+    return torch.float8_e4m3fn if config.cache_config.kv_cache_dtype == "fp8" else dtype
+
+
 def kv_bytes_per_block(mcfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """dtype: the pool's element type (kv_cache_dtype)."""
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class ModelRunner:
     def __init__(self, model, mcfg: ModelArchConfig, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, num_blocks: int, max_model_len: int):
+                 dtype: torch.dtype, num_blocks: int, max_model_len: int, num_host_blocks: int = 0):
         self.model, self.mcfg, self.config = model, mcfg, config
         self.device, self.dtype = device, dtype
+        self.kv_dtype = kv_cache_dtype(config, dtype)
         self.block_size = config.cache_config.block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         # [2, layers, num_blocks, block_size, Hk, D]; Hk: this rank's KV heads (model.cfg is its shard)
         self.kv_cache = torch.zeros(2, mcfg.num_layers, num_blocks, self.block_size, model.cfg.num_kv_heads,
-                                    mcfg.head_dim, dtype=dtype, device=device)
+                                    mcfg.head_dim, dtype=self.kv_dtype, device=device)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
+        # the host tier: [num_host_blocks, 2, layers, block_size, Hk, D], a block contiguous (one copy each);
+        # pinned on cuda, copies on a side stream that the step's forward waits for
+        self.host_kv = torch.zeros(num_host_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:],
+                                   dtype=self.kv_dtype, pin_memory=device.type == "cuda") if num_host_blocks else None
+        self.copy_stream = torch.cuda.Stream(device) if num_host_blocks and device.type == "cuda" else None
+        self.bytes_swapped = [0, 0]     # (out, in) since the last pop_swap_bytes()
         self.timer = NullTimer()
         self.graphs = None  # CUDA graph runner, attached by the engine on cuda
         self.executor = None  # tensor parallelism, on rank 0: sends every forward's plan to the other ranks
@@ -157,7 +175,42 @@ class ModelRunner:
             from engine.kernels.attention_warmup import warmup_variants
             layer = self.model.model.layers[0].self_attn
             warmup_variants(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, self.max_model_len,
-                            pdl=self.model.gemv_pdl)
+                            pdl=self.model.gemv_pdl, q_dtype=self.dtype)
+
+    # ---- the host tier -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def swap_blocks(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> None:
+        """Run a step's block copies before its forward: (device, host) pairs out, then (host, device) in
+        (the scheduler may have refilled a block it freed in the same step). Byte views: fp8 has no index ops."""
+        if not blocks_out and not blocks_in:
+            return
+        kv = self.kv_cache.view(torch.uint8)                    # [2, L, N, bs, Hk, D * elem]
+        host = self.host_kv.view(torch.uint8)                   # [Nh, 2, L, bs, Hk, D * elem]
+        stream = self.copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))   # the blocks' contents are written
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for lo in range(0, len(blocks_out), SWAP_CHUNK_BLOCKS):      # staging memory stays bounded
+                part = blocks_out[lo:lo + SWAP_CHUNK_BLOCKS]
+                src = torch.tensor([d for d, _ in part], device=self.device)
+                staged = kv.index_select(2, src).movedim(2, 0).contiguous()   # [n, 2, L, bs, Hk, D * elem]
+                for i, (_, h) in enumerate(part):
+                    host[h].copy_(staged[i], non_blocking=True)
+                self.bytes_swapped[0] += staged.numel()
+            for lo in range(0, len(blocks_in), SWAP_CHUNK_BLOCKS):
+                part = blocks_in[lo:lo + SWAP_CHUNK_BLOCKS]
+                staged = torch.empty((len(part), *host.shape[1:]), dtype=torch.uint8, device=self.device)
+                for i, (h, _) in enumerate(part):
+                    staged[i].copy_(host[h], non_blocking=True)
+                dst = torch.tensor([d for _, d in part], device=self.device)
+                kv.index_copy_(2, dst, staged.movedim(0, 2))                  # staged as [2, L, n, bs, Hk, D * elem]
+                self.bytes_swapped[1] += staged.numel()
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def pop_swap_bytes(self) -> tuple[int, int]:
+        out, self.bytes_swapped = tuple(self.bytes_swapped), [0, 0]
+        return out
 
     # ---- execution -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -232,6 +232,7 @@ class MultiStepDecoder:
         t0 = time.perf_counter()
         extra = ahead.K if ahead else 0
         sched = self.scheduler.schedule_block(self._block_seqs(extra), K, extra)
+        self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)   # evictions to the host tier
         t_sched = time.perf_counter()
         runner = self.runner
         dev = runner.device

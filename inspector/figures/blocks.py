@@ -102,6 +102,15 @@ def block_map_spec(kv: dict | None, highlight: str | None = None, height: int | 
     data = [dict(type="heatmap", z=[_lst(r) for r in zg], text=[text[r * cols:(r + 1) * cols] for r in range(rows)],
                  hovertemplate="%{text}<extra></extra>", zmin=-0.5, zmax=N_CATS - 0.5,
                  colorscale=_discrete_colorscale(CATEGORY_COLORS), showscale=False, xgap=1, ygap=1, name="blocks")]
+    host = kv.get("host")
+    host_rows = 0
+    if host and host.get("num_blocks"):
+        hz, htext, host_rows = host_cells(host, cols, max_cells)
+        data.append(dict(type="heatmap", z=[_lst(r) for r in hz], y0=rows + 1, dy=1,
+                         text=[htext[r * cols:(r + 1) * cols] for r in range(host_rows)],
+                         hovertemplate="%{text}<extra></extra>", zmin=-0.5, zmax=N_CATS - 0.5,
+                         colorscale=_discrete_colorscale(CATEGORY_COLORS), showscale=False, xgap=1, ygap=1,
+                         name="host tier"))
     for name, color in (("free", FREE_COLOR), ("cached-free", CACHED_COLOR), ("shared (ref>1)", SHARED_COLOR),
                         ("in use (colour = request)", OWNER_PALETTE[0])):
         data.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
@@ -117,17 +126,51 @@ def block_map_spec(kv: dict | None, highlight: str | None = None, height: int | 
     used_pct = 100.0 * st["num_in_use"] / max(1, n - 1)
     res, used = st["reserved_slots"], st["used_slots"]
     frag = f" ({100.0 * (res - used) / res:.0f}% reserved but empty)" if res else ""
-    sub = (f"{kv.get('kv_cache_layout', 'paged')} · {n} blocks × {kv.get('block_size', '?')} tokens · "
+    fmt = kv.get("kv_format")
+    fmt = {"float8_e4m3fn": "fp8 e4m3"}.get(fmt, fmt)
+    tier = ""
+    if host and host.get("num_blocks"):
+        swapped = host.get("block_tables") or {}
+        tier = (f"<br>host tier (rows below the gap): {host['num_blocks']} blocks · "
+                f"{sum(map(len, swapped.values()))} held by {len(swapped)} swapped-out requests · "
+                f"{len(host.get('cached') or [])} cached (evicted prefix blocks)")
+    sub = (f"{kv.get('kv_cache_layout', 'paged')}{' · ' + fmt if fmt else ''} · {n} blocks × "
+           f"{kv.get('block_size', '?')} tokens · "
            f"{st['num_in_use']} in use ({used_pct:.0f}%) · "
            f"{st['num_shared']} shared · {st['num_cached_free']} cached-free · {max(0, st['num_free'])} free"
            f"<br>slots: {res} reserved by requests · {used} hold a token{frag}"
-           + (f" · 1 cell = {group} blocks" if group > 1 else "") + " · hover a cell for owners")
+           + (f" · 1 cell = {group} blocks" if group > 1 else "") + " · hover a cell for owners" + tier)
+    rows += host_rows + (1 if host_rows else 0)
     h = height or int(min(560, max(240, 110 + rows * (20 if cols <= 32 else 13))))
     lay = _layout(title, h, "blockmap", sub, margin=dict(l=10, r=10, t=70, b=10),
                   xaxis=dict(visible=False, range=[-0.5, cols - 0.5]),
                   yaxis=dict(visible=False, autorange="reversed"),
                   legend=dict(orientation="h", yanchor="top", y=-0.02, xanchor="left", x=0.0, font=dict(size=11)))
     return {"data": data, "layout": lay}
+
+
+def host_cells(host: dict, cols: int, max_cells: int) -> tuple[np.ndarray, list[str], int]:
+    """The host tier's blocks as cells of the block map: a swapped-out request's (its colour), cached, free."""
+    n = int(host["num_blocks"])
+    group = max(1, math.ceil(n / max_cells))
+    cat = np.zeros(n, dtype=np.int64)
+    text = [f"host block {b} · free" for b in range(n)]
+    for b in host.get("cached") or []:
+        cat[b] = 1
+        text[b] = f"host block {b} · cached (an evicted prefix block, fetched back on a hash hit)"
+    for rid, table in (host.get("block_tables") or {}).items():
+        for i, b in enumerate(table):
+            cat[b] = 3 + _owner_color_index(rid)
+            text[b] = f"host block {b} · swapped out · {rid} logical block {i}"
+    cells = math.ceil(n / group)
+    z = np.full(math.ceil(cells / cols) * cols, np.nan)
+    out = [""] * len(z)
+    for c in range(cells):
+        seg = cat[c * group:(c + 1) * group]
+        z[c] = np.bincount(seg).argmax()
+        out[c] = text[c * group] if group == 1 else f"host blocks {c * group}–{min(n, (c + 1) * group) - 1}"
+    host_rows = len(z) // cols
+    return z.reshape(host_rows, cols), out, host_rows
 
 
 def block_table_spec(kv: dict | None, request_id: str | None, height: int = 200) -> dict:

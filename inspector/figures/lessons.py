@@ -120,8 +120,23 @@ def chunked_prefill_spec(res: dict, height: int = 400) -> dict:
     return _spec(lay, refs, data, ("seconds since the first token", "ITL ms"), ("", "ms"))
 
 
+def kv_tiers_spec(res: dict, height: int = 400) -> dict:
+    s, ser = res["summary"], res["series"]
+    arms = list(ser)
+    cap = " · ".join(f"{a.split(' · ')[0]} {ser[a]['blocks']} blocks" for a in arms[::2])
+    lay, refs = _frame(res, f"same KV memory: {cap} ({s['capacity_ratio']:.1f}×) · best: {s['best_throughput']} "
+                       f"({s['throughput_ratio']:.2f}× tok/s, mean TTFT {s['ttft_ratio']:.2f}× lower)",
+                       ["mean TTFT", "output tok/s"], height)
+    colors = ["#E15759", "#F28E2B", "#4E79A7", "#59A14F"]
+    hover = [f"{ser[a]['blocks']} blocks · {ser[a]['preemptions']} preemptions · {ser[a]['swaps']} swaps" for a in arms]
+    data = [dict(_bar(arms, [ser[a]["mean_ttft_s"] * 1e3 for a in arms], "TTFT", refs[(1, 1)], colors),
+                 hovertext=hover),
+            dict(_bar(arms, [ser[a]["output_tok_s"] for a in arms], "tok/s", refs[(1, 2)], colors), hovertext=hover)]
+    return _spec(lay, refs, data, ("KV format · preemption", "ms"), ("KV format · preemption", "tok/s"))
+
+
 BUILDERS = {"paging": paging_spec, "kv_cache": kv_cache_spec, "batching": batching_spec,
-            "batch_sweep": batch_sweep_spec, "chunked_prefill": chunked_prefill_spec}
+            "batch_sweep": batch_sweep_spec, "chunked_prefill": chunked_prefill_spec, "kv_tiers": kv_tiers_spec}
 
 
 def lesson_spec(res: dict | None, height: int = 400) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import zlib
 
 PHASE_LABELS = {"frontend": "front end"}     # legend names where the phase key is not the label
-PHASE_COLORS = {"frontend": "#B07AA1", "waiting": "#C7CDD6", "prefill": "#F28E2B", "decode": "#4E79A7", "preempted": "#E15759"}
+PHASE_COLORS = {"frontend": "#B07AA1", "waiting": "#C7CDD6", "prefill": "#F28E2B", "decode": "#4E79A7", "preempted": "#E15759", "swapped": "#9C755F"}
 # block map categories: 0 free, 1 cached-free (evictable), 2 shared (ref > 1), 3.. owner palette
 OWNER_PALETTE = ["#4E79A7", "#59A14F", "#B07AA1", "#EDC948", "#76B7B2", "#FF9DA7", "#9C755F", "#F28E2B",
                  "#86BCB6", "#D37295", "#499894", "#8CD17D"]

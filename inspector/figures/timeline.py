@@ -35,7 +35,7 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
                 if sp.phase != phase:
                     continue
                 a, b = (sp.step_start, sp.step_end) if by_step else (sp.start - t0, sp.end - t0)
-                if b - a <= 0 and phase in ("frontend", "waiting", "preempted"):
+                if b - a <= 0 and phase in ("frontend", "waiting", "preempted", "swapped"):
                     continue
                 ys.append(r.request_id)
                 bases.append(a)

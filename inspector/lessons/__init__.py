@@ -4,11 +4,11 @@ Each module has `TITLE`, `WHAT` (one sentence: what its chart shows) and `run_le
 as a script: `benchmarks/lessons.py`. No Gradio here."""
 from __future__ import annotations
 
-from inspector.lessons import batch_sweep, batching, chunked_prefill, kv_cache, paging
+from inspector.lessons import batch_sweep, batching, chunked_prefill, kv_cache, kv_tiers, paging
 from inspector.lessons.common import Setup
 
 LESSONS = {"paging": paging, "kv_cache": kv_cache, "batching": batching, "batch_sweep": batch_sweep,
-           "chunked_prefill": chunked_prefill}
+           "chunked_prefill": chunked_prefill, "kv_tiers": kv_tiers}
 
 
 def run_lesson(name: str, setup: Setup, **kw) -> dict:

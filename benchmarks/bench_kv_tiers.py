@@ -1,0 +1,120 @@
+"""KV cache tiers: fp8 vs model-dtype KV, the host tier on a multi-turn chat workload, swap vs recompute.
+
+  capacity     pool blocks at the same memory budget, model-dtype KV vs fp8 (kv_cache_dtype="fp8")
+  multi-turn   users whose conversations (their prefixes) total ~4x the device pool, each turn resending
+               the whole conversation; mean TTFT with and without the host tier (kv_offload_gib)
+  burst        an oversubscribed burst of long prompts with long outputs: preemption_mode recompute vs swap
+               vs auto (the cost model's choice); mean TTFT, output tok/s, swaps / preemptions
+
+    python benchmarks/bench_kv_tiers.py [--model PATH] [--device cuda] [--num-kv-blocks N] [--offload-gib 4]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import device_name, print_table, write_json  # noqa: E402
+from engine import LLMEngine, SamplingParams  # noqa: E402
+
+
+def drive(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts at once; mean TTFT (from submission), output tok/s, preemptions and swaps."""
+    t0 = time.perf_counter()
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    wall = time.perf_counter() - t0
+    ttft = [done[i].metrics.first_token_time - done[i].metrics.arrival_time for i in ids]
+    return dict(ttft_mean_s=sum(ttft) / len(ttft), out_tok_s=sum(len(done[i].token_ids) for i in ids) / wall,
+                wall_s=wall, preemptions=eng.scheduler.num_preemptions, swaps=eng.scheduler.num_swaps)
+
+
+def multi_turn(eng: LLMEngine, users: int, turns: int, turn_len: int, answer: int, seed: int) -> dict:
+    """Each round every user sends its next turn (the whole conversation so far + new text); mean TTFT."""
+    rng = random.Random(seed)
+    vocab = eng.arch_config.vocab_size
+    convs = [[rng.randrange(vocab) for _ in range(turn_len)] for _ in range(users)]
+    ttft, t0 = [], time.perf_counter()
+    for _ in range(turns):
+        outs = {}
+        ids = {eng.add_request(c, SamplingParams(temperature=0, max_tokens=answer, ignore_eos=True)): u
+               for u, c in enumerate(convs)}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o
+        for rid, u in ids.items():
+            o = outs[rid]
+            ttft.append(o.metrics.first_token_time - o.metrics.arrival_time)
+            convs[u] = convs[u] + o.token_ids + [rng.randrange(vocab) for _ in range(turn_len)]
+    st = eng.stats()
+    return dict(ttft_mean_s=sum(ttft) / len(ttft), wall_s=time.perf_counter() - t0,
+                prefix_hit_pct=100.0 * st["prefix_cache_hits"] / max(1, st["prefix_cache_queries"]),
+                blocks_offloaded=st["offloaded"], blocks_fetched=st["fetched"])
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-kv-blocks", type=int, default=None, help="device pool for the workloads (default: 256 "
+                    "on cuda, 64 on cpu) so that they oversubscribe it")
+    ap.add_argument("--offload-gib", type=float, default=2.0)
+    ap.add_argument("--scale", type=float, default=1.0, help="workload size factor (0.1 for a CPU smoke run)")
+    args = ap.parse_args(argv)
+    base = dict(model=args.model, device=args.device, block_size=16)
+    rows, res = [], {}
+
+    # capacity at the same budget
+    for kv in ("auto", "fp8"):
+        eng = LLMEngine(**base, kv_cache_dtype=kv, max_model_len=2048)
+        res[f"capacity_{kv}"] = dict(blocks=eng.num_blocks, kv_format=str(eng.runner.kv_dtype).replace("torch.", ""),
+                                     bytes_per_token=eng.slot_bytes)
+        cuda = eng.device.type == "cuda"
+        eng.close()
+    nb = args.num_kv_blocks or (256 if cuda else 64)
+    rows.append(dict(workload="capacity", config=f"{res['capacity_auto']['kv_format']} KV",
+                     blocks=res["capacity_auto"]["blocks"]))
+    rows.append(dict(workload="capacity", config="fp8 KV", blocks=res["capacity_fp8"]["blocks"]))
+
+    # multi-turn: users * turns * turn tokens ~ 4x the pool
+    users = max(2, int(8 * args.scale))
+    turn_len = max(16, nb * 16 * 4 // (users * 4 * 3))
+    for name, extra in (("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))):
+        eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=min(nb * 16 - 16, 4096), **extra)
+        r = multi_turn(eng, users, 4, turn_len, 16, seed=0)
+        res[f"multi_turn_{name}"] = r
+        rows.append(dict(workload="multi-turn", config=name, **r))
+        eng.close()
+
+    # burst: oversubscribed, swap vs recompute vs the cost model
+    n = max(4, int(32 * args.scale))
+    prompt_len = max(32, nb * 16 // n * 2)
+    rng = random.Random(1)
+    for mode in ("recompute", "swap", "auto"):
+        eng = LLMEngine(**base, num_kv_blocks=nb, kv_offload_gib=args.offload_gib, preemption_mode=mode,
+                        max_model_len=min(nb * 16 - 16, 4096))
+        prompts = [[rng.randrange(eng.arch_config.vocab_size) for _ in range(prompt_len)] for _ in range(n)]
+        r = drive(eng, prompts, max_tokens=max(16, prompt_len // 2))
+        res[f"burst_{mode}"] = r
+        rows.append(dict(workload="burst", config=f"preemption {mode}", **r))
+        eng.close()
+    cols = ["workload", "config", "blocks", "ttft_mean_s", "out_tok_s", "wall_s", "preemptions", "swaps",
+            "prefix_hit_pct", "blocks_offloaded", "blocks_fetched"]
+    print_table(rows, cols)
+    payload = dict(device=device_name(args.device), model=args.model or "SmolLM2-135M (bundled)",
+                   num_kv_blocks=nb, offload_gib=args.offload_gib, scale=args.scale, rows=rows, results=res)
+    write_json("bench_kv_tiers", payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
