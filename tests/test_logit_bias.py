@@ -66,5 +66,5 @@ def test_engine_rejects_bias_off_vocabulary(llm):
     V = llm.engine.arch_config.vocab_size
     with pytest.raises(ValueError, match=r"logit_bias: token id .* outside the vocabulary"):
         llm.generate([[1, 2]], SamplingParams(logit_bias={V: 1.0}))
-    with pytest.raises(ValueError, match=r"stop_token_ids: token id .* outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"stop_token_ids: must be token ids in \[0, "):
         llm.generate([[1, 2]], SamplingParams(stop_token_ids=[V + 5]))
