@@ -38,7 +38,8 @@ suite_tests() {
   local files=() args=()
   for a in "$@"; do if [[ $a == tests/* ]]; then files+=("$a"); else args+=("$a"); fi; done
   [ ${#files[@]} -gt 0 ] || files=(tests/test_gpu_*.py tests/test_kernels.py tests/test_kernels_attention.py
-                                   tests/test_kernels_merge_sample.py tests/test_structured_mask.py)
+                                   tests/test_kernels_merge_sample.py tests/test_structured_mask.py tests/test_kv_fp8.py
+                                   tests/test_logit_bias.py tests/test_prompt_logprobs.py tests/test_fault_isolation.py)
   install_tokenizer
   # Triton compiles dominate on a fresh machine and run on the CPU: spread the tests over 8 processes (one GPU
   # holds them all) when pytest-xdist is there
