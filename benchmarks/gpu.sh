@@ -44,7 +44,7 @@ suite_tests() {
   # Triton compiles dominate on a fresh machine and run on the CPU: spread the tests over 8 processes (one GPU
   # holds them all) when pytest-xdist is there
   local par=()
-  python3 -c "import xdist" 2>/dev/null && par=(-n 8 --dist load)
+  python3 -c "import xdist" 2>/dev/null && par=(-n 8 --dist loadfile)
   python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record "${par[@]}" "${files[@]}" "${args[@]}"
 }
 

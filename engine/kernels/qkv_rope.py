@@ -78,9 +78,9 @@ def _rope_store(x1, x2, head, j, offs_m, mm, H, Hk, q_ptr, kc_ptr, vc_ptr, pos_p
         sin = tl.load(cs_ptr + pos * stride_cs + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
         x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     if head < H:
-        dst = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + head * D + j[None, :]
-        tl.store(dst, x1.to(dt), mask=m2)
-        tl.store(dst + HALF, x2.to(dt), mask=m2)
+        q_dst = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + head * D + j[None, :]   # not `dst`: an fp8
+        tl.store(q_dst, x1.to(dt), mask=m2)                     # cache's pointer type differs from q's
+        tl.store(q_dst + HALF, x2.to(dt), mask=m2)
     else:
         slot = tl.load(slot_ptr + offs_m, mask=mm, other=-1).to(tl.int64)
         ok = m2 & (slot >= 0)[:, None]                          # negative slot: padding, nothing stored
