@@ -59,12 +59,14 @@ class SchedulerOutput:
 
     def subset(self, idx: list[int]) -> "SchedulerOutput":
         """The step of seqs[i] for i in idx alone (a failed step re-run in parts); the others keep their blocks
-        and are scheduled again next step. Preemptions and admissions stay with the original step."""
+        and are scheduled again next step. Preemptions, admissions and the swap copies (already run) stay with the
+        original step."""
         pick = lambda xs: [xs[i] for i in idx] if xs else []
         admitted = {id(s) for s in self.admitted}
-        return SchedulerOutput(pick(self.seqs), pick(self.num_new_tokens), pick(self.num_spec_tokens),
-                               pick(self.computed_before), [], [s for s in pick(self.seqs) if id(s) in admitted],
-                               pick(self.phases), pick(self.total_lens))
+        return SchedulerOutput(seqs=pick(self.seqs), num_new_tokens=pick(self.num_new_tokens),
+                               num_spec_tokens=pick(self.num_spec_tokens), computed_before=pick(self.computed_before),
+                               admitted=[s for s in pick(self.seqs) if id(s) in admitted],
+                               phases=pick(self.phases), total_lens=pick(self.total_lens))
 
 
 @dataclass
