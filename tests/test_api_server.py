@@ -278,7 +278,7 @@ def test_timeout_aborts(guarded, loop):
     t0 = time.monotonic()
     r = httpx.post(guarded.url + "/v1/completions", json=body, headers=auth, timeout=30)
     assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 25       # a bound on a hang, not a speed test
     wait_idle(loop)
     with httpx.stream("POST", guarded.url + "/v1/completions", json={**body, "stream": True}, headers=auth,
                       timeout=30) as r:
