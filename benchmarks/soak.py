@@ -77,15 +77,15 @@ async def run(base: str, pid: int | None, args) -> dict:
 
 
 def core_process(pid: int):
-    """The engine core process of the API server `pid` (its multiprocessing child that is not the resource
-    tracker), or None."""
+    """The engine core process of the API server `pid` (`python -m engine.runtime.core_main`, or a multiprocessing
+    child that is not the resource tracker), or None."""
     import psutil
     for child in psutil.Process(pid).children():
         try:
             cmd = " ".join(child.cmdline())
         except psutil.Error:                 # gone, or a killed core not reaped yet
             continue
-        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+        if "engine.runtime.core_main" in cmd or ("spawn_main" in cmd and "resource_tracker" not in cmd):
             return child
     return None
 

@@ -31,11 +31,13 @@ def parse_metrics(text: str) -> dict:
             mm = re.search(r'max_model_len="(\d+)"', labels)
             if mm:
                 out["max_model_len"] = int(mm.group(1))
-        elif not labels.count(",") and name in ("num_requests_running", "num_requests_waiting", "num_kv_blocks",
-                                                "num_free_kv_blocks", "num_preemptions_total"):
-            out[name] = value
-    if "num_kv_blocks" in out:
-        out["kv_blocks_in_use"] = out["num_kv_blocks"] - 1 - out["num_free_kv_blocks"]   # block 0 is reserved
+        elif name in ("num_requests_running", "num_requests_waiting", "num_kv_blocks", "num_free_kv_blocks",
+                      "num_preemptions_total"):
+            out[name] = out.get(name, 0.0) + value          # summed over the engine="N" replicas
+            if name == "num_kv_blocks":
+                out["replicas"] = out.get("replicas", 0) + 1
+    if "num_kv_blocks" in out:                              # block 0 of each replica's pool is reserved
+        out["kv_blocks_in_use"] = out["num_kv_blocks"] - out["replicas"] - out["num_free_kv_blocks"]
     return out
 
 
