@@ -10,6 +10,7 @@ from engine.events import RequestEvent, StepFailureEvent
 from engine.runtime.async_engine import EngineLoop
 from engine.runtime.llm_engine import RequestFailed
 from engine.sample.sampler import Sampler
+from engine.worker import multi_step
 from helpers import drain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,6 +122,25 @@ def failing_rows(monkeypatch):
     return bad
 
 
+def fail_sampling_of(monkeypatch, bad: SamplingParams) -> None:
+    """Multi-step blocks raise whenever a row has params `bad`; single steps raise once such a row has two
+    tokens (the isolation is under test, not the sampler)."""
+    real_block, real_step = multi_step.sample_unseeded, Sampler.__call__
+
+    def block_sample(logits, rows, *a, **kw):
+        if any(r.params is bad for r in rows):
+            raise FloatingPointError("block sampling failed")
+        return real_block(logits, rows, *a, **kw)
+
+    def step_sample(self, seqs, mask, logits):
+        if any(m and s.params is bad and s.num_output_tokens >= 2 for s, m in zip(seqs, mask)):
+            raise FloatingPointError("step sampling failed")
+        return real_step(self, seqs, mask, logits)
+
+    monkeypatch.setattr(multi_step, "sample_unseeded", block_sample)
+    monkeypatch.setattr(Sampler, "__call__", step_sample)
+
+
 def _prompts(n):
     return [[3 + i, 11, 29, 5 + 2 * i] * (1 + i % 3) for i in range(n)]
 
@@ -189,7 +209,6 @@ def test_engine_loop_fails_only_the_culprits_stream(failing_rows):
 def test_failed_multi_step_block_falls_back_to_isolating_single_steps(monkeypatch):
     """A multi-step decode block that raises is dropped (its tokens were never processed); single steps then
     isolate the request whose rows raise, and the others' tokens are those of a run without it."""
-    import engine.worker.multi_step as multi_step
     eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256,
                     num_scheduler_steps=4)
     blocks = []
@@ -199,20 +218,7 @@ def test_failed_multi_step_block_falls_back_to_isolating_single_steps(monkeypatc
     baseline = drain(eng)
     assert max(blocks) > 1                      # the workload runs multi-step blocks
     bad = SamplingParams(max_tokens=12, **GREEDY)
-    real_block, real_step = multi_step.sample_unseeded, Sampler.__call__
-
-    def block_sample(logits, rows, *a, **kw):
-        if any(r.params is bad for r in rows):
-            raise FloatingPointError("block sampling failed")
-        return real_block(logits, rows, *a, **kw)
-
-    def step_sample(self, seqs, mask, logits):
-        if any(m and s.params is bad and s.num_output_tokens >= 2 for s, m in zip(seqs, mask)):
-            raise FloatingPointError("step sampling failed")
-        return real_step(self, seqs, mask, logits)
-
-    monkeypatch.setattr(multi_step, "sample_unseeded", block_sample)
-    monkeypatch.setattr(Sampler, "__call__", step_sample)
+    fail_sampling_of(monkeypatch, bad)
     ids = [eng.add_request(p, SamplingParams(max_tokens=12, **GREEDY)) for p in prompts]
     culprit = eng.add_request([50, 51, 52], bad)
     outs = drain(eng)
@@ -285,7 +291,6 @@ def test_waiting_count_never_counts_a_request_twice():
 def test_gpu_limits_run_and_isolation_under_graphs_and_multi_step(monkeypatch):
     """On CUDA (Triton kernels, fused Gumbel sampler, CUDA graphs, multi-step blocks): the accepted extremes run
     without a step failure, and a request whose rows raise fails alone while the others stay token-identical."""
-    import engine.worker.multi_step as multi_step
     eng = LLMEngine(model="dummy:tiny", device="cuda", dtype="float32", num_kv_blocks=128, block_size=16,
                     max_model_len=256)
     edge = [dict(temperature=1e30), dict(temperature=1e30, top_k=2 ** 63 - 1), dict(temperature=5e-324),
@@ -302,20 +307,7 @@ def test_gpu_limits_run_and_isolation_under_graphs_and_multi_step(monkeypatch):
     base = [eng.add_request(p, SamplingParams(max_tokens=40, **GREEDY)) for p in prompts]
     baseline = drain(eng)
     bad = SamplingParams(max_tokens=40, **GREEDY)
-    real_block, real_step = multi_step.sample_unseeded, Sampler.__call__
-
-    def block_sample(logits, rows, *a, **kw):
-        if any(r.params is bad for r in rows):
-            raise FloatingPointError("block sampling failed")
-        return real_block(logits, rows, *a, **kw)
-
-    def step_sample(self, seqs, mask, logits):
-        if any(m and s.params is bad and s.num_output_tokens >= 2 for s, m in zip(seqs, mask)):
-            raise FloatingPointError("step sampling failed")
-        return real_step(self, seqs, mask, logits)
-
-    monkeypatch.setattr(multi_step, "sample_unseeded", block_sample)
-    monkeypatch.setattr(Sampler, "__call__", step_sample)
+    fail_sampling_of(monkeypatch, bad)
     again = [eng.add_request(p, SamplingParams(max_tokens=40, **GREEDY)) for p in prompts]
     culprit = eng.add_request([50, 51, 52], bad)
     outs = drain(eng)

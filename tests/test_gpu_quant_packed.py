@@ -3,8 +3,8 @@ sizes against the reference; every code exact; split-K repeated (workspace reset
 q/k/v + RoPE kernel on it; an engine with EngineConfig.quant_gemv_packed on against the torch path.
 
 Each case is a few kernel variants (compiles dominate: ~1-3 s each), so the file runs in about a minute. Every
-sub-case's error goes into the assertion message, and to $OUT/packed_errors.jsonl when the environment variable
-OUT names a folder, so one run tells which sub-case failed."""
+sub-case's error goes into the assertion message, and to packed_errors.jsonl in the folder that
+KVSCOPE_TEST_RECORD_DIR names (when set), so one run tells which sub-case failed."""
 import json
 import os
 
@@ -30,8 +30,8 @@ def _rel(a, b):
 
 
 def _record(test, rows):
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "packed_errors.jsonl"), "a") as f:
+    if os.environ.get("KVSCOPE_TEST_RECORD_DIR"):
+        with open(os.path.join(os.environ["KVSCOPE_TEST_RECORD_DIR"], "packed_errors.jsonl"), "a") as f:
             f.write(json.dumps({"test": test, "rows": rows}) + "\n")
 
 
