@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
 # a collective waits this long for a peer before it fails (a dead peer on gloo fails at once: its socket closes)
 COLLECTIVE_TIMEOUT_S = 120
+ABORT_WAIT_S = 10.0           # how long leaving a group after a peer died may hold the caller
 
 
 @dataclass
@@ -92,11 +94,17 @@ def abort_group(force: bool = False) -> None:
     c10d = dist.distributed_c10d
     try:
         if force and dist.get_backend() == "nccl":
-            if hasattr(c10d, "_abort_process_group"):
-                c10d._abort_process_group()
-            else:
-                c10d._get_default_group()._get_backend(torch.device("cuda")).abort()
-                dist.destroy_process_group()
+            def abort():
+                if hasattr(c10d, "_abort_process_group"):
+                    c10d._abort_process_group()
+                else:
+                    c10d._get_default_group()._get_backend(torch.device("cuda")).abort()
+                    dist.destroy_process_group()
+            # NCCL's abort still waits for the CUDA graphs that captured this communicator's collectives to be
+            # destroyed; after a peer died they may still be alive here, so it must not hold the caller
+            t = threading.Thread(target=abort, name="kvscope-nccl-abort", daemon=True)
+            t.start()
+            t.join(ABORT_WAIT_S)
         else:
             dist.destroy_process_group()
     except Exception:       # already torn down: nothing more to release

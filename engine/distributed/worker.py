@@ -151,6 +151,8 @@ def _serve(launch: EnvLaunch, store, conn) -> None:
             runner.graphs.capture()
             send(conn, "captured")
         elif kind == "close":
+            if runner is not None and runner.graphs is not None:
+                runner.graphs.release()
             return
         else:
             raise ValueError(f"tensor parallel worker: unknown message {kind!r}")

@@ -106,6 +106,10 @@ class LLMEngine:
         launch = env_launch() if config.parallel_config.tensor_parallel_size > 1 else None
         serve_if_worker(launch)             # torchrun, ranks > 0: a worker until rank 0 closes, then exit
         self.device = resolve_device(config.model_config.device, launch.local_rank if launch else None)
+        # Triton launches on the thread's current device, not on its tensors' one
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self.device)
         self.config = config = with_device_defaults(config, self.device)
         self.dtype = (torch.bfloat16 if self.device.type == "cuda" else torch.float32) \
             if config.model_config.dtype == "auto" else _DTYPES[config.model_config.dtype]
@@ -326,6 +330,8 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)     # per thread: the loop that steps did not build the engine
         if self._profile_next:
             self._profile_next = False
             return self._profiled_step()
@@ -728,8 +734,10 @@ class LLMEngine:
         import gc
         for seq in list(self.seqs.values()):
             self.abort_request(seq.request_id)
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+            self.runner.graphs = None
         self.stop_workers()
-        self.runner.graphs = None
         self.multi_step.inflight = None
         self.drafter = self.fast_verify = self.output_processor.drafter = self.multi_step.drafter = None
         for layer in self.model.model.layers:

@@ -89,6 +89,15 @@ class CudaGraphRunner:
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.captured = False
 
+    def release(self) -> None:
+        """Destroy the graphs now. NCCL leaves a communicator (destroy or abort) only once every graph that
+        captured one of its all-reduces is gone, so tensor parallelism releases them before the group."""
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.captured = False
+
     def keys(self) -> list[tuple[int, int, int | None]]:
         keys = [(B, 1, None) for B in self.sizes]
         keys += [(P, Q, None) for Q in self.spec_qs for P in self.spec_sizes]
