@@ -10,7 +10,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def run_capture(dtype, **cfg):
     cfg.setdefault("num_kv_blocks", 512)
-    eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", dtype=dtype, max_model_len=1024, max_num_seqs=16,
+    cfg.setdefault("max_model_len", 1024)
+    eng = LLMEngine(model="dummy:qwen2-0.5b", device="cuda", dtype=dtype, max_num_seqs=16,
                     max_num_batched_tokens=256, **cfg)
     run_capture.engine = eng
     logs = []
@@ -66,7 +67,8 @@ def test_fp8_kv_multi_step_matches_single_step():
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_host_tier_swaps_on_gpu(kv):
     ref, _ = run_capture("float32", kv_cache_dtype=kv)
-    tokens, _ = run_capture("float32", kv_cache_dtype=kv, num_kv_blocks=66, kv_offload_gib=0.5,
+    # 33 usable blocks hold 528 tokens; the workload needs 995 at once: preemption, by swap, is certain
+    tokens, _ = run_capture("float32", kv_cache_dtype=kv, num_kv_blocks=34, max_model_len=512, kv_offload_gib=0.5,
                             preemption_mode="swap")
     eng = run_capture.engine
     assert eng.scheduler.num_swaps > 0 and eng.block_manager.swap_stats["swapped_in"] > 0
