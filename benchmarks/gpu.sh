@@ -42,9 +42,9 @@ suite_tests() {
                                    tests/test_logit_bias.py tests/test_prompt_logprobs.py tests/test_fault_isolation.py)
   install_tokenizer
   # Triton compiles dominate on a fresh machine and run on the CPU: spread the tests over 8 processes (one GPU
-  # holds them all) when pytest-xdist is there
+  # holds them all) when pytest-xdist is there, a file per process except the cases marked `spread`
   local par=()
-  python3 -c "import xdist" 2>/dev/null && par=(-n 8 --dist loadfile)
+  python3 -c "import xdist" 2>/dev/null && par=(-n 8 --dist loadgroup)
   python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record "${par[@]}" "${files[@]}" "${args[@]}"
 }
 

@@ -14,6 +14,18 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: a test that takes more than a few seconds on a 2-core CPU (a real model, many engines, "
                    "a browser, a soak); `python -m pytest -q -m \"not slow\" tests` runs the rest in a few minutes")
+    config.addinivalue_line(
+        "markers", "spread: under pytest-xdist's `--dist loadgroup` this test's cases go to any worker; every other "
+                   "test runs with the rest of its file in one worker (engines that size their KV pool from free GPU "
+                   "memory must not start side by side)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if item.get_closest_marker("spread") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(scope="module")

@@ -212,6 +212,7 @@ def _assert_greedy_agree(ref, got, tol: float, min_agree: int = 2) -> int:
     return n
 
 
+@pytest.mark.spread          # two engines of fixed pool size per case, the slowest cases of the GPU suite
 @pytest.mark.parametrize("tc", [True, False])
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_quantized_triton_graphs_match_torch_fp32(fmt, tc):
