@@ -54,7 +54,6 @@ from benchmarks.serve_procs import wait_ready  # noqa: E402
 from benchmarks.soak_health import parse_metrics, sampler, slope_per_s, wait_idle  # noqa: E402
 from benchmarks.soak_users import ACTIONS, BAD, GOOD, Soak  # noqa: E402
 
-AFTER_RESTART_S = 15.0      # users keep going at least this long after a killed engine serves again
 
 
 async def run(base: str, pid: int | None, args) -> dict:
@@ -92,7 +91,7 @@ def core_process(pid: int):
 
 async def kill_core(base: str, pid: int | None, t0: float, at_s: float, soak: Soak) -> dict:
     """SIGKILL the engine core process `at_s` seconds into the run; wait until /health is ok again; the users
-    keep going for at least AFTER_RESTART_S more."""
+    keep going for at least --after-restart-s more."""
     await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
     core = core_process(pid) if pid else None
     if core is None:
@@ -112,7 +111,7 @@ async def kill_core(base: str, pid: int | None, t0: float, at_s: float, soak: So
             except httpx.HTTPError:
                 pass
     t_back = time.monotonic() - t0
-    soak.deadline = max(t0 + soak.args.duration, time.monotonic() + AFTER_RESTART_S)
+    soak.deadline = max(t0 + soak.args.duration, time.monotonic() + soak.args.after_restart_s)
     return {"killed_pid": core.pid, "t_kill_s": round(t_kill, 2), "t_restored_s": round(t_back, 2),
             "new_pid": new.pid if new is not None else None}
 
@@ -235,6 +234,8 @@ def parse_args(argv=None):
                          "own process)")
     ap.add_argument("--kill-core-at", type=float, default=None, metavar="S",
                     help="SIGKILL the engine core process S seconds in (--server api); it must come back")
+    ap.add_argument("--after-restart-s", type=float, default=15.0,
+                    help="with --kill-core-at: the users keep going at least this long after the engine is back")
     ap.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for RSS")
     ap.add_argument("--model", default=None, help="app.py --model (default: the bundled SmolLM2)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="app.py --set")

@@ -1,4 +1,4 @@
-"""The soak test, one minute: `python app.py` (UI + API in one process) under 4 HTTP users mixing good streams,
+"""The soak test, short (the long soak is benchmarks/soak.py): `python app.py` (UI + API in one process) under 4 HTTP users mixing good streams,
 chats, mid-stream disconnects, cancellations, bad and over-long requests, with a small KV pool so requests
 also get preempted. The verdicts count outcomes, not speed: every good request has its exact length, every
 bad one a 4xx, no 5xx, no KV block in use once idle, RSS flat after warm-up."""
@@ -11,8 +11,8 @@ from benchmarks import soak
 pytestmark = pytest.mark.slow
 
 
-def test_soak_one_minute(tmp_path):
-    args = soak.parse_args(["--duration", "60", "--users", "4", "--model", "dummy:tiny", "--sample-s", "2",
+def test_soak_short(tmp_path):
+    args = soak.parse_args(["--duration", "20", "--users", "4", "--model", "dummy:tiny", "--sample-s", "1",
                             "--set", "num_kv_blocks=24", "--no-png", "--set", "max_num_seqs=8", "--out", str(tmp_path)])
     res = soak.run_soak(args)
     rc = soak.report(res, tmp_path, args)
@@ -29,11 +29,11 @@ def test_soak_one_minute(tmp_path):
 
 
 def test_soak_engine_core_killed(tmp_path):
-    """The API server (engine in its own process) with its engine core SIGKILLed 20 s in: requests caught by it
+    """The API server (engine in its own process) with its engine core SIGKILLed 5 s in: requests caught by it
     get a clear engine error (503 or a stream error event), only around the restart; after it, good requests are
     served again; no other 5xx; no KV block in use at the end."""
-    args = soak.parse_args(["--server", "api", "--kill-core-at", "20", "--duration", "40", "--users", "4",
-                            "--model", "dummy:tiny", "--sample-s", "2", "--set", "num_kv_blocks=48", "--no-png",
+    args = soak.parse_args(["--server", "api", "--kill-core-at", "5", "--after-restart-s", "5", "--duration", "10", "--users", "4",
+                            "--model", "dummy:tiny", "--sample-s", "1", "--set", "num_kv_blocks=48", "--no-png",
                             "--out", str(tmp_path)])
     res = soak.run_soak(args)
     soak.report(res, tmp_path, args)

@@ -12,7 +12,7 @@ from engine import SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
-# Compact keys and bounded values keep every valid object under ~25 tokens, so 200 sampled generations stay
+# Compact keys and bounded values keep every valid object under ~25 tokens, so ~100 sampled generations stay
 # cheap on a CPU (an unbounded "number" could grow fraction digits forever: multipleOf bounds them).
 SCHEMAS = {
     "nested": {
@@ -37,7 +37,7 @@ SCHEMAS = {
                        "t": {"type": "number", "minimum": -10, "maximum": 40, "multipleOf": 0.25},
                        "k": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}}},
 }
-N_PER_SCHEMA = 50
+N_PER_SCHEMA = 24
 PROMPT = "Reply with a JSON object."
 
 
