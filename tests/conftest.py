@@ -9,6 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)        # one pytest-xdist process per core: each runs its torch ops on its own core
+
 
 def pytest_configure(config):
     config.addinivalue_line(
