@@ -112,3 +112,13 @@ def test_killed_engine_process_fails_clients_at_once_and_restarts(srv, core):
                    timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert isinstance(core.error, EngineDied)
+
+
+def test_engine_pipe_sends_without_nagle(core):
+    """The serving side of the engine's TCP connection has Nagle off (set_nodelay; tests/test_ipc.py)."""
+    import socket
+    s = socket.socket(fileno=core._conn.fileno())
+    try:
+        assert s.family == socket.AF_INET and s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        s.detach()

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.distributed.launch import JOIN_TIMEOUT_S, EnvLaunch, control_listener, open_store
+from engine.ipc import set_nodelay
 from engine.distributed.parallel_state import TensorParallel, abort_group, init_group, rank_device
 from engine.distributed.worker import PARENT_ENV, packed_sizes, recv, send
 
@@ -113,7 +114,9 @@ class TPExecutor:
         def accept():
             try:
                 for _ in range(self.size - 1):
-                    accepted.append(listener.accept())
+                    conn = listener.accept()
+                    set_nodelay(conn)
+                    accepted.append(conn)
             except OSError:             # closed: start-up failed
                 pass
         t = threading.Thread(target=accept, name="kvscope-tp-accept", daemon=True)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.ipc import set_nodelay
+
 JOIN_TIMEOUT_S = 600        # a worker builds its shard within this (70B-shape dummy weights take a while)
 CONTROL_KEY, AUTH_KEY = "kvscope/control", "kvscope/authkey"
 
@@ -87,4 +89,6 @@ def connect_control(store):
     """A worker's connection to rank 0's control listener."""
     from multiprocessing.connection import Client
     host, port = store.get(CONTROL_KEY).decode().rsplit(":", 1)
-    return Client((host, int(port)), authkey=bytes.fromhex(store.get(AUTH_KEY).decode()))
+    conn = Client((host, int(port)), authkey=bytes.fromhex(store.get(AUTH_KEY).decode()))
+    set_nodelay(conn)
+    return conn

@@ -35,6 +35,7 @@ from types import SimpleNamespace
 
 from engine.runtime.async_engine import _END, EngineLoop, RequestStream, _call_soon, _put_many, admit_batch
 from engine.config import EngineConfig
+from engine.ipc import set_nodelay
 from engine.runtime.input_processor import InputProcessor
 from engine.runtime.llm_engine import EngineOverloaded, LLMEngine
 from engine.models.loader import load_tokenizer, resolve
@@ -117,6 +118,7 @@ class _CoreProcess:
             self.kill()
             raise RuntimeError(f"the engine process did not connect (exit code {self.exitcode})" + self.stderr_note())
         self.conn = box[0]
+        set_nodelay(self.conn)
         self.conn.send_bytes(marshal.dumps(config))
 
     def _read(self) -> None:
