@@ -15,6 +15,8 @@ import pytest
 from engine.entrypoints.openai.serving_tokenization import version
 from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MAX_MODEL_LEN = 1024
 
 

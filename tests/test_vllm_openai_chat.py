@@ -22,6 +22,8 @@ from openai import BadRequestError
 
 from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NO_EOS = {"ignore_eos": True}        # adaptation: a random-weight model may sample EOS early
 MESSAGES = [{"role": "system", "content": "you are a helpful assistant"}, {"role": "user", "content": "what is 1+1?"}]
 CHOICES = ["Python", "Java", "JavaScript", "C++", "C#", "PHP", "TypeScript", "Ruby", "Swift", "Kotlin"]

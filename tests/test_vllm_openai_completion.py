@@ -15,6 +15,8 @@ from openai import BadRequestError
 
 from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NO_EOS = {"ignore_eos": True}        # adaptation: a random-weight model may sample EOS early
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MESSAGES = [{"role": "user", "content": "what is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "required": ["unit", "days"],
