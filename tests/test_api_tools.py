@@ -195,8 +195,8 @@ def test_a_template_that_renders_tools_gets_them_natively(srv):
 
     tok = copy.deepcopy(srv.loop.engine.tokenizer)
     tok.chat_template = NATIVE_TEMPLATE
-    eng = SimpleNamespace(tokenizer=tok, apply_chat_template=lambda msgs, agp, tools: tok.apply_chat_template(
-        msgs, tools=tools, tokenize=False, add_generation_prompt=agp))
+    eng = SimpleNamespace(tokenizer=tok, apply_chat_template=lambda msgs, agp, tools, cfm: tok.apply_chat_template(
+        msgs, tools=tools, tokenize=False, add_generation_prompt=agp, continue_final_message=cfm))
     req = ChatCompletionRequest.model_validate({"messages": ASK + [
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "ping", "arguments": "{\"ok\": true}"}}]}, {"role": "tool", "content": "pong"}], "tools": TOOLS})

@@ -50,8 +50,9 @@ class InputProcessor:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """The prompt text for `messages`; tools: passed to a template that renders them (OpenAI's shape)."""
+                            tools: list[dict] | None = None, continue_final_message: bool = False) -> str:
+        """The prompt text for `messages`; tools: passed to a template that renders them (OpenAI's shape);
+        continue_final_message: the last (assistant) message is left open for the model to continue."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
@@ -59,6 +60,8 @@ class InputProcessor:
         # the rendered conversation holds every message's content: refuse it before rendering
         self.check_text_size("messages", sum(_text_chars(m.get("content")) for m in messages))
         kw = {"tools": tools} if tools else {}
+        if continue_final_message:
+            kw["continue_final_message"] = True
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **kw)
 

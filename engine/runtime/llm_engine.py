@@ -271,8 +271,8 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, continue_final_message: bool = False) -> str:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None) -> Sequence:

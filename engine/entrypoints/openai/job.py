@@ -31,11 +31,12 @@ SSE_DONE = "data: [DONE]\n\n"
 _TIMEOUT = object()          # the job's deadline passed (put in its queue by a timer)
 
 
-async def sse_stream(job: "Job", req, rid: str, obj: str, choices: AsyncIterator[tuple[dict | None, int]]
-                     ) -> AsyncIterator[str]:
+async def sse_stream(job: "Job", req, rid: str, obj: str, choices: AsyncIterator[tuple[dict | None, int]],
+                     first: dict | None = None) -> AsyncIterator[str]:
     """The framing both streaming endpoints share: `choices` yields (choice or None, tokens generated so far);
     each choice becomes one chunk (with running usage under `continuous_usage_stats`), then the final usage
-    chunk when `stream_options.include_usage`, an error object if the request failed, and `[DONE]`."""
+    chunk when `stream_options.include_usage`, an error object if the request failed, and `[DONE]`.
+    first: top-level fields of the first chunk only (chat's `prompt_token_ids`, as vLLM sends it)."""
     from engine.entrypoints.openai.protocol import usage_dict
     head = {"id": rid, "object": obj, "created": int(time.time()), "model": job.model_name}
     gen = 0
@@ -43,7 +44,8 @@ async def sse_stream(job: "Job", req, rid: str, obj: str, choices: AsyncIterator
         async for choice, gen in choices:
             if choice is None:
                 continue
-            chunk = {**head, "choices": [choice]}
+            chunk = {**head, **(first or {}), "choices": [choice]}
+            first = None
             if req.include_usage:
                 chunk["usage"] = usage_dict(job.prompt_tokens(), gen) if req.continuous_usage else None
             yield sse(chunk)

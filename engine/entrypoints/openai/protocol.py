@@ -167,10 +167,11 @@ class _SamplingRequest(BaseModel):
     def _logit_bias(cls, v):
         if v is None:
             return None
+        bad = [k for k in v if not (k.isascii() and k.isdigit()) or len(k) > 12]
+        if bad:
+            raise ValueError(f"keys must be token ids (got {', '.join(repr(k[:20]) for k in bad[:8])})")
         out = {}
         for k, b in v.items():
-            if not (k.isascii() and k.isdigit()) or len(k) > 12:
-                raise ValueError(f"keys must be token ids (got {k[:20]!r})")
             if not (math.isfinite(b) and -100 <= b <= 100):
                 raise ValueError(f"bias of token {k} must be in [-100, 100] (got {b})")
             out[int(k)] = float(b)
@@ -238,6 +239,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True   # vLLM extension
+    continue_final_message: bool = False  # vLLM extension: the last (assistant) message is continued, not closed
 
     @field_validator("messages")
     @classmethod
@@ -320,6 +322,12 @@ class ChatCompletionRequest(_SamplingRequest):
         self.tool_choice_mode()
         if self.top_logprobs and not self.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("continue_final_message: cannot be true together with add_generation_prompt",
+                           param="continue_final_message")
+        if self.continue_final_message and self.messages[-1]["role"] != "assistant":
+            raise APIError("continue_final_message: the last message must be an assistant message",
+                           param="continue_final_message")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise APIError("max_completion_tokens: conflicts with max_tokens; send one of them",

@@ -30,7 +30,8 @@ class OpenAIServingChat:
         tools = req.tools if choice.mode != "none" else None
         native = template_renders_tools(getattr(engine.tokenizer, "chat_template", None))
         messages = template_messages(req.messages, tools, parser, native)
-        return engine.apply_chat_template(messages, req.add_generation_prompt, tools if native else None)
+        return engine.apply_chat_template(messages, req.add_generation_prompt, tools if native else None,
+                                          req.continue_final_message)
 
     async def create_chat_completion(self, request: Request) -> Response:
         req, loop = await self.serving.open_request(request, ChatCompletionRequest)
@@ -65,7 +66,8 @@ class OpenAIServingChat:
     def chat_completion_stream_generator(self, req: ChatCompletionRequest, job: Job, top_n: int,
                                          choice: ToolChoice, parser: ToolParser) -> AsyncIterator[str]:
         return sse_stream(job, req, f"chatcmpl-{job.id_base}", "chat.completion.chunk",
-                          self._stream_choices(req, job, top_n, choice, parser))
+                          self._stream_choices(req, job, top_n, choice, parser),
+                          {"prompt_token_ids": job.prompt_ids[0]} if req.return_token_ids else None)
 
     @staticmethod
     async def _stream_choices(req: ChatCompletionRequest, job: Job, top_n: int, choice: ToolChoice,

@@ -64,7 +64,8 @@ class OpenAIServingTokenization:
                 text = await run_in_threadpool(self.chat.render, loop.engine, req, choice, parser)
             except ValueError as e:
                 raise value_error(e, {})
-            ids = await run_in_threadpool(loop.engine.tokenize, text)
+            ids = await run_in_threadpool(loop.engine.tokenize, text) if not req.add_special_tokens else \
+                await run_in_threadpool(tok.encode, text, add_special_tokens=True)
         else:
             req = self.serving.parse(body, TokenizeCompletionRequest)
             self.serving.check_model(req.model, loop)
@@ -95,5 +96,7 @@ class OpenAIServingTokenization:
 
 
 class _TokenizeChatRequest(ChatCompletionRequest):
-    """vLLM's chat form of /tokenize: the messages (and tools) of a chat request, plus return_token_strs."""
+    """vLLM's chat form of /tokenize: the messages (and tools) of a chat request, plus return_token_strs and
+    add_special_tokens (added to the rendered template's text; off, as the chat endpoint does)."""
     return_token_strs: bool = False
+    add_special_tokens: bool = False

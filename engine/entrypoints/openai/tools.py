@@ -82,16 +82,36 @@ def tool_constraint(choice: ToolChoice, tools: list[dict], parallel: bool | None
     """The JSON schema (StructuredOutputsParams fields) that enforces `required` or a named function."""
     if choice.mode == "named":
         fn = next(t["function"] for t in tools if t["function"]["name"] == choice.name)
-        return {"json": fn["parameters"]}
+        return {"json": closed_objects(fn["parameters"])}
     if choice.mode == "required":
         items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": t["function"]["name"]}, "parameters": t["function"]["parameters"]}}
+                  "properties": {"name": {"const": t["function"]["name"]},
+                                 "parameters": closed_objects(t["function"]["parameters"])}}
                  for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if parallel is False:
             schema["maxItems"] = 1
         return {"json": schema}
     return None
+
+
+def closed_objects(schema):
+    """The schema with `additionalProperties: false` on every object schema that lists `properties` and says
+    nothing about extra ones (xgrammar's strict mode, vLLM's default): a call's arguments are the declared
+    parameters, and the model cannot wander into undeclared keys until max_tokens runs out."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (closed_objects(v) if k in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then",
+                                          "else", "additionalProperties", "contains") else v)
+           for k, v in schema.items()}
+    for k in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed_objects(v) for name, v in schema[k].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 # ------------------------------------------------------------------------------------------- prompt
@@ -148,7 +168,8 @@ def _arguments(a) -> dict:
 def parse_output(text: str, choice: ToolChoice, parser: ToolParser, parallel: bool | None
                  ) -> tuple[str | None, list[ToolCall]]:
     """A finished choice's text -> (content, tool calls). Output that does not parse (cut by max_tokens) stays
-    content."""
+    content; for `required`, the calls completed before the cut are returned (as vLLM's streamed deltas would
+    have delivered them)."""
     if choice.mode == "named":
         try:
             ok = isinstance(json.loads(text), dict)
@@ -157,14 +178,35 @@ def parse_output(text: str, choice: ToolChoice, parser: ToolParser, parallel: bo
         return (None, [ToolCall(choice.name, text)]) if ok else (text, [])
     if choice.mode == "required":
         try:
-            calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):
-            return text, []
-        return None, calls
+            calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                     for c in _complete_items(text)]
+        except (TypeError, KeyError):
+            calls = []
+        return (None, calls) if calls else (text, [])
     if choice.mode == "auto":
         content, calls = parser.extract(text)
         return content, calls[:1] if parallel is False else calls
     return text, []
+
+
+def _complete_items(text: str) -> list:
+    """The items of a JSON array that are complete: all of them, or those before the one max_tokens cut
+    (the grammar makes each complete item a valid call)."""
+    dec, items, i = json.JSONDecoder(), [], len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
+        return items
+    i += 1
+    while True:
+        i += len(text[i:]) - len(text[i:].lstrip())
+        try:
+            item, i = dec.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append(item)
+        i += len(text[i:]) - len(text[i:].lstrip())
+        if not text.startswith(",", i):
+            return items
+        i += 1
 
 
 def finish_reason(reason: str | None, choice: ToolChoice, calls: bool) -> str | None:
