@@ -32,10 +32,11 @@ def test_records_match_the_workload(srv, loop):
     for r in recs:
         m = r.metrics
         assert m.arrival_time < m.first_token_time <= m.last_token_time <= m.finished_time
-        assert len(m.token_times) == r.output_len           # one streamed chunk per token (no speculation)
+        # one stamp per streamed chunk: a chunk carries one token, or several when the stream fell behind
+        assert 1 <= len(m.token_times) <= r.output_len
     s = runner.summary()
     assert s["completed"] == 8 and s["failed"] == 0 and s["http_status"] == {"200": 8}
-    assert s["TTFT"]["n"] == 8 and s["ITL"]["n"] == sum(r.output_len - 1 for r in recs)
+    assert s["TTFT"]["n"] == 8 and s["ITL"]["n"] == sum(len(r.metrics.token_times) - 1 for r in recs)
     assert M.summary_table(s)["Metric"].iloc[0] == "TTFT (ms)"
     assert "8/8 finished" in format_progress(runner.progress())
     assert runner.progress()["http_status"] == {"200": 8}       # JSON-safe (the app sends it to browsers)
