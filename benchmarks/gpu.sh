@@ -43,7 +43,7 @@ suite_tests() {
   install_tokenizer
   # Triton compiles dominate on a fresh machine and run on the CPU: spread the tests over 8 processes (one GPU
   # holds them all) when pytest-xdist is there, a file per process except the cases marked `spread`
-  local par=()
+  local par=(-o addopts=)                      # pyproject's two processes are the CPU suite's
   python3 -c "import xdist" 2>/dev/null && par=(-n 8 --dist loadgroup)
   python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record "${par[@]}" "${files[@]}" "${args[@]}"
 }
@@ -117,7 +117,7 @@ suite_tp() {
   install_tokenizer
   python3 benchmarks/device_bundle.py ensure || echo "tp: no bundled SmolLM2 here: its TP test skips"
   stamp "tensor-parallel GPU tests: fp32 greedy identity TP=1 vs TP=2 (Llama-3.2-1B shape, bundled SmolLM2)"
-  python3 -m pytest -q -p no:cacheprovider -p benchmarks.pytest_record tests/test_gpu_tp.py || rc=1
+  python3 -m pytest -q -o addopts= -p no:cacheprovider -p benchmarks.pytest_record tests/test_gpu_tp.py || rc=1   # one at a time: each test takes both GPUs
   stamp "bench_tp: Llama-3.1-8B shape, batch-1 latency and nano throughput, TP=1 vs TP=2"
   python3 benchmarks/bench_tp.py --sections latency,throughput --requests 128 "$@" || rc=1
   stamp "serving burst, Llama-3.2-1B shape: one engine vs --data-parallel-size 2"
