@@ -28,6 +28,7 @@ class QuantLinear(nn.Module):
         self.tensor_cores = False        # fused GEMVs: kernels/quant_gemv_tc.py (EngineConfig.quant_gemv_tensor_cores)
         self.packed = False              # fused GEMVs: kernels/quant_gemv_packed.py (EngineConfig.quant_gemv_packed)
         self.group_dots = False          # int4 words GEMM: 8 dots a group (EngineConfig.quant_gemm_group_dots)
+        self.cpu_int4: tuple[torch.Tensor, torch.Tensor, int] | None = None   # (packed, scale_zeros, G): set_cpu_int4
         tensors = tensors if tensors is not None else formats.empty(fmt, out_features, in_features, device)
         for name, t in tensors.items():
             self.register_parameter(name, nn.Parameter(t, requires_grad=False))
@@ -46,6 +47,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """x [T, K] -> [T, N]."""
+        if self.cpu_int4 is not None:
+            return self._cpu_int4_mm(x)
         if self.kernels != "triton":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         if self.act_fp8 and x.shape[0] > 0:
@@ -53,6 +56,13 @@ class QuantLinear(nn.Module):
             return fp8_matmul(x, self.tensors(), self.bias, self.fp8_gemm)
         from engine.kernels.quant_gemm import quant_matmul
         return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, group_dots=self.group_dots)
+
+    def _cpu_int4_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] on torch's CPU int4 GEMM (bf16 activations and scales; its fp32 variant is not
+        vectorized). K must be the weight's (no group padding)."""
+        packed, sz, G = self.cpu_int4
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, G, sz).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def fused(self, x: torch.Tensor, *, prologue: str | None = None, norm_weight: torch.Tensor | None = None,
               eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
@@ -136,6 +146,36 @@ def _layer_linears(model):
             yield parent, attr, getattr(parent, attr)
 
 
+def cpu_int4_supported(lin) -> bool:
+    return isinstance(lin, QuantLinear) and lin.fmt == "int4" and lin.qweight.device.type == "cpu" and \
+        lin.qweight.dtype == torch.uint8 and lin.in_features % formats.int4_group(lin.tensors()) == 0
+
+
+@torch.no_grad()
+def set_cpu_int4(lin: QuantLinear) -> None:
+    """Repack an int4 layer for torch's CPU int4 GEMM: codes [N, K] -> its packed layout, and (scale, zero)
+    [K / G, N, 2] bf16 with w = (q - 8) * scale + zero, i.e. zero = min + 8 * scale."""
+    t = lin.tensors()
+    G = formats.int4_group(t)
+    codes = formats.int4_codes(t).to(torch.int32)                                   # [N, K]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    scale, mn = t["scales"].float(), t["mins"].float()                              # [N, K / G]
+    sz = torch.stack((scale, mn + 8 * scale), dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
+    lin.cpu_int4 = (packed, sz, G)
+
+
+def _quantize_lm_head_cpu(model, group: int) -> None:
+    """int4 LM head on the CPU int4 GEMM (a tied embedding keeps its float table for the lookups): the LM head
+    is a fifth of a small model's weights, the largest single read of a CPU decode step."""
+    head = model.lm_head
+    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu" or head.in_features % group:
+        return
+    q = QuantLinear("int4", head.in_features, head.out_features, None, head.weight.device,
+                    formats.quantize(head.weight, "int4", group))
+    set_cpu_int4(q)
+    model.lm_head = q
+
+
 def _set_kernels(model, kernels: str, act_fp8: bool) -> None:
     for _, _, lin in _layer_linears(model):
         lin.kernels = kernels
@@ -216,6 +256,12 @@ def quantize_model(model, fmt: str, kernels: str, act_fp8: bool = False, group: 
         setattr(parent, attr, q)
         del lin
     _set_kernels(model, kernels, act_fp8)
+    if kernels == "torch" and fmt == "int4":
+        for _, _, lin in _layer_linears(model):
+            if cpu_int4_supported(lin):
+                set_cpu_int4(lin)
+        if tp is None or tp.size == 1:
+            _quantize_lm_head_cpu(model, group)
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.empty_cache()          # the freed float weights go back to the driver: sizing sees them
 

@@ -72,7 +72,7 @@ def load_draft_model(engine):
 
 def _work(model, num_layers: int | None) -> int:
     layers = model.model.layers[:num_layers]
-    return sum(p.numel() for p in layers.parameters()) + model.lm_head.weight.numel()
+    return sum(p.numel() for p in layers.parameters()) + model.lm_head.in_features * model.lm_head.out_features
 
 
 class ModelDrafter(Drafter):
