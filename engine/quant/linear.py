@@ -146,9 +146,13 @@ def _layer_linears(model):
             yield parent, attr, getattr(parent, attr)
 
 
+CPU_INT4_ROWS = 16          # torch's CPU int4 packing takes output rows in multiples of 16
+
+
 def cpu_int4_supported(lin) -> bool:
     return isinstance(lin, QuantLinear) and lin.fmt == "int4" and lin.qweight.device.type == "cpu" and \
-        lin.qweight.dtype == torch.uint8 and lin.in_features % formats.int4_group(lin.tensors()) == 0
+        lin.qweight.dtype == torch.uint8 and lin.in_features % formats.int4_group(lin.tensors()) == 0 and \
+        lin.out_features % CPU_INT4_ROWS == 0
 
 
 @torch.no_grad()
@@ -168,7 +172,8 @@ def _quantize_lm_head_cpu(model, group: int) -> None:
     """int4 LM head on the CPU int4 GEMM (a tied embedding keeps its float table for the lookups): the LM head
     is a fifth of a small model's weights, the largest single read of a CPU decode step."""
     head = model.lm_head
-    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu" or head.in_features % group:
+    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu" or head.in_features % group or \
+            head.out_features % CPU_INT4_ROWS:
         return
     q = QuantLinear("int4", head.in_features, head.out_features, None, head.weight.device,
                     formats.quantize(head.weight, "int4", group))
