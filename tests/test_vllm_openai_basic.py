@@ -13,22 +13,13 @@ import openai
 import pytest
 
 from engine.entrypoints.openai.serving_tokenization import version
-from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
+import vllm_openai_server
+from vllm_openai_server import MAX_MODEL_LEN, MODEL_NAME
+
+server, client = vllm_openai_server.server, vllm_openai_server.client   # fixtures: one server for this file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MAX_MODEL_LEN = 1024
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RemoteOpenAIServer(max_model_len=MAX_MODEL_LEN) as remote_server:
-        yield remote_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.get_client()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,10 @@ import pytest
 import torch
 from openai import BadRequestError
 
-from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
+import vllm_openai_server
+from vllm_openai_server import MODEL_NAME, assert_usage_chunk
+
+server, client = vllm_openai_server.server, vllm_openai_server.client   # fixtures: one server for this file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,17 +36,6 @@ JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ag
                "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99},
                               "level": {"enum": ["junior", "senior"]}}}
 IP_REGEX = r"((25[0-5]|(2[0-4]|1\d|[1-9]|)\d)\.){3}(25[0-5]|(2[0-4]|1\d|[1-9]|)\d)"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RemoteOpenAIServer() as remote_server:
-        yield remote_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.get_client()
 
 
 def test_no_logprobs_chat(client):
@@ -182,13 +174,7 @@ def test_chat_completion_stream_options(client):
             assert chunk.usage is None
         else:
             assert chunk.usage is None
-            final_chunk = next(stream)
-            assert final_chunk.usage is not None
-            assert final_chunk.usage.prompt_tokens > 0
-            assert final_chunk.usage.completion_tokens > 0
-            assert final_chunk.usage.total_tokens == (final_chunk.usage.prompt_tokens
-                                                      + final_chunk.usage.completion_tokens)
-            assert final_chunk.choices == []
+            assert_usage_chunk(next(stream))
 
     for opts in ({"include_usage": None}, {"include_usage": True}):
         with pytest.raises(BadRequestError):

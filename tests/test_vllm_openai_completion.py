@@ -13,22 +13,14 @@ import openai
 import pytest
 from openai import BadRequestError
 
-from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
+import vllm_openai_server
+from vllm_openai_server import MODEL_NAME, assert_usage_chunk
+
+server, client = vllm_openai_server.server, vllm_openai_server.client   # fixtures: one server for this file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NO_EOS = {"ignore_eos": True}        # adaptation: a random-weight model may sample EOS early
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RemoteOpenAIServer() as remote_server:
-        yield remote_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.get_client()
 
 
 def test_single_completion(client, server):
@@ -188,13 +180,7 @@ def test_completion_stream_options(client):
             assert chunk.usage is None
         else:
             assert chunk.usage is None
-            final_chunk = next(stream)
-            assert final_chunk.usage is not None
-            assert final_chunk.usage.prompt_tokens > 0
-            assert final_chunk.usage.completion_tokens > 0
-            assert final_chunk.usage.total_tokens == (final_chunk.usage.prompt_tokens
-                                                      + final_chunk.usage.completion_tokens)
-            assert final_chunk.choices == []
+            assert_usage_chunk(next(stream))
 
     stream = client.completions.create(stream=True, stream_options={"include_usage": True,
                                                                     "continuous_usage_stats": True}, **kw)
@@ -205,12 +191,7 @@ def test_completion_stream_options(client):
         # so does kvscope's, but this checks the sum, which is what continuous usage promises
         assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
         if chunk.choices[0].finish_reason is not None:
-            final_chunk = next(stream)
-            assert final_chunk.usage is not None
-            assert final_chunk.usage.completion_tokens > 0
-            assert final_chunk.usage.total_tokens == (final_chunk.usage.prompt_tokens
-                                                      + final_chunk.usage.completion_tokens)
-            assert final_chunk.choices == []
+            assert_usage_chunk(next(stream))
 
     # stream_options without stream is an error
     for opts in ({"include_usage": None}, {"include_usage": True}, {"continuous_usage_stats": None},

@@ -15,7 +15,10 @@ import httpx
 import jsonschema
 import pytest
 
-from vllm_openai_server import MODEL_NAME, RemoteOpenAIServer
+import vllm_openai_server
+from vllm_openai_server import MODEL_NAME
+
+server, client = vllm_openai_server.server, vllm_openai_server.client   # fixtures: one server for this file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,17 +29,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
                    "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
 SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with RemoteOpenAIServer() as remote_server:
-        yield remote_server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.get_client()
 
 
 def _post(server, body):

@@ -4,17 +4,19 @@ process (one per test module), reached over real HTTP with the official `openai`
 from __future__ import annotations
 
 import openai
+import pytest
 
 from engine import EngineConfig
 from engine.entrypoints.openai.api_server import ServerThread, build_app
 from engine.runtime.async_engine import EngineLoop
 
 MODEL_NAME = "dummy:tiny"
+MAX_MODEL_LEN = 1024
 
 
 class RemoteOpenAIServer:
     def __init__(self, model: str = MODEL_NAME, **config):
-        kw = dict(model=model, device="cpu", num_kv_blocks=256, block_size=16, max_model_len=1024, max_num_seqs=8)
+        kw = dict(model=model, device="cpu", num_kv_blocks=256, block_size=16, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
         self.loop = EngineLoop(EngineConfig(**{**kw, **config}))
         self.thread = None
 
@@ -38,3 +40,25 @@ class RemoteOpenAIServer:
     def get_client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url_for("v1"), api_key="token-abc123", max_retries=0,
                              **{"timeout": 120, **kw})
+
+
+# one server per test module that imports these fixtures (module scope: each importing module gets its own)
+@pytest.fixture(scope="module")
+def server():
+    with RemoteOpenAIServer() as remote_server:
+        yield remote_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.get_client()
+
+
+def assert_usage_chunk(chunk) -> None:
+    """The chunk that follows the finishing one under stream_options.include_usage: usage only, adding up."""
+    assert chunk.usage is not None
+    assert chunk.usage.prompt_tokens > 0
+    assert chunk.usage.completion_tokens > 0
+    assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    assert chunk.choices == []
+
