@@ -34,6 +34,8 @@ def test_records_match_the_workload(srv, loop):
         assert m.arrival_time < m.first_token_time <= m.last_token_time <= m.finished_time
         # one stamp per streamed chunk: a chunk carries one token, or several when the stream fell behind
         assert 1 <= len(m.token_times) <= r.output_len
+        assert m.token_times == sorted(m.token_times)
+        assert (m.token_times[0], m.token_times[-1]) == (m.first_token_time, m.last_token_time)
     s = runner.summary()
     assert s["completed"] == 8 and s["failed"] == 0 and s["http_status"] == {"200": 8}
     assert s["TTFT"]["n"] == 8 and s["ITL"]["n"] == sum(len(r.metrics.token_times) - 1 for r in recs)
