@@ -32,6 +32,7 @@ from engine.entrypoints.openai.api_server import (SERVER_ENGINE_DEFAULTS, CliPar
                                                   bind_socket, cli_error, http_limits_from_args, port_number)
 from engine.entrypoints.openai.auth import check_exposure  # noqa: E402
 from engine.entrypoints.openai.connection import HttpLimits, set_ulimit  # noqa: E402
+from engine.runtime.gc_utils import freeze_gc_heap  # noqa: E402
 from webui.host import EngineHost  # noqa: E402
 from webui.ui import CSS, build_ui  # noqa: E402
 
@@ -199,6 +200,7 @@ def main(argv=None) -> None:
         cli_error(f"the engine could not start: {host.error or e}", "python app.py")
     app, _ = create_app(host, api_only=args.api_only)
     print(f"kvscope ready on http://{args.host}:{port}  ({host.describe()})", flush=True)
+    freeze_gc_heap()
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
                                       **limits.uvicorn_kwargs())).run(sockets=[sock])

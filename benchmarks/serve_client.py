@@ -15,6 +15,7 @@ import multiprocessing as mp
 import time
 
 from engine.outputs import RequestMetrics
+from engine.runtime.gc_utils import freeze_gc_heap
 from inspector.load import LengthDist, LoadSpec
 from inspector.recorder import RequestRecord
 
@@ -71,6 +72,7 @@ def _child(conn, url: str, model: str | None, api_key: str | None, workload: dic
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send_bytes(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
         return
+    freeze_gc_heap()                       # no full collection walks the start-up heap mid-run (nor the servers')
     conn.send_bytes(json.dumps({"ready": len(runner.items)}).encode())
     at = json.loads(conn.recv_bytes())["at"]
     runner.start(at=at)

@@ -26,6 +26,7 @@ import torch
 
 from engine.distributed.launch import EnvLaunch, connect_control, env_launch, open_store
 from engine.distributed.parallel_state import TensorParallel, abort_group, init_group
+from engine.runtime.gc_utils import freeze_gc_heap
 
 PARENT_ENV = "KVSCOPE_TP_PARENT"      # set by rank 0 when it spawns the worker: exit when that process is gone
 
@@ -143,12 +144,14 @@ def _serve(launch: EnvLaunch, store, conn) -> None:
                 from engine.core.sizing import derive_max_num_seqs
                 config = config.replace(max_num_seqs=derive_max_num_seqs(msg[1], config.cache_config.block_size))
             runner = ModelRunner(model, mcfg, config, device, dtype, msg[1], msg[2])
+            freeze_gc_heap()
         elif kind == "warmup":
             runner.warmup_attention()
         elif kind == "capture":
             from engine.worker.cuda_graphs import CudaGraphRunner
             runner.graphs = CudaGraphRunner(runner, config)
             runner.graphs.capture()
+            freeze_gc_heap()
             send(conn, "captured")
         elif kind == "close":
             if runner is not None and runner.graphs is not None:

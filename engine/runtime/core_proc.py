@@ -30,6 +30,7 @@ from multiprocessing.connection import wait
 import time
 
 from engine.runtime.async_engine import EngineLoop
+from engine.runtime.gc_utils import freeze_gc_heap
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -185,6 +186,7 @@ def core_main(config: dict, conns) -> None:
             "eos_token_ids": sorted(eng.eos_token_ids), "stats": loop.metrics_stats(),
             "quantization": eng.quantization, "weight_summary": eng.weight_summary}
     loop.send(("ready", info))
+    freeze_gc_heap()
     loop.start()
     live = list(conns)
     try:

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.runtime.async_engine import EngineLoop
+from engine.runtime.gc_utils import freeze_gc_heap
 from engine.config import EngineConfig, add_cli_args
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, check_exposure
@@ -392,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("serving %s on http://%s:%d (max_waiting_requests=%s)",
              app.state.kvscope_api.model_name_of(loop), args.host, args.port,
              loop.config.scheduler_config.max_waiting_requests)
+    freeze_gc_heap()
     try:
         uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
                                       **limits.uvicorn_kwargs())).run(sockets=[sock])

@@ -20,6 +20,7 @@ import socket
 from multiprocessing.connection import wait
 
 from engine.config import EngineConfig
+from engine.runtime.gc_utils import freeze_gc_heap
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def _api_server(make_app, args: dict, config: dict, conn, sock: socket.socket, i
         app, server_kwargs = make_app(client, ns)
         server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level.lower(), **server_kwargs,
                                                timeout_graceful_shutdown=5))
+        freeze_gc_heap()
         server.run(sockets=[sock])
     finally:
         client.shutdown()
