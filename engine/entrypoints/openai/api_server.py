@@ -46,6 +46,7 @@ from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import OpenAIServing
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, version
 from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from engine.entrypoints.openai.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class ApiMiddleware:
 def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | None = None, *,
              served_model_name: str | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
-             metrics: ServerMetrics | None = None, tool_call_parser: str | None = None) -> OpenAIServing:
+             metrics: ServerMetrics | None = None, tool_call_parser: str | None = None,
+             tracer: RequestTracer | None = None) -> OpenAIServing:
     """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
 
     get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
@@ -114,6 +116,7 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     request_timeout: seconds per request (None: no limit). max_body_bytes: larger bodies get 413.
     retry_after_s: the Retry-After of 503s. metrics: a ServerMetrics to share (default: a new registry).
     tool_call_parser: how tool calls are read from the output ("hermes", "llama3_json"; None: from the model).
+    tracer: exports a span per finished request (OpenTelemetry; tracing.py).
     Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
@@ -121,6 +124,7 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
         raise ValueError(f"max_body_bytes: must be an int >= 1024 (got {max_body_bytes!r})")
     server = OpenAIServing(get_loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
                            retry_after_s, metrics)
+    server.tracer = tracer
     serving_completion = OpenAIServingCompletion(server)
     serving_chat = OpenAIServingChat(server, tool_call_parser)
     serving_tokens = OpenAIServingTokenization(server, serving_chat)
@@ -319,6 +323,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's output (default: from its chat template)")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export a span per request to this OpenTelemetry collector (OTLP; needs the optional "
+                        "opentelemetry-sdk and opentelemetry-exporter-otlp packages)")
     g.add_argument("--log-level", default="info")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process (default), so HTTP, JSON and SSE work never shares "
@@ -332,7 +339,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     """`register`/`build_app` keyword arguments from the flags of `add_server_args`."""
     return dict(api_key=args.api_key, served_model_name=args.served_model_name,
                 request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
-                retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser)
+                retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser,
+                tracer=None if args.otlp_traces_endpoint is None else RequestTracer(args.otlp_traces_endpoint))
 
 
 def app_for_args(loop, args: argparse.Namespace) -> tuple[FastAPI, dict]:

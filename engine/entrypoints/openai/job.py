@@ -89,6 +89,8 @@ class Job:
         self.finals: list = [None] * len(streams)
         self.closed = [False] * len(streams)
         self.first_sent: list[float | None] = [None] * len(streams)   # first token handed to the response
+        self.n = 1                        # choices per prompt, and the client's trace context (for traces)
+        self.trace_headers: dict | None = None
         self._q: asyncio.Queue | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._backlog: deque = deque()
@@ -169,6 +171,9 @@ class Job:
                     self.first_sent[i] = now
                 if x.finished:
                     self.server.metrics.observe(x, self.model_name, self.first_sent[i], now)
+                    if self.server.tracer is not None:
+                        self.server.tracer.trace(x, self.model_name, self.params[i], self.n, self.trace_headers,
+                                                 now)
 
     def abort_unfinished(self) -> None:
         """Abort every choice still running (no await: safe from finally blocks and cancelled scopes)."""

@@ -27,6 +27,7 @@ from engine.entrypoints.openai.errors import APIError, engine_unavailable, serve
 from engine.entrypoints.openai.job import Job
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.protocol import usage_dict, vllm_prompt_logprobs
+from engine.entrypoints.openai.tracing import RequestTracer, trace_headers
 
 
 # threads that tokenize and render chat templates at once; more requests wait their turn (cheaply: their
@@ -52,6 +53,7 @@ class OpenAIServing:
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.metrics = metrics or ServerMetrics(self.loop_or_none, self.model_name_of)
+        self.tracer: RequestTracer | None = None          # OpenTelemetry spans (--otlp-traces-endpoint)
         self.created = int(time.time())
         self.preprocess_concurrency = DEFAULT_PREPROCESS_CONCURRENCY
         self._preprocess_limiter: anyio.CapacityLimiter | None = None
@@ -247,6 +249,9 @@ class OpenAIServing:
             job = self._submit(loop, prompts, req, chat, arrival)
         else:
             job = await self.preprocess(self._submit, loop, prompts, req, chat, arrival)
+        if self.tracer is not None:
+            job.trace_headers = trace_headers(request.headers)
+            job.n = req.n
         job.attach()
         return job
 
