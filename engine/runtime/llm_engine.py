@@ -247,8 +247,9 @@ class LLMEngine:
         self.stats_total = dict(prompt_tokens=0, finished=0, aborted=0, failed=0, step_failures=0)
         self.failed: dict[str, str] = {}        # request id -> why its step failed (EngineLoop.pop_failed)
         self._block_suspects: set[str] = set()  # requests of a multi-step block that raised: single steps
-        # tokens per model iteration (vLLM's iteration_tokens_total): a count per bucket of ITERATION_TOKEN_BUCKETS
-        # (the last: above them all), and their sum
+        # tokens per model iteration as vLLM's iteration_tokens_total counts them (the tokens generated, plus the
+        # prompt of each request that got its first token; each iteration of a multi-step block counts): a count
+        # per bucket of ITERATION_TOKEN_BUCKETS (the last: above them all), and their sum
         self.iteration_tokens_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.iteration_tokens_sum = 0
         self.drafter = self.fast_verify = None
@@ -369,8 +370,6 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = t_sched
             self._emit_request("scheduled", seq)
-        if not sched.is_empty:
-            self._count_iteration(sched.num_tokens)
         if sched.is_empty:
             if observe and sched.preempted:
                 self._emit_step(sched, t0, time.perf_counter(), [], {"schedule": t_sched - t0})
@@ -445,7 +444,9 @@ class LLMEngine:
                      t_sched: float) -> list[RequestOutput]:
         """process outputs (append, stop, detokenize) and events for a computed batch."""
         ms = self.multi_step
-        outputs, finished = self._process_outputs(sched, done.new_tokens, done.lp_rows)
+        outputs, finished, num_tokens = self._process_outputs(sched, done.new_tokens, done.lp_rows)
+        if num_tokens:
+            self._count_iteration(num_tokens)
         if self.drafter is not None:
             self.drafter.shadow_probe(sched.seqs)
         t_end = time.perf_counter()
@@ -554,7 +555,7 @@ class LLMEngine:
         if observe:
             sched.phases = ["decode"] * len(sched.seqs)
             sched.total_lens = [seq.num_tokens for seq in sched.seqs]
-        outputs, finished = self._process_outputs(sched, blk.tokens, [None] * len(sched.seqs))
+        outputs, finished, _ = self._process_outputs(sched, blk.tokens, [None] * len(sched.seqs))
         if self.drafter is not None:          # auto-off: probes from the block's tokens (the next block runs)
             self.drafter.shadow_probe(sched.seqs)
         t_post = time.perf_counter()
@@ -582,13 +583,18 @@ class LLMEngine:
         self.iteration_tokens_sum += num_tokens * times
 
     def _process_outputs(self, sched: SchedulerOutput, new_tokens: list[list[int]], lp_rows: list
-                         ) -> tuple[list[RequestOutput], list[str]]:
+                         ) -> tuple[list[RequestOutput], list[str], int]:
+        """-> (outputs, finished request ids, the step's tokens as vLLM's iteration_tokens_total counts them: the
+        tokens generated, plus the whole prompt of each request that got its first token)."""
+        generated = self.output_processor.num_generation_tokens
         outputs, first, finished = self.output_processor.process(sched, new_tokens, lp_rows)
         for seq in first:
             self._emit_request("first_token", seq)
         for seq in finished:
             self._finished(seq)
-        return outputs, [seq.request_id for seq in finished]
+        num_tokens = self.output_processor.num_generation_tokens - generated + \
+            sum(len(seq.prompt_token_ids) for seq in first)
+        return outputs, [seq.request_id for seq in finished], num_tokens
 
     # ---- events --------------------------------------------------------------------------------
     def _emit_request(self, kind: str, seq: Sequence, finish_reason: str | None = None,
