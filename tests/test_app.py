@@ -98,6 +98,29 @@ def test_chat_uses_the_chat_template(client):
     assert chat["priority"] == -1                           # the app schedules by priority: a person's turn first
 
 
+WEATHER = {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "required": ["unit", "days"],      # bounded values: the random-weight model ends them
+    "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}
+
+
+def test_chat_calls_a_tool_that_a_grammar_enforces(client):
+    for choice in ("get_weather", "required"):
+        out = client.predict(message="Weather in Paris?", temperature=1.0, max_tokens=60, seed=3,
+                             tools=json.dumps(WEATHER), tool_choice=choice, api_name="/chat")
+        assert out["tool_calls"], out
+        for call in out["tool_calls"]:
+            args = json.loads(call["arguments"])
+            assert call["name"] == "get_weather" and set(args) == {"unit", "days"}, call
+            assert args["unit"] in ("c", "f") and 1 <= args["days"] <= 7
+        assert "grammar that enforced the call" in out["text"] and '"days"' in out["text"]   # the schema, shown
+    ins = client.predict("", "time", api_name="/inspector")
+    assert [r for r in ins["requests"] if r["request_id"].startswith("chat-")][-1]["structured"] == "json"
+    for kw, word in ((dict(tool_choice="get_time"), "not among the tools"), (dict(tools="{"), "not valid JSON"),
+                     (dict(tools="", tool_choice="required"), "needs functions")):
+        with pytest.raises(Exception, match=word):
+            client.predict(message="hi", **{"tools": json.dumps(WEATHER), **kw}, api_name="/chat")
+
+
 def test_bad_inputs_get_clear_messages(client):
     for kw, word in ((dict(prompt=""), "enter a prompt"), (dict(prompt="hi", max_tokens=10**8), "max tokens"),
                      (dict(prompt="hi", top_p=0.0), "top-p"), (dict(prompt="hi", temperature=-1.0), "temperature")):

@@ -6,6 +6,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from engine.config import FIELD_SPECS, EngineConfig, field_specs, parse_value
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.tools import ToolChoice, check_tool_choice, check_tools
 from engine.sampling_params import MAX_LOGPROBS, MIN_REPETITION_PENALTY, SamplingParams
 from inspector import load as L
 from inspector import metrics as M
@@ -74,6 +76,33 @@ def make_structured(kind, text) -> dict | None:
     if kind == "choice":
         return {"choice": [c for c in text.split("\n") if c.strip()]}
     return {_SO_FIELD[kind]: text}
+
+
+TOOL_CHOICES = ["auto", "required", "none"]
+
+
+def make_tools(text, tool_choice) -> tuple[list[dict] | None, ToolChoice]:
+    """The Playground's tools box -> (OpenAI `tools`, the tool choice). The box holds JSON: one tool
+    ({"type": "function", "function": {...}}), a bare function ({"name", "description"?, "parameters"}) or a list
+    of either. tool_choice: "auto", "required", "none", or a function's name (the named choice)."""
+    text = (text or "").strip()
+    choice = (tool_choice or "auto").strip()
+    if not text:
+        if choice not in ("auto", "none"):
+            raise ValueError(f"tool choice: {choice!r} needs functions in the tools box")
+        return None, ToolChoice("none")
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"tools: not valid JSON ({e})") from None
+    items = value if isinstance(value, list) else [value]
+    items = [t if isinstance(t, dict) and "function" in t else {"type": "function", "function": t} for t in items]
+    named = None if choice in TOOL_CHOICES else {"type": "function", "function": {"name": choice}}
+    try:
+        tools = check_tools(items)
+        return tools, check_tool_choice(named or choice, tools)
+    except APIError as e:
+        raise ValueError(e.message) from None
 
 
 def make_sampling_params(temperature, top_p, top_k, min_p, max_tokens, min_tokens, repetition_penalty,

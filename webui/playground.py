@@ -7,15 +7,21 @@ import logging
 import gradio as gr
 
 from engine.sampling_params import MAX_LOGPROBS
-from webui.forms import MAX_PROMPT_CHARS, STRUCTURED_KINDS, check_conversation, make_sampling_params
+from engine.entrypoints.openai.tool_parsers import tool_parser_for
+from engine.entrypoints.openai.tools import parse_output, template_messages, template_renders_tools, tool_constraint
+from webui.forms import (MAX_PROMPT_CHARS, STRUCTURED_KINDS, TOOL_CHOICES, check_conversation, make_sampling_params,
+                         make_tools)
 from webui.host import EngineHost, EngineUnavailable, max_model_len
-from webui.render import logprobs_rows, request_stats_md
+from webui.render import logprobs_rows, request_stats_md, tool_calls_md
 
 log = logging.getLogger("kvscope.app")
 
 # a person's turn is scheduled ahead of simulated users (priority 0) when the engine's scheduling_policy
 # is "priority" (lower = sooner, as in vLLM); under "fcfs" it stays 0
 PLAYGROUND_PRIORITY = -1
+
+TOOLS_PLACEHOLDER = ('{"name": "get_weather", "description": "Weather in a city", "parameters": {"type": "object", '
+                     '"properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}')
 
 
 def _check_text(field: str, text, empty_msg: str) -> None:
@@ -36,6 +42,13 @@ def playground_tab(host: EngineHost) -> None:
                     chatbot = gr.Chatbot(label="Chat", height=380, elem_id="kv-chatbot")
                     system = gr.Textbox(label="System prompt (optional)", lines=1, placeholder="You are a helpful assistant.")
                     chat_in = gr.Textbox(label="Message", placeholder="Ask something…", lines=2, elem_id="kv-chat-input")
+                    with gr.Accordion("Tools (function calling)", open=False):
+                        tools_box = gr.Textbox(label="functions (JSON: one function, a list, or OpenAI `tools`)",
+                                               lines=4, elem_id="kv-tools", placeholder=TOOLS_PLACEHOLDER)
+                        tool_choice = gr.Dropdown(TOOL_CHOICES, value="auto", allow_custom_value=True,
+                                                  label="tool choice", elem_id="kv-tool-choice",
+                                                  info="auto: the model decides; required, or a function's name: "
+                                                       "a JSON-schema grammar makes the reply a valid call")
                 with gr.Group(visible=False) as comp_group:
                     comp_in = gr.Textbox(label="Prompt (raw text)", lines=5, elem_id="kv-comp-input",
                                          placeholder="Once upon a time")
@@ -109,11 +122,14 @@ def playground_tab(host: EngineHost) -> None:
                 return "".join(_text(c) for c in content)
             return str(content or "")
 
-        def chat_fn(message, history, system_prompt, *samp, request: gr.Request = None):
+        def chat_fn(message, history, system_prompt, tools_text, tool_choice_text, *samp,
+                    request: gr.Request = None):
+            """Yields (history, message box, request stats, logprobs rows, tool calls [{name, arguments}])."""
             history = list(history or [])
             try:
                 _check_text("message", message, "please type a message first")
                 params = make_sampling_params(*samp, max_model_len=max_model_len(host))
+                tools, choice = make_tools(tools_text, tool_choice_text)
                 loop = host.require_loop()
                 system_prompt = str(system_prompt or "")
                 msgs = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
@@ -121,16 +137,33 @@ def playground_tab(host: EngineHost) -> None:
                          if m.get("role") in ("user", "assistant")]
                 msgs.append({"role": "user", "content": message})
                 check_conversation(msgs)
-                prompt = loop.engine.apply_chat_template(msgs)
+                template = getattr(loop.engine.tokenizer, "chat_template", None)
+                parser = tool_parser_for(None, template)
+                offered = tools if choice.mode != "none" else None
+                native = template_renders_tools(template)
+                constraint = tool_constraint(choice, tools or [], None)
+                if constraint is not None:
+                    if params.structured_outputs is not None:
+                        raise ValueError("tool choice: 'required' or a named function is itself a structured-output "
+                                         "constraint; set structured output to none")
+                    params = dataclasses.replace(params, structured_outputs=constraint)
+                prompt = loop.engine.apply_chat_template(template_messages(msgs, offered, parser, native),
+                                                         tools=offered if native else None)
             except (ValueError, EngineUnavailable) as e:
                 raise gr.Error(str(e), duration=8)
             rid = host.next_id("chat")
             history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-            yield history, "", "", []
+            yield history, "", "", [], []
             try:
                 for out in _run_stream(prompt, params, _session(request), rid):
-                    history[-1] = {"role": "assistant", "content": out.text}
-                    yield history, "", request_stats_md(out, rid), logprobs_rows(out) if out.finished else gr.skip()
+                    calls, text = [], out.text
+                    if out.finished and offered:
+                        content, parsed = parse_output(out.text, choice, parser, None)
+                        calls = [{"name": c.name, "arguments": c.arguments} for c in parsed]
+                        text = tool_calls_md(content, calls, constraint)
+                    history[-1] = {"role": "assistant", "content": text}
+                    yield (history, "", request_stats_md(out, rid), logprobs_rows(out) if out.finished else gr.skip(),
+                           calls)
             except ValueError as e:
                 raise gr.Error(str(e), duration=8)
             except Exception as e:  # an error in one request never takes the app down
@@ -161,19 +194,21 @@ def playground_tab(host: EngineHost) -> None:
             s.cancel()
             return gr.skip()
 
-        def send_fn(m, message, history, system_prompt, comp_prompt, *samp, request: gr.Request = None):
+        def send_fn(m, message, history, system_prompt, tools_text, tool_choice_text, comp_prompt, *samp,
+                    request: gr.Request = None):
             """The Send button serves whichever mode is shown."""
             if m == "Completion":
                 for text, stats, lps in complete_fn(comp_prompt, *samp, request=request):
                     yield gr.skip(), gr.skip(), text, stats, lps
             else:
-                for hist, box, stats, lps in chat_fn(message, history, system_prompt, *samp, request=request):
+                for hist, box, stats, lps, _ in chat_fn(message, history, system_prompt, tools_text, tool_choice_text,
+                                                        *samp, request=request):
                     yield hist, box, gr.skip(), stats, lps
 
         mode.change(lambda m: (gr.update(visible=m == "Chat"), gr.update(visible=m == "Completion")),
                     mode, [chat_group, comp_group], api_visibility="private", queue=False)
         send_outs = [chatbot, chat_in, comp_out, req_stats, lp_table]
-        send_ins = [mode, chat_in, chatbot, system, comp_in, *sampling]
+        send_ins = [mode, chat_in, chatbot, system, tools_box, tool_choice, comp_in, *sampling]
         send.click(send_fn, send_ins, send_outs, concurrency_limit=None, api_visibility="private",
                    show_progress="minimal")
         chat_in.submit(send_fn, send_ins, send_outs, concurrency_limit=None, api_visibility="private",
@@ -199,10 +234,14 @@ def playground_tab(host: EngineHost) -> None:
         gr.api(complete, api_name="complete", concurrency_limit=None)
 
         def chat(message: str, system_prompt: str = "", temperature: float = 0.0, max_tokens: int = 64,
-                 seed: int | None = None, request: gr.Request = None) -> dict:
-            """Stream a one-turn chat reply through the model's chat template."""
-            for hist, _, stats, _ in chat_fn(message, [], system_prompt, temperature, 1.0, 0, 0.0, max_tokens, 0,
-                                             1.0, 0.0, 0.0, seed, "", False, False, 0, request=request):
-                yield {"text": _text(hist[-1]["content"]) if hist else "", "stats": stats}
+                 seed: int | None = None, tools: str = "", tool_choice: str = "auto",
+                 request: gr.Request = None) -> dict:
+            """Stream a one-turn chat reply through the model's chat template; `tools` as the Playground's tools
+            box (JSON), `tool_choice` auto / required / none / a function's name. The last update carries the
+            parsed `tool_calls` ([{name, arguments}])."""
+            for hist, _, stats, _, calls in chat_fn(message, [], system_prompt, tools, tool_choice, temperature, 1.0,
+                                                    0, 0.0, max_tokens, 0, 1.0, 0.0, 0.0, seed, "", False, False, 0,
+                                                    request=request):
+                yield {"text": _text(hist[-1]["content"]) if hist else "", "stats": stats, "tool_calls": calls}
 
         gr.api(chat, api_name="chat", concurrency_limit=None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import json
 import math
 from typing import Any
 
@@ -112,3 +113,18 @@ def compare_table(results: dict[str, dict]) -> "Any":
     add("Mean step (ms)", lambda s: s["mean_step_ms"])
     add("Completed", lambda s: s["completed"], "{:,.0f}", "higher")
     return pd.DataFrame(rows)
+
+
+def tool_calls_md(content: str | None, calls: list[dict], constraint: dict | None) -> str:
+    """A finished chat reply that offered tools, as the chat shows it: its text, each parsed call (name and
+    JSON arguments) and, when tool_choice forced a call, the JSON-schema grammar that masked every token."""
+    parts = [content] if content else []
+    for c in calls:
+        parts.append(f"**tool call** `{c['name']}`\n```json\n{c['arguments']}\n```")
+    if not calls:
+        parts.append("*(no tool call)*")
+    if constraint is not None:
+        schema = json.dumps(constraint.get("json"), indent=1, ensure_ascii=False)
+        parts.append(f"<details><summary>grammar that enforced the call (JSON schema)</summary>\n\n```json\n{schema}"
+                     "\n```\n</details>")
+    return "\n\n".join(parts)
