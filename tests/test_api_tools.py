@@ -190,7 +190,7 @@ def test_a_template_that_renders_tools_gets_them_natively(srv):
     from types import SimpleNamespace
 
     from engine.entrypoints.openai.protocol import ChatCompletionRequest
-    from engine.entrypoints.openai.serving_chat import OpenAIServingChat
+    from engine.entrypoints.openai.tools import render_chat
     from engine.entrypoints.openai.tool_parsers import tool_parser_for
 
     tok = copy.deepcopy(srv.loop.engine.tokenizer)
@@ -201,7 +201,7 @@ def test_a_template_that_renders_tools_gets_them_natively(srv):
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "ping", "arguments": "{\"ok\": true}"}}]}, {"role": "tool", "content": "pong"}], "tools": TOOLS})
     parser = tool_parser_for(None, tok.chat_template)
-    text = OpenAIServingChat.render(eng, req, req.tool_choice_mode(), parser)
+    text = render_chat(eng, req.messages, req.tools, req.tool_choice_mode(), parser)
     assert parser.name == "hermes" and "function calling AI model" not in text      # no injected prompt
     assert json.dumps(req.tools[0]) in text.replace("\n", "")
     assert '{"name": "ping", "arguments": {"ok": true}}' in text                     # arguments as an object

@@ -8,7 +8,7 @@ import gradio as gr
 
 from engine.sampling_params import MAX_LOGPROBS
 from engine.entrypoints.openai.tool_parsers import tool_parser_for
-from engine.entrypoints.openai.tools import parse_output, template_messages, template_renders_tools, tool_constraint
+from engine.entrypoints.openai.tools import parse_output, render_chat, tool_constraint
 from webui.forms import (MAX_PROMPT_CHARS, STRUCTURED_KINDS, TOOL_CHOICES, check_conversation, make_sampling_params,
                          make_tools)
 from webui.host import EngineHost, EngineUnavailable, max_model_len
@@ -137,18 +137,14 @@ def playground_tab(host: EngineHost) -> None:
                          if m.get("role") in ("user", "assistant")]
                 msgs.append({"role": "user", "content": message})
                 check_conversation(msgs)
-                template = getattr(loop.engine.tokenizer, "chat_template", None)
-                parser = tool_parser_for(None, template)
-                offered = tools if choice.mode != "none" else None
-                native = template_renders_tools(template)
+                parser = tool_parser_for(None, getattr(loop.engine.tokenizer, "chat_template", None))
                 constraint = tool_constraint(choice, tools or [], None)
                 if constraint is not None:
                     if params.structured_outputs is not None:
                         raise ValueError("tool choice: 'required' or a named function is itself a structured-output "
                                          "constraint; set structured output to none")
                     params = dataclasses.replace(params, structured_outputs=constraint)
-                prompt = loop.engine.apply_chat_template(template_messages(msgs, offered, parser, native),
-                                                         tools=offered if native else None)
+                prompt = render_chat(loop.engine, msgs, tools, choice, parser)
             except (ValueError, EngineUnavailable) as e:
                 raise gr.Error(str(e), duration=8)
             rid = host.next_id("chat")
@@ -157,7 +153,7 @@ def playground_tab(host: EngineHost) -> None:
             try:
                 for out in _run_stream(prompt, params, _session(request), rid):
                     calls, text = [], out.text
-                    if out.finished and offered:
+                    if out.finished and tools and choice.mode != "none":
                         content, parsed = parse_output(out.text, choice, parser, None)
                         calls = [{"name": c.name, "arguments": c.arguments} for c in parsed]
                         text = tool_calls_md(content, calls, constraint)

@@ -12,8 +12,7 @@ from engine.entrypoints.openai.job import Job, SSEResponse, sse_stream, stream_c
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, chat_logprobs
 from engine.entrypoints.openai.serving_engine import OpenAIServing
 from engine.entrypoints.openai.tool_parsers import ToolParser, tool_parser_for
-from engine.entrypoints.openai.tools import (ToolChoice, ToolStream, finish_reason, parse_output,
-                                             template_messages, template_renders_tools)
+from engine.entrypoints.openai.tools import ToolChoice, ToolStream, finish_reason, parse_output, render_chat
 
 
 class OpenAIServingChat:
@@ -25,20 +24,13 @@ class OpenAIServingChat:
     def tool_parser(self, tokenizer) -> ToolParser:
         return tool_parser_for(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
-    @staticmethod
-    def render(engine, req: ChatCompletionRequest, choice: ToolChoice, parser: ToolParser) -> str:
-        tools = req.tools if choice.mode != "none" else None
-        native = template_renders_tools(getattr(engine.tokenizer, "chat_template", None))
-        messages = template_messages(req.messages, tools, parser, native)
-        return engine.apply_chat_template(messages, req.add_generation_prompt, tools if native else None,
-                                          req.continue_final_message)
-
     async def create_chat_completion(self, request: Request) -> Response:
         req, loop = await self.serving.open_request(request, ChatCompletionRequest)
         choice = req.tool_choice_mode()
         parser = self.tool_parser(loop.engine.tokenizer)
         try:
-            prompt = await self.serving.preprocess(self.render, loop.engine, req, choice, parser)
+            prompt = await self.serving.preprocess(render_chat, loop.engine, req.messages, req.tools, choice, parser,
+                                                   req.add_generation_prompt, req.continue_final_message)
         except ValueError as e:
             raise value_error(e, {})
         except Exception as e:  # noqa: BLE001 - a template that raises on these messages (e.g. role order)

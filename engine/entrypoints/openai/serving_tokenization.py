@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from engine.entrypoints.openai.errors import APIError, value_error
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.serving_engine import OpenAIServing
+from engine.entrypoints.openai.tools import render_chat
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -61,7 +62,8 @@ class OpenAIServingTokenization:
             choice = req.tool_choice_mode()
             parser = self.chat.tool_parser(tok)
             try:
-                text = await run_in_threadpool(self.chat.render, loop.engine, req, choice, parser)
+                text = await run_in_threadpool(render_chat, loop.engine, req.messages, req.tools, choice, parser,
+                                               req.add_generation_prompt, req.continue_final_message)
             except ValueError as e:
                 raise value_error(e, {})
             ids = await run_in_threadpool(loop.engine.tokenize, text) if not req.add_special_tokens else \

@@ -156,6 +156,16 @@ def template_messages(messages: list[dict], tools: list[dict] | None, parser: To
     return out
 
 
+def render_chat(engine, messages: list[dict], tools: list[dict] | None, choice: ToolChoice, parser: ToolParser,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    """The prompt for `messages` with `tools` offered (none under tool_choice "none"): rendered by the chat
+    template when it knows tools, else through the injected system prompt (template_messages)."""
+    offered = tools if choice.mode != "none" else None
+    native = template_renders_tools(getattr(engine.tokenizer, "chat_template", None))
+    return engine.apply_chat_template(template_messages(messages, offered, parser, native), add_generation_prompt,
+                                      offered if native else None, continue_final_message)
+
+
 def _arguments(a) -> dict:
     try:
         v = json.loads(a) if isinstance(a, str) else a

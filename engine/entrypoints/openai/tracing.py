@@ -56,7 +56,7 @@ class RequestTracer:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-            from opentelemetry.trace import SpanKind
+            from opentelemetry.trace import SpanKind, set_span_in_context
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
             processor = SimpleSpanProcessor(exporter) if exporter is not None else \
                 BatchSpanProcessor(_otlp_exporter(endpoint))
@@ -68,6 +68,7 @@ class RequestTracer:
         self.tracer = self.provider.get_tracer("kvscope.entrypoints.openai")
         self._server_kind = SpanKind.SERVER
         self._propagator = TraceContextTextMapPropagator()
+        self._context_of = set_span_in_context
 
     def trace(self, out, model_name: str, params, n: int, headers: dict | None, last_sent: float) -> None:
         """One finished RequestOutput `out` of an API request of `n` choices, sampled with `params`; `last_sent`:
@@ -97,7 +98,7 @@ class RequestTracer:
         ctx = self._propagator.extract(headers) if headers else None
         span = self.tracer.start_span("llm_request", context=ctx, kind=self._server_kind, attributes=attrs,
                                       start_time=ns(m.arrival_time))
-        parent = _context_of(span)
+        parent = self._context_of(span)
         for name, a, b in (("queued", m.arrival_time, sched), ("prefill", sched, first), ("decode", first, done)):
             if a is not None and b is not None:
                 child = self.tracer.start_span(name, context=parent, start_time=ns(a))
@@ -109,11 +110,6 @@ class RequestTracer:
     def shutdown(self) -> None:
         """Export what is buffered, then stop."""
         self.provider.shutdown()
-
-
-def _context_of(span):
-    from opentelemetry.trace import set_span_in_context
-    return set_span_in_context(span)
 
 
 def trace_headers(headers) -> dict | None:
