@@ -21,7 +21,7 @@ import torch
 from openai import BadRequestError
 
 import vllm_openai_server
-from vllm_openai_server import MODEL_NAME, assert_usage_chunk
+from vllm_openai_server import MODEL_NAME, assert_usage_after_finish, assert_usage_chunk
 
 server, client = vllm_openai_server.server, vllm_openai_server.client   # fixtures: one server for this file
 
@@ -44,20 +44,13 @@ def test_no_logprobs_chat(client):
     assert r.choices[0].logprobs is None
 
 
-def test_zero_logprobs_chat(client):
+@pytest.mark.parametrize("top_logprobs", [0, 5])       # vLLM's test_zero_logprobs_chat, test_some_logprobs_chat
+def test_zero_and_some_logprobs_chat(client, top_logprobs):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=5, temperature=0.0,
-                                       logprobs=True, top_logprobs=0)
+                                       logprobs=True, top_logprobs=top_logprobs)
     choice = r.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
-    assert len(choice.logprobs.content[0].top_logprobs) == 0
-
-
-def test_some_logprobs_chat(client):
-    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=5, temperature=0.0,
-                                       logprobs=True, top_logprobs=5)
-    choice = r.choices[0]
-    assert choice.logprobs is not None and choice.logprobs.content is not None
-    assert len(choice.logprobs.content[0].top_logprobs) == 5
+    assert len(choice.logprobs.content[0].top_logprobs) == top_logprobs
 
 
 def test_too_many_chat_logprobs(client):
@@ -169,12 +162,7 @@ def test_chat_completion_stream_options(client):
 
     stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True,
                                                                          "continuous_usage_stats": False}, **kw)
-    for chunk in stream:
-        if chunk.choices[0].finish_reason is None:
-            assert chunk.usage is None
-        else:
-            assert chunk.usage is None
-            assert_usage_chunk(next(stream))
+    assert_usage_after_finish(stream)
 
     for opts in ({"include_usage": None}, {"include_usage": True}):
         with pytest.raises(BadRequestError):

@@ -14,7 +14,7 @@ import pytest
 from openai import BadRequestError
 
 import vllm_openai_server
-from vllm_openai_server import MODEL_NAME, assert_usage_chunk
+from vllm_openai_server import MODEL_NAME, assert_usage_after_finish, assert_usage_chunk
 
 server, client = vllm_openai_server.server, vllm_openai_server.client   # fixtures: one server for this file
 
@@ -51,24 +51,17 @@ def test_no_logprobs(client):
     assert completion.choices[0].logprobs is None
 
 
-def test_zero_logprobs(client):
+# vLLM's test_zero_logprobs and test_some_logprobs: logprobs=0 gives the sampled token alone, 5 gives 5 or 6
+# entries (the sampled token when it is not among the top 5)
+@pytest.mark.parametrize("logprobs, lo, hi", [(0, 1, 1), (5, 5, 6)])
+def test_zero_and_some_logprobs(client, logprobs, lo, hi):
     completion = client.completions.create(model=MODEL_NAME, prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0.0,
-                                           logprobs=0)
+                                           logprobs=logprobs)
     choice = completion.choices[0]
     assert choice.logprobs is not None
     assert choice.logprobs.token_logprobs is not None
     assert choice.logprobs.top_logprobs is not None
-    assert len(choice.logprobs.top_logprobs[0]) == 1
-
-
-def test_some_logprobs(client):
-    completion = client.completions.create(model=MODEL_NAME, prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0.0,
-                                           logprobs=5)
-    choice = completion.choices[0]
-    assert choice.logprobs is not None
-    assert choice.logprobs.token_logprobs is not None
-    assert choice.logprobs.top_logprobs is not None
-    assert 5 <= len(choice.logprobs.top_logprobs[0]) <= 6
+    assert lo <= len(choice.logprobs.top_logprobs[0]) <= hi
 
 
 def test_too_many_completion_logprobs(client):
@@ -175,12 +168,7 @@ def test_completion_stream_options(client):
 
     stream = client.completions.create(stream=True, stream_options={"include_usage": True,
                                                                     "continuous_usage_stats": False}, **kw)
-    for chunk in stream:
-        if chunk.choices[0].finish_reason is None:
-            assert chunk.usage is None
-        else:
-            assert chunk.usage is None
-            assert_usage_chunk(next(stream))
+    assert_usage_after_finish(stream)
 
     stream = client.completions.create(stream=True, stream_options={"include_usage": True,
                                                                     "continuous_usage_stats": True}, **kw)

@@ -54,6 +54,16 @@ def client(server):
     return server.get_client()
 
 
+def assert_usage_after_finish(stream) -> None:
+    """include_usage without continuous stats: no chunk carries usage until the one after the finishing chunk."""
+    for chunk in stream:
+        if chunk.choices[0].finish_reason is None:
+            assert chunk.usage is None
+        else:
+            assert chunk.usage is None
+            assert_usage_chunk(next(stream))
+
+
 def assert_usage_chunk(chunk) -> None:
     """The chunk that follows the finishing one under stream_options.include_usage: usage only, adding up."""
     assert chunk.usage is not None
