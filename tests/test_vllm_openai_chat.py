@@ -21,7 +21,7 @@ import torch
 from openai import BadRequestError
 
 import vllm_openai_server
-from vllm_openai_server import MODEL_NAME, assert_usage_after_finish, assert_usage_chunk
+from vllm_openai_server import MODEL_NAME, assert_usage_after_finish
 
 server, client = vllm_openai_server.server, vllm_openai_server.client   # fixtures: one server for this file
 
