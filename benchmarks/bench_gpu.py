@@ -5,6 +5,8 @@
   throughput  nano-vllm's workload: 256 requests of random ids, input/output uniform 100-1024, ignore_eos;
               kvscope vs HF `generate_batch` (on a subset, per token), vs the workload's HBM floor
   prefill     prefill-heavy: 128 requests, input uniform 2,048-4,096, output 32-64; total (in + out) tok/s
+  longctx     nano-vllm's workload at long contexts (input 2,048-4,096): kvscope with bf16 and fp8 KV, and vLLM
+              with each --kv-cache-dtype of --vllm-kv-cache-dtypes (with section vllm)
   ablation    the throughput workload with each switch flipped
   vllm        the same latency / throughput / prefill workloads on vLLM, in a subprocess
               (benchmarks/vllm_offline.py; --vllm-path is prepended to its PYTHONPATH), ratios beside kvscope
@@ -85,6 +87,17 @@ def prefill_workload(n: int = 128, seed: int = 0):
     return [[ids.randint(0, 10000) for _ in range(m)] for m in in_lens], outs
 
 
+def long_context_workload(n: int = 256, seed: int = 0):
+    """nano-vllm's workload at long contexts: n prompts of uniform 2,048-4,096 random ids, nano's output lengths
+    (uniform 100-1,024). At the 8B shape its KV (~930k tokens at its peak) outgrows a bf16 pool on one 80 GB
+    card, which is what an fp8 cache is for."""
+    _, outs = nano_workload(n, seed)
+    rng = random.Random(seed + 2)
+    in_lens = [rng.randint(2048, 4096) for _ in range(n)]
+    ids = random.Random(seed + 3)
+    return [[ids.randint(0, 10000) for _ in range(m)] for m in in_lens], outs
+
+
 LATENCY_CONFIGS = {"cuda graphs": {}, "cuda graphs, enable_pdl=False": dict(enable_pdl=False),
                    "cuda graphs, enable_pdl=True": dict(enable_pdl=True),
                    "cuda graphs, gemv_max_tokens=0": dict(gemv_max_tokens=0), "eager": dict(enable_cuda_graphs=False),
@@ -143,8 +156,11 @@ def timed_generate(llm: LLM, prompts, outs) -> tuple[float, int]:
     return dt, n
 
 
-def run_engine(prompts, outs, max_model_len: int = 2048, **cfg) -> tuple[float, int]:
+def run_engine(prompts, outs, max_model_len: int = 2048, info: dict | None = None, **cfg) -> tuple[float, int]:
+    """(seconds, output tokens) of the workload on a fresh engine; `info` gets its KV pool's block count."""
     llm = LLM(MODEL, max_model_len=max_model_len, max_num_seqs=256, max_num_batched_tokens=16384, **cfg)
+    if info is not None:
+        info["num_blocks"] = llm.engine.num_blocks
     # warm-up at the workload's lengths (reversed prompts: no prefix-cache hits later): Triton specializes kernels
     # on their integer arguments, so a short prompt alone left compiles inside the timed run (H100, 1B
     # prefill-heavy: 137k total tok/s timed cold, 179-181k warm)
@@ -164,19 +180,31 @@ def workload_floor(prompts, outs, bw: float, cfg: dict) -> float:
     return (steps * weights + kv_read + kv_write) / bw
 
 
-def bench_vllm(shape: str, path: str, requests: int) -> dict:
-    """{workload: figure} from benchmarks/vllm_offline.py in its own process (its own CUDA context)."""
+def bench_vllm(shape: str, path: str, requests: int, sections: list[str], long_requests: int,
+               kv_dtypes: str) -> dict:
+    """{workload: figure} from benchmarks/vllm_offline.py in its own process (its own CUDA context), one process
+    per KV cache dtype for the long-context workload."""
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1")
     if path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
     script = Path(__file__).resolve().parent / "vllm_offline.py"
-    proc = subprocess.run([sys.executable, str(script), "--shape", shape, "--requests", str(requests)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    sys.stderr.write(proc.stderr[-3000:])
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"vllm_offline.py exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
-    return json.loads(lines[-1])
+    runs = []
+    short = [w for w in ("latency", "throughput", "prefill") if w in sections]
+    if short:
+        runs.append(["--workloads", ",".join(short)])
+    if "longctx" in sections:
+        runs += [["--workloads", "longctx", "--kv-cache-dtype", kv, "--long-requests", str(long_requests)]
+                 for kv in kv_dtypes.split(",") if kv]
+    res: dict = {}
+    for extra in runs:
+        proc = subprocess.run([sys.executable, str(script), "--shape", shape, "--requests", str(requests), *extra],
+                              env=env, capture_output=True, text=True, timeout=900)
+        sys.stderr.write(proc.stderr[-3000:])
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"vllm_offline.py exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+        res.update(json.loads(lines[-1]))
+    return res
 
 
 def bench_hf(prompts, n_req: int, new_tokens: int, shape: str) -> dict:
@@ -212,6 +240,10 @@ def main():
                     help=f"comma-separated, of {list(LATENCY_CONFIGS)}")
     ap.add_argument("--ablations", default="", help="comma-separated ablation names to run (default: all)")
     ap.add_argument("--prefill-ablations", default="", help="ablation names also run on the prefill-heavy workload")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name (a run of other sections than the record's)")
+    ap.add_argument("--long-requests", type=int, default=256, help="requests of the long-context workload")
+    ap.add_argument("--vllm-kv-cache-dtypes", default="auto,fp8",
+                    help="vLLM's --kv-cache-dtype values run on the long-context workload (section longctx)")
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
@@ -229,7 +261,8 @@ def main():
     peer = {}
     if "vllm" in sections:
         try:
-            peer = bench_vllm(args.shape, args.vllm_path, args.requests)
+            peer = bench_vllm(args.shape, args.vllm_path, args.requests, sections, args.long_requests,
+                              args.vllm_kv_cache_dtypes)
         except Exception as e:
             rows.append(dict(bench="vllm", config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
     if "latency" in sections:
@@ -274,6 +307,22 @@ def main():
             dt, n = run_engine(pp, po, max_model_len=4200, **ABLATIONS[name])
             rows.append(dict(bench="prefill-heavy", config=name, seconds=dt, out_tokens=n,
                              tok_s=(sum(map(len, pp)) + n) / dt, ratio=(sum(map(len, pp)) + n) / dt / total))
+    if "longctx" in sections:
+        lp, lo = long_context_workload(args.long_requests)
+        for kv in ("auto", "fp8"):
+            info: dict = {}
+            dt, n = run_engine(lp, lo, max_model_len=5200, info=info,
+                               **({"kv_cache_dtype": kv} if kv != "auto" else {}))
+            rows.append(dict(bench="long context", config=f"kvscope, {kv} KV", seconds=dt, out_tokens=n,
+                             tok_s=n / dt, kv_blocks=info["num_blocks"]))
+        for key, kv in (("longctx", "auto"), ("longctx_fp8", "fp8")):
+            if f"{key}_out_tok_s" in peer:
+                rows.append(dict(bench="long context", config=f"vLLM {peer['version']}, {kv} KV",
+                                 tok_s=peer[f"{key}_out_tok_s"], seconds=peer[f"{key}_seconds"],
+                                 kv_blocks=peer.get(f"{key}_num_gpu_blocks")))
+        lc = [r for r in rows if r["bench"] == "long context" and r.get("tok_s")]
+        for r in lc:
+            r["ratio"] = lc[1]["tok_s"] / r["tok_s"] if len(lc) > 1 else None     # kvscope fp8 KV against each
     if "ablation" in sections:
         for name, sw in ABLATIONS.items():
             if args.ablations and name not in args.ablations.split(","):
@@ -287,10 +336,10 @@ def main():
     out = dict(device=dev, copy_bandwidth_GBs=bw / 1e9, model=MODEL, dtype="bfloat16", vllm=peer,
                workload=dict(requests=args.requests, input_tokens=sum(map(len, prompts)), output_tokens=sum(outs),
                              hbm_floor_s=floor), rows=rows)
-    path = write_json(f"gpu_{slug(dev)}_{args.shape}", out)
+    path = write_json(f"gpu_{slug(dev)}_{args.shape}" + (f"_{args.tag}" if args.tag else ""), out)
     print(f"\ndevice: {dev}; copy bandwidth {bw / 1e9:,.0f} GB/s; {MODEL} bf16; json: {path}")
     print_table(rows, ["bench", "config", "seconds", "tok_s", "ms_per_token", "ttft_ms", "decode_step_ms", "roofline_ms",
-                       "pct_roofline", "ratio"])
+                       "pct_roofline", "kv_blocks", "ratio"])
 
 
 if __name__ == "__main__":

@@ -37,11 +37,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import importlib.util
 import json
+import multiprocessing
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -51,8 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import free_port, write_png  # noqa: E402
 from benchmarks.serve_procs import wait_ready  # noqa: E402
-from benchmarks.soak_health import parse_metrics, sampler, slope_per_s, wait_idle  # noqa: E402
-from benchmarks.soak_users import ACTIONS, BAD, GOOD, Soak  # noqa: E402
+from benchmarks.soak_health import annotate, parse_metrics, percentile, sampler, slope_per_s, wait_idle  # noqa: E402
+from benchmarks.soak_users import ACTIONS, BAD, GOOD, Soak, users_process  # noqa: E402
 
 
 
@@ -64,14 +67,23 @@ async def run(base: str, pid: int | None, args) -> dict:
     soak = Soak(base, model, mml, args, t0)
     rows: list[dict] = []
     stop = asyncio.Event()
-    samp = asyncio.create_task(sampler(base, pid, soak, rows, args.sample_s, stop))
+    samp = asyncio.create_task(sampler(base, pid, t0, rows, args.sample_s, stop))
     kill = asyncio.create_task(kill_core(base, pid, t0, args.kill_core_at, soak)) if args.kill_core_at else None
-    await asyncio.gather(*(soak.user(u) for u in range(args.users)))
+    if args.procs > 1:
+        loop = asyncio.get_running_loop()
+        with ProcessPoolExecutor(args.procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = [loop.run_in_executor(pool, users_process, base, model, mml, args, t0,
+                                          list(range(i, args.users, args.procs))) for i in range(args.procs)]
+            for tally in await asyncio.gather(*parts):
+                soak.tally.merge(tally)
+    else:
+        await asyncio.gather(*(soak.user(u) for u in range(args.users)))
     t_users = time.monotonic() - t0
     kill_res = await kill if kill is not None else None
     final = await wait_idle(base, args.idle_timeout)
     stop.set()
     await samp
+    annotate(rows, soak.tally)
     return judge(soak, rows, final, t_users, args, kill_res)
 
 
@@ -123,6 +135,13 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
     slope = slope_per_s([r["t_s"] for r in post], [r["rss_mib"] for r in post])
     window = (post[-1]["t_s"] - post[0]["t_s"]) if len(post) > 1 else 0.0
     growth = slope * window
+    # p99 TTFT of the streams sent in the quarter after warm-up against those sent in the run's last quarter
+    def ttft_p99(lo: float, hi: float) -> float | None:
+        v = percentile([r[4] for r in ta.records if r[2] == "stream" and r[4] is not None and lo <= r[0] < hi], 99)
+        return None if v is None else round(v * 1e3, 1)
+    quarter = (t_users - warm_t) / 3
+    ttft_early, ttft_late = ttft_p99(warm_t, warm_t + quarter), ttft_p99(t_users - quarter, t_users)
+    post_ttft = [r[4] for r in ta.records if r[2] == "stream" and r[4] is not None and r[0] >= warm_t]
     checks = {
         "good requests complete with the right length": all(ta.sent[a] == ta.ok[a] for a in GOOD) and
         sum(ta.ok[a] for a in GOOD) > 0,
@@ -132,6 +151,8 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
         "0 KV blocks in use at the end": final.get("kv_blocks_in_use") == 0,
         f"RSS flat after warm-up (fit rises <= {args.rss_tol_mib:g} MiB)": len(post) >= 3 and
         growth <= args.rss_tol_mib,
+        f"p99 TTFT stable (last part <= {args.ttft_drift:g}x the part after warm-up)":
+        ttft_early is not None and ttft_late is not None and ttft_late <= args.ttft_drift * ttft_early,
     }
     if kill is not None:
         # good requests may fail around the restart, with a clear error only; afterwards they are served
@@ -148,7 +169,7 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
             all(lo <= e[0] <= hi for e in engine_errs)
         checks["no 5xx but the 503s of the restart"] = (final.get("http_5xx") or 0) == (final.get("http_503") or 0)
         # RSS is no signal across a restart (a process went, a new one grew): not judged
-        checks = {k: v for k, v in checks.items() if not k.startswith("RSS flat")}
+        checks = {k: v for k, v in checks.items() if not k.startswith(("RSS flat", "p99 TTFT stable"))}
         checks["good requests served after the restart"] = \
             sum(t > kill.get("t_restored_s", float("inf")) for t in ta.good_ok_starts) > 0
     elif ta.engine_errors:
@@ -164,7 +185,23 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
                 rss_mib_peak=max((r["rss_mib"] for r in rows), default=None),
                 rss_warmup_s=round(warm_t, 1), rss_slope_mib_per_min=round(slope * 60, 3),
                 rss_fit_growth_mib=round(growth, 1), rss_tol_mib=args.rss_tol_mib,
+                ttft_ms_after_warmup={"p50": _ms(percentile(post_ttft, 50)), "p99": _ms(percentile(post_ttft, 99)),
+                                      "max": _ms(max(post_ttft, default=None))},
+                ttft_p99_ms_early=ttft_early, ttft_p99_ms_late=ttft_late, procs=args.procs,
+                good_per_s_after_warmup=round(sum(r[2] in GOOD and r[3] == "ok" and r[0] >= warm_t
+                                                  for r in ta.records) / max(t_users - warm_t, 1e-9), 2),
+                good_tokens_per_s_after_warmup=round(sum(r[5] for r in ta.records if r[0] >= warm_t)
+                                                     / max(t_users - warm_t, 1e-9), 1),
+                running_mean_after_warmup=_mean([r["running"] for r in post if r.get("running") is not None]),
                 checks=checks, passed=all(checks.values()), failures=ta.failures, rows=rows)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 1)
+
+
+def _mean(xs: list) -> float | None:
+    return round(sum(xs) / len(xs), 1) if xs else None
 
 
 # ----------------------------------------------------------------------------- report
@@ -179,9 +216,11 @@ def figure(rows: list[dict], res: dict, title: str):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
     t = [r["t_s"] / 60 for r in rows]
-    fig = make_subplots(rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.09,
+    fig = make_subplots(rows=3, cols=2, vertical_spacing=0.11, horizontal_spacing=0.09,
                         subplot_titles=("Server RSS (MiB)", "KV blocks in use",
-                                        "Requests running / waiting", "Cumulative outcomes"))
+                                        "Requests running / waiting", "Cumulative outcomes",
+                                        f"Stream TTFT per {args_period(rows)} window (ms)",
+                                        "Good requests finished per second"))
     fig.add_trace(go.Scatter(x=t, y=[r["rss_mib"] for r in rows], name="RSS", line_color="#4E79A7"), 1, 1)
     fig.add_vline(x=res["rss_warmup_s"] / 60, line_dash="dot", line_color="#888", row=1, col=1)
     fig.add_trace(go.Scatter(x=t, y=[r["kv_blocks_in_use"] for r in rows], name="blocks in use",
@@ -191,11 +230,20 @@ def figure(rows: list[dict], res: dict, title: str):
     for key, name, color in (("good_ok", "good, right length", "#59A14F"), ("bad_4xx", "bad → 4xx", "#B07AA1"),
                              ("client_failures", "failures", "#FF9DA7"), ("server_5xx", "server 5xx", "#000")):
         fig.add_trace(go.Scatter(x=t, y=[r[key] for r in rows], name=name, line_color=color), 2, 2)
-    fig.update_xaxes(title_text="minutes", row=2)
-    fig.update_layout(title=dict(text=title, x=0.01, font_size=15), height=640, width=1100,
+    for key, name, color in (("ttft_p50_ms", "TTFT p50", "#76B7B2"), ("ttft_p99_ms", "TTFT p99", "#E15759")):
+        fig.add_trace(go.Scatter(x=t, y=[r.get(key) for r in rows], name=name, line_color=color), 3, 1)
+    fig.add_vline(x=res["rss_warmup_s"] / 60, line_dash="dot", line_color="#888", row=3, col=1)
+    fig.add_trace(go.Scatter(x=t, y=[r.get("good_per_s") for r in rows], name="good / s", line_color="#59A14F",
+                             showlegend=False), 3, 2)
+    fig.update_xaxes(title_text="minutes", row=3)
+    fig.update_layout(title=dict(text=title, x=0.01, font_size=15), height=900, width=1100,
                       margin=dict(l=60, r=20, t=80, b=50), template="plotly_white",
                       legend=dict(orientation="h", y=-0.12, x=0))
     return fig
+
+
+def args_period(rows: list[dict]) -> str:
+    return f"{rows[1]['t_s'] - rows[0]['t_s']:.0f} s" if len(rows) > 1 else "sample"
 
 
 # ----------------------------------------------------------------------------- server
@@ -254,7 +302,15 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak"))
     ap.add_argument("--png", default=None, help="also write the plot here (e.g. assets/soak.png)")
     ap.add_argument("--no-png", action="store_true", help="HTML report only")
-    return ap.parse_args(argv)
+    ap.add_argument("--procs", type=int, default=1,
+                    help="client processes the users are spread over (a GPU server outruns one Python client)")
+    ap.add_argument("--ttft-drift", type=float, default=1.5,
+                    help="most the streams' p99 TTFT in the run's last quarter may exceed that just after warm-up")
+    ap.add_argument("--replot", default=None, metavar="DIR", help="only draw DIR's soak.csv + soak.json")
+    args = ap.parse_args(argv)
+    if args.procs > 1 and args.kill_core_at is not None:
+        ap.error("--kill-core-at needs the users in one process (--procs 1)")
+    return args
 
 
 def run_soak(args) -> dict:
@@ -279,23 +335,45 @@ def run_soak(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot), args)
     return report(run_soak(args), Path(args.out), args)
+
+
+def plot(rows: list[dict], res: dict, out: Path, args) -> str | None:
+    """soak.html (and soak.png, --png) from the rows; nothing where Plotly is not installed (replot later with
+    --replot OUT) -> the PNG written, or None."""
+    if importlib.util.find_spec("plotly") is None:
+        print("no plotly here: soak.csv and soak.json only (python benchmarks/soak.py --replot DIR draws them)")
+        return None
+    title = (f"kvscope soak: {res['users']} users × {res['duration_s'] / 60:.3g} min, {res['requests']} requests — "
+             f"{'PASS' if res['passed'] else 'FAIL'}")
+    fig = figure(rows, res, title)
+    fig.write_html(str(out / "soak.html"), include_plotlyjs="cdn")
+    written = None
+    pngs = [] if args.no_png else [out / "soak.png"] + ([Path(args.png)] if args.png else [])
+    for png in pngs:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        if write_png(fig, png):
+            written = str(png)
+    return written
+
+
+def replot(out: Path, args) -> int:
+    """Draw a finished run's soak.csv + soak.json (a run on a machine without Plotly)."""
+    res = json.loads((out / "soak.json").read_text())
+    with open(out / "soak.csv", newline="") as f:
+        rows = [{k: (float(v) if v not in ("", "None") else None) for k, v in r.items()} for r in csv.DictReader(f)]
+    res["png"] = plot(rows, res, out, args)
+    (out / "soak.json").write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}/soak.html" + (f", {res['png']}" if res["png"] else ""))
+    return 0
 
 
 def report(res: dict, out: Path, args) -> int:
     rows = res.pop("rows")
     write_csv(rows, out / "soak.csv")
-    title = (f"kvscope soak: {args.users} users × {args.duration / 60:.3g} min, {res['requests']} requests — "
-             f"{'PASS' if res['passed'] else 'FAIL'}")
-    fig = figure(rows, res, title)
-    html = out / "soak.html"
-    fig.write_html(str(html), include_plotlyjs="cdn")
-    res["png"] = None
-    pngs = [] if args.no_png else [out / "soak.png"] + ([Path(args.png)] if args.png else [])
-    for png in pngs:
-        png.parent.mkdir(parents=True, exist_ok=True)
-        if write_png(fig, png):
-            res["png"] = str(png)
+    res["png"] = plot(rows, res, out, args)
     (out / "soak.json").write_text(json.dumps(res, indent=1))
     print(f"{'action':<11}{'sent':>7}{'ok':>7}")
     for a in ACTIONS:
@@ -304,6 +382,10 @@ def report(res: dict, out: Path, args) -> int:
           f"after {res['rss_warmup_s']} s warm-up slope {res['rss_slope_mib_per_min']} MiB/min "
           f"(fit +{res['rss_fit_growth_mib']} MiB, tolerance {res['rss_tol_mib']} MiB)")
     print(f"final: {res['final']}")
+    print(f"after warm-up: {res['good_per_s_after_warmup']} good requests/s "
+          f"({res['good_tokens_per_s_after_warmup']} tokens/s), {res['running_mean_after_warmup']} "
+          f"running on average; stream TTFT {res['ttft_ms_after_warmup']} ms; p99 {res['ttft_p99_ms_early']} ms "
+          f"just after warm-up, {res['ttft_p99_ms_late']} ms at the end")
     if res.get("kill_core"):
         k = res["kill_core"]
         print(f"engine core killed at {k.get('t_kill_s')} s (pid {k.get('killed_pid')}), serving again at "

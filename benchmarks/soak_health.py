@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from benchmarks.soak_users import BAD, GOOD, Soak
+from benchmarks.soak_users import BAD, GOOD, Tally
 
 _LINE = re.compile(r'^kvscope:(\w+)(\{[^}]*\})?\s+([-+0-9.eEinfaN]+)$')
 
@@ -62,23 +62,20 @@ def slope_per_s(ts: list[float], ys: list[float]) -> float:
     return sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den if den else 0.0
 
 
-async def sampler(base: str, pid: int | None, soak: Soak, rows: list, period: float, stop: asyncio.Event):
+async def sampler(base: str, pid: int | None, t0: float, rows: list, period: float, stop: asyncio.Event):
     async with httpx.AsyncClient(base_url=base, timeout=30.0) as client:
         while True:
             done = stop.is_set()
-            t = time.monotonic() - soak.t0
+            t = time.monotonic() - t0
             try:
                 m = parse_metrics((await client.get("/metrics")).text)
             except Exception as e:
                 m = {"error": str(e)}
-            ta = soak.tally
             rows.append(dict(t_s=round(t, 2), rss_mib=round(rss_mib(pid), 1),
                              kv_blocks_in_use=m.get("kv_blocks_in_use"), kv_blocks_total=m.get("num_kv_blocks"),
                              running=m.get("num_requests_running"), waiting=m.get("num_requests_waiting"),
                              preemptions=m.get("num_preemptions_total"), server_2xx=m.get("http_2xx"),
-                             server_4xx=m.get("http_4xx"), server_5xx=m.get("http_5xx"),
-                             requests_sent=sum(ta.sent.values()), good_ok=sum(ta.ok[a] for a in GOOD),
-                             bad_4xx=sum(ta.ok[a] for a in BAD), client_failures=ta.num_failed))
+                             server_4xx=m.get("http_4xx"), server_5xx=m.get("http_5xx")))
             if done:
                 return
             try:
@@ -97,3 +94,36 @@ async def wait_idle(base: str, timeout: float) -> dict:
             if (idle and m.get("kv_blocks_in_use") == 0) or time.monotonic() > end:
                 return m
             await asyncio.sleep(0.5)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation, None for no values."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def annotate(rows: list[dict], tally: Tally) -> None:
+    """Add the clients' side to the sampler's rows, from the per-request records: requests sent and outcomes so
+    far, and over the window since the previous row the streams' TTFT (p50 / p99, ms) and good requests
+    finished per second."""
+    recs = sorted(tally.records, key=lambda r: r[1])
+    prev = 0.0
+    for row in rows:
+        t = row["t_s"]
+        done = [r for r in recs if r[1] <= t]
+        window = [r for r in done if r[1] > prev]
+        ttfts = [r[4] * 1e3 for r in window if r[2] == "stream" and r[4] is not None]
+        p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
+        row.update(requests_sent=sum(r[0] <= t for r in recs),
+                   good_ok=sum(r[2] in GOOD and r[3] == "ok" for r in done),
+                   bad_4xx=sum(r[2] in BAD and r[3] == "ok" for r in done),
+                   client_failures=sum(r[3] == "fail" for r in done),
+                   ttft_p50_ms=None if p50 is None else round(p50, 1), ttft_p99_ms=None if p99 is None else round(p99, 1),
+                   good_per_s=round(sum(r[2] in GOOD and r[3] == "ok" for r in window) / max(t - prev, 1e-9), 2))
+        prev = t
+

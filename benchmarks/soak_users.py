@@ -35,11 +35,25 @@ class Tally:
     failures: list = field(default_factory=list)     # (t, action, message), the first 50 kept
     engine_errors: list = field(default_factory=list)  # (t, action, message): a clear "engine stopped" error
     good_ok_starts: list = field(default_factory=list)  # when each good request that succeeded was sent (s)
+    # one per request: (sent s, done s, action, outcome "ok" | "fail" | "engine", TTFT s of a stream or None,
+    # tokens generated for a good request)
+    records: list = field(default_factory=list)
 
     def fail(self, t0: float, action: str, msg: str) -> None:
         self.num_failed += 1
         if len(self.failures) < 50:
             self.failures.append((round(time.monotonic() - t0, 1), action, msg[:300]))
+
+    def merge(self, other: "Tally") -> None:
+        """Add another process's users' tally to this one."""
+        for a in ACTIONS:
+            self.sent[a] += other.sent[a]
+            self.ok[a] += other.ok[a]
+        self.num_failed += other.num_failed
+        self.failures = (self.failures + other.failures)[:50]
+        self.engine_errors += other.engine_errors
+        self.good_ok_starts += other.good_ok_starts
+        self.records += other.records
 
 
 class Soak:
@@ -61,27 +75,33 @@ class Soak:
                 action = rng.choices(names, weights)[0]
                 self.tally.sent[action] += 1
                 t_sent = round(time.monotonic() - self.t0, 2)
+                note: dict = {}                  # what the action measured (a stream: its TTFT)
                 try:
-                    ok, why = await getattr(self, action)(client, rng)
+                    ok, why = await getattr(self, action)(client, rng, note)
                 except Exception as e:           # a transport error counts against the action
                     ok, why = False, f"{type(e).__name__}: {e}"
+                outcome = "ok" if ok else "fail"
                 if ok:
                     self.tally.ok[action] += 1
                     if action in GOOD:
                         self.tally.good_ok_starts.append(t_sent)
                 elif action in (*GOOD, *BAD) and why.startswith(ENGINE_ERROR):
+                    outcome = "engine"
                     self.tally.engine_errors.append((round(time.monotonic() - self.t0, 1), action, why[:300]))
                 elif action in (*GOOD, *BAD, "ui"):
                     self.tally.fail(self.t0, action, why)
+                self.tally.records.append((t_sent, round(time.monotonic() - self.t0, 3), action, outcome,
+                                           note.get("ttft") if ok else None, note.get("tokens", 0) if ok else 0))
                 await asyncio.sleep(rng.uniform(0, self.args.think_s))
 
     def _body(self, rng, **kw) -> dict:
         return dict(model=self.model, prompt=self.prompt(rng, rng.randint(*self.args.prompt_len)),
                     max_tokens=rng.randint(*self.args.output_len), temperature=0, ignore_eos=True, **kw)
 
-    async def stream(self, client, rng):
+    async def stream(self, client, rng, note):
         body = self._body(rng, stream=True, logprobs=0, stream_options={"include_usage": True})
         n_tok, finish, usage = 0, None, None
+        t_sent = time.monotonic()
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return False, _why(r.status_code, await r.aread())
@@ -94,14 +114,17 @@ class Soak:
                 for ch in ev.get("choices") or []:
                     n_tok += len((ch.get("logprobs") or {}).get("tokens") or [])
                     finish = ch.get("finish_reason") or finish
+                if n_tok and "ttft" not in note:
+                    note["ttft"] = round(time.monotonic() - t_sent, 4)     # the request sent -> its first token read
                 usage = ev.get("usage") or usage
         want = body["max_tokens"]
         got = (usage or {}).get("completion_tokens")
         if finish != "length" or got != want or n_tok != want:
             return False, f"finish={finish} usage={got} streamed={n_tok} want={want}"
+        note["tokens"] = got
         return True, ""
 
-    async def chat(self, client, rng):
+    async def chat(self, client, rng, note):
         want = rng.randint(*self.args.output_len)
         body = dict(model=self.model, max_tokens=want, temperature=0, ignore_eos=True,
                     messages=[{"role": "user", "content": f"Count to {rng.randint(3, 30)}."}])
@@ -110,9 +133,10 @@ class Soak:
             return False, _why(r.status_code, r.content)
         got = r.json()["usage"]["completion_tokens"]
         fin = r.json()["choices"][0]["finish_reason"]
+        note["tokens"] = got
         return (got == want and fin == "length"), f"finish={fin} usage={got} want={want}"
 
-    async def disconnect(self, client, rng):
+    async def disconnect(self, client, rng, note):
         body = self._body(rng, stream=True)
         body["max_tokens"] = max(body["max_tokens"], 8)
         stop_after = rng.randint(1, 4)
@@ -124,14 +148,14 @@ class Soak:
                     break                     # leaving the block closes the connection mid-stream
         return True, ""
 
-    async def cancel(self, client, rng):
+    async def cancel(self, client, rng, note):
         try:
             await asyncio.wait_for(client.post("/v1/completions", json=self._body(rng)), rng.uniform(0.05, 1.0))
         except asyncio.TimeoutError:
             pass
         return True, ""
 
-    async def bad(self, client, rng):
+    async def bad(self, client, rng, note):
         kind = rng.randrange(6)
         body = self._body(rng)
         if kind == 0:
@@ -151,11 +175,23 @@ class Soak:
             r = await client.post("/v1/completions", json=body)
         return 400 <= r.status_code < 500, f"bad #{kind}: " + _why(r.status_code, r.content)
 
-    async def too_long(self, client, rng):
+    async def too_long(self, client, rng, note):
         body = dict(model=self.model, prompt=self.prompt(rng, self.mml + rng.randint(1, 64)), max_tokens=4)
         r = await client.post("/v1/completions", json=body)
         return 400 <= r.status_code < 500, _why(r.status_code, r.content)
 
-    async def ui(self, client, rng):
+    async def ui(self, client, rng, note):
         r = await client.get("/")
         return r.status_code == 200, f"status {r.status_code}"
+
+
+def users_process(base: str, model: str, max_model_len: int, args, t0: float, uids: list[int]) -> Tally:
+    """Users `uids` in a process of their own (soak.py --procs): one Python client falls behind a GPU server's
+    token rate, and its own lag would read as the server's latency."""
+    soak = Soak(base, model, max_model_len, args, t0)
+
+    async def go():
+        await asyncio.gather(*(soak.user(u) for u in uids))
+    asyncio.run(go())
+    return soak.tally
+

@@ -119,7 +119,7 @@ class SchedulerConfig(_Checks):
     scheduling_policy: str = "fcfs"     # "priority": by (SamplingParams.priority, arrival), preempting worse ones
     max_waiting_requests: int | None = None  # waiting-queue bound (beyond it add_request raises); None: unbounded
     num_scheduler_steps: int | None = None  # decode iterations per host round trip (multi-step); None: 8 cuda, 1 cpu
-    multi_step_max_ms: float | None = None  # a multi-step block's time limit (>= 2 iterations); None: no limit
+    multi_step_max_ms: float | None = None  # a multi-step block's time limit (milliseconds); None: no limit
     multi_step_trim: bool = True        # a block stops at its longest request's max_tokens and drops finished ones
     multi_step_admit_min: int | None = None  # full batch: newcomers wait for this many free slots; None: seqs // 32
 

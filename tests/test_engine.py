@@ -225,17 +225,20 @@ def test_multi_step_with_filtered_sampling(smollm2_engine_factory, prompts, monk
 
 def test_multi_step_time_cap(smollm2_engine_factory, prompts):
     """multi_step_max_ms bounds a block by the measured time per iteration: a cap below one iteration
-    leaves the shortest pipelined block (2), a generous one allows the full K; tokens are the same."""
+    leaves pipelined blocks of one iteration each, a generous one allows the full K; tokens are the same."""
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4
     results = {}
     for cap in (1e-6, 1e6):
         eng = smollm2_engine_factory(num_scheduler_steps=4, multi_step_max_ms=cap)
-        steps = []
+        steps, blocks = [], []
         eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
+        run_block = eng.multi_step.run
+        eng.multi_step.run = lambda K, pending: blocks.append(K) or run_block(K, pending)
         results[cap] = [o.token_ids for o in run_requests(eng, prompts, params)]
         assert eng.multi_step.decode_iter_s is not None and eng.multi_step.decode_iter_s > 0
         k = max(e.num_decode_steps for e in steps)
-        assert k == (2 if cap < 1 else 4), (cap, k)
+        assert k == (1 if cap < 1 else 4), (cap, k)
+        assert len(blocks) >= (8 if cap < 1 else 2), blocks      # decode went through blocks, not plain steps
     assert results[1e-6] == results[1e6]
 
 

@@ -12,8 +12,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_soak_short(tmp_path):
-    args = soak.parse_args(["--duration", "20", "--users", "4", "--model", "dummy:tiny", "--sample-s", "1",
-                            "--set", "num_kv_blocks=24", "--no-png", "--set", "max_num_seqs=8", "--out", str(tmp_path)])
+    # users in two client processes; TTFT drift is a speed verdict, left to the long soak (--ttft-drift inf)
+    args = soak.parse_args(["--duration", "12", "--users", "4", "--procs", "2", "--model", "dummy:tiny",
+                            "--sample-s", "1", "--set", "num_kv_blocks=24", "--no-png", "--set", "max_num_seqs=8",
+                            "--ttft-drift", "inf", "--out", str(tmp_path)])
     res = soak.run_soak(args)
     rc = soak.report(res, tmp_path, args)
     assert res["checks"] and all(res["checks"].values()), (res["checks"], res["failures"])
@@ -25,6 +27,14 @@ def test_soak_short(tmp_path):
     assert len(rows) >= 10
     assert max(float(r["kv_blocks_in_use"]) for r in rows) > 0        # the sampler saw the pool in use
     assert float(rows[-1]["kv_blocks_in_use"]) == 0
+    # the clients' side, merged from both processes: outcomes so far and the streams' TTFT per window
+    assert int(float(rows[-1]["good_ok"])) == res["ok"]["stream"] + res["ok"]["chat"]
+    ttfts = [float(r["ttft_p99_ms"]) for r in rows if r["ttft_p99_ms"]]
+    assert len(ttfts) >= 5 and all(t > 0 for t in ttfts)
+    assert res["ttft_p99_ms_early"] and res["ttft_p99_ms_late"]
+    assert (tmp_path / "soak.html").stat().st_size > 1000
+    (tmp_path / "soak.html").unlink()
+    assert soak.main(["--replot", str(tmp_path), "--no-png"]) == 0          # drawn again from the CSV + JSON
     assert (tmp_path / "soak.html").stat().st_size > 1000
 
 

@@ -148,7 +148,7 @@ class MultiStepDecoder:
         if sc.multi_step_trim:                         # no iteration that every request would discard
             K = min(K, longest)
         K = min(K, room, self._time_cap()) if K > 1 else min(K, room)
-        ok = K >= (1 if grammar else 2) and sch.can_schedule_block(kept, extra + K)
+        ok = K >= 1 and sch.can_schedule_block(kept, extra + K)
         return K if ok else 0
 
     def _admit_now(self, arrivals_pending: bool) -> bool:
@@ -168,16 +168,18 @@ class MultiStepDecoder:
         return free >= min(want, need)
 
     def _time_cap(self) -> int:
-        """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration (at least 2):
-        a block's tokens reach the clients together, so its length is the inter-token latency they see."""
+        """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration: a block's
+        tokens reach the clients together, so its length is the inter-token latency they see."""
         budget = self.config.scheduler_config.multi_step_max_ms
         if not budget:
             return self.num_steps
         if self.decode_iter_s is None:
-            return 1                                    # one plain decode step measures it first
-        # never below 2: a block of one iteration cannot be pipelined behind the one in flight, and the GPU
-        # would idle through every host round trip (num_scheduler_steps=1 turns multi-step off instead)
-        return max(2, int(budget / 1e3 / self.decode_iter_s))
+            return 1                                    # a first block of one iteration measures it
+        fit = int(budget / 1e3 / self.decode_iter_s)
+        # An iteration longer than the budget runs alone in its block: it outlasts the host's round trip
+        # (post-processing the block before it, launching the next), which stays hidden behind it. Shorter
+        # iterations run at least two per block, or the GPU would idle through every round trip.
+        return fit if fit >= 2 else (1 if fit == 0 else 2)
 
     def observe_iteration(self, seconds: float) -> None:
         """Fold one decode iteration's measured time into the running estimate (recent batches weigh most)."""
