@@ -1,4 +1,5 @@
 """Engine behaviour on the bundled SmolLM2: identical greedy (and seeded) outputs under every scheduling switch."""
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -50,8 +51,9 @@ def test_reference_is_meaningful(reference):
 ], ids=["batched", "chunked16", "nochunk", "static", "noprefix", "nocache", "bs8-seqs2", "multistep4", "gemv8"])
 def test_same_outputs_under_switches(smollm2_engine_factory, prompts, params, reference, cfg):
     eng = smollm2_engine_factory(**cfg)
-    outs = run_requests(eng, prompts, params)
-    assert [o.token_ids for o in outs] == reference
+    n = 8 if cfg.get("enable_kv_cache") is False else 16     # without a cache every step recomputes the prefix
+    outs = run_requests(eng, prompts, [dataclasses.replace(p, max_tokens=n) for p in params])
+    assert [o.token_ids for o in outs] == [r[:n] for r in reference]
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
 
 
