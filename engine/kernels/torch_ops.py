@@ -164,18 +164,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             sel = torch.tensor(dec_seqs, device=q.device)
             tok_idx = md.cu_seqlens_q[:-1].long()[sel]
             bt, lens = md.block_tables[sel], md.seq_lens[sel]
-        max_len = max(md.seq_lens_cpu[i] for i in dec_seqs)
+        dec_lens = [md.seq_lens_cpu[i] for i in dec_seqs]
+        max_len = max(dec_lens)
         bs = k_cache.shape[1]
         nb = (max_len + bs - 1) // bs
         bt = bt[:, :nb].long()                                     # [Bd, nb]
         k = kv_decode(_gather_blocks(k_cache, bt)[:, :max_len], q.dtype)   # [Bd, S, Hk, D]
         v = kv_decode(_gather_blocks(v_cache, bt)[:, :max_len], q.dtype)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None].long()  # [Bd, S]
+        mask = None                              # all lengths equal (batch 1): no mask, so SDPA takes its fused kernel
+        if min(dec_lens) < max_len:
+            mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None].long())[:, None, None, :]
         qd = q if tok_idx is None else q[tok_idx]                  # [Bd, H, D]
         o = F.scaled_dot_product_attention(
             qd.unsqueeze(2),                                       # [Bd, H, 1, D]
             k.transpose(1, 2), v.transpose(1, 2),                  # [Bd, Hk, S, D]
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=g > 1)  # [Bd, H, 1, D]
+            attn_mask=mask, scale=scale, enable_gqa=g > 1)        # [Bd, H, 1, D]
         o = o.squeeze(2)
         if tok_idx is None:
             out.copy_(o)
