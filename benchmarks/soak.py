@@ -142,11 +142,12 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
     quarter = (t_users - warm_t) / 3
     ttft_early, ttft_late = ttft_p99(warm_t, warm_t + quarter), ttft_p99(t_users - quarter, t_users)
     post_ttft = [r[4] for r in ta.records if r[2] == "stream" and r[4] is not None and r[0] >= warm_t]
+    sent, ok = ta.sent, ta.ok
     checks = {
-        "good requests complete with the right length": all(ta.sent[a] == ta.ok[a] for a in GOOD) and
-        sum(ta.ok[a] for a in GOOD) > 0,
-        "bad requests get a 4xx": all(ta.sent[a] == ta.ok[a] for a in BAD) and sum(ta.sent[a] for a in BAD) > 0,
-        "UI page served": ta.sent["ui"] == ta.ok["ui"],
+        "good requests complete with the right length": all(sent[a] == ok[a] for a in GOOD) and
+        sum(ok[a] for a in GOOD) > 0,
+        "bad requests get a 4xx": all(sent[a] == ok[a] for a in BAD) and sum(sent[a] for a in BAD) > 0,
+        "UI page served": sent["ui"] == ok["ui"],
         "no 5xx from the server": not final.get("http_5xx"),
         "0 KV blocks in use at the end": final.get("kv_blocks_in_use") == 0,
         f"RSS flat after warm-up (fit rises <= {args.rss_tol_mib:g} MiB)": len(post) >= 3 and
@@ -160,9 +161,9 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
         lo, hi = kill.get("t_kill_s", 0) - 1.0, kill.get("t_restored_s", 0) + 5.0
         del checks["no 5xx from the server"]
         checks["good requests complete with the right length"] = all(
-            ta.sent[a] == ta.ok[a] + sum(e[1] == a for e in engine_errs) for a in GOOD)
+            sent[a] == ok[a] + sum(e[1] == a for e in engine_errs) for a in GOOD)
         checks["bad requests get a 4xx"] = all(
-            ta.sent[a] == ta.ok[a] + sum(e[1] == a for e in engine_errs) for a in BAD)
+            sent[a] == ok[a] + sum(e[1] == a for e in engine_errs) for a in BAD)
         checks["engine core killed and restarted (new pid)"] = bool(kill.get("new_pid")) and \
             kill.get("new_pid") != kill.get("killed_pid")
         checks["failed requests got a clear engine error, around the restart only"] = \
@@ -171,13 +172,13 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
         # RSS is no signal across a restart (a process went, a new one grew): not judged
         checks = {k: v for k, v in checks.items() if not k.startswith(("RSS flat", "p99 TTFT stable"))}
         checks["good requests served after the restart"] = \
-            sum(t > kill.get("t_restored_s", float("inf")) for t in ta.good_ok_starts) > 0
+            sum(r[0] > kill.get("t_restored_s", float("inf")) for r in ta.records if r[2] in GOOD and r[3] == "ok") > 0
     elif ta.engine_errors:
         ta.failures.extend(ta.engine_errors[:10])
         checks["good requests complete with the right length"] = False
     return dict(users=args.users, duration_s=args.duration, users_done_s=round(t_users, 1), server=args.server,
                 kill_core=kill, num_engine_errors=len(ta.engine_errors), engine_errors=ta.engine_errors[:50],
-                sent=ta.sent, ok=ta.ok, requests=sum(ta.sent.values()),
+                sent=sent, ok=ok, requests=len(ta.records),
                 final={k: final.get(k) for k in ("kv_blocks_in_use", "num_kv_blocks", "num_requests_running",
                                                  "num_requests_waiting", "http_2xx", "http_4xx", "http_5xx", "http_503",
                                                  "num_preemptions_total")},

@@ -3,6 +3,7 @@ writes one row per period, and a wait for the server to go idle."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import re
 import time
 
@@ -112,11 +113,12 @@ def annotate(rows: list[dict], tally: Tally) -> None:
     far, and over the window since the previous row the streams' TTFT (p50 / p99, ms) and good requests
     finished per second."""
     recs = sorted(tally.records, key=lambda r: r[1])
+    done_at = [r[1] for r in recs]
     prev = 0.0
     for row in rows:
         t = row["t_s"]
-        done = [r for r in recs if r[1] <= t]
-        window = [r for r in done if r[1] > prev]
+        done = recs[:bisect.bisect_right(done_at, t)]
+        window = done[bisect.bisect_right(done_at, prev):]
         ttfts = [r[4] * 1e3 for r in window if r[2] == "stream" and r[4] is not None]
         p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
         row.update(requests_sent=sum(r[0] <= t for r in recs),

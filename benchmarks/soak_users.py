@@ -29,31 +29,38 @@ def _why(status: int, body: bytes) -> str:
 
 @dataclass
 class Tally:
-    sent: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
-    ok: dict = field(default_factory=lambda: {a: 0 for a in ACTIONS})
-    num_failed: int = 0
+    # one per request: (sent s, done s, action, outcome, TTFT s of a stream or None, tokens of a good request);
+    # outcome "ok", "fail" (counted against the action), "engine" (a clear engine-stopped error) or "dropped"
+    # (a disconnect or cancel the transport broke: nothing to judge)
+    records: list = field(default_factory=list)
     failures: list = field(default_factory=list)     # (t, action, message), the first 50 kept
     engine_errors: list = field(default_factory=list)  # (t, action, message): a clear "engine stopped" error
-    good_ok_starts: list = field(default_factory=list)  # when each good request that succeeded was sent (s)
-    # one per request: (sent s, done s, action, outcome "ok" | "fail" | "engine", TTFT s of a stream or None,
-    # tokens generated for a good request)
-    records: list = field(default_factory=list)
+
+    def count(self, outcome: str | None = None) -> dict:
+        """Requests per action (all of them, or those with this outcome)."""
+        out = {a: 0 for a in ACTIONS}
+        for r in self.records:
+            if outcome is None or r[3] == outcome:
+                out[r[2]] += 1
+        return out
+
+    @property
+    def sent(self) -> dict:
+        return self.count()
+
+    @property
+    def ok(self) -> dict:
+        return self.count("ok")
 
     def fail(self, t0: float, action: str, msg: str) -> None:
-        self.num_failed += 1
         if len(self.failures) < 50:
             self.failures.append((round(time.monotonic() - t0, 1), action, msg[:300]))
 
     def merge(self, other: "Tally") -> None:
         """Add another process's users' tally to this one."""
-        for a in ACTIONS:
-            self.sent[a] += other.sent[a]
-            self.ok[a] += other.ok[a]
-        self.num_failed += other.num_failed
+        self.records += other.records
         self.failures = (self.failures + other.failures)[:50]
         self.engine_errors += other.engine_errors
-        self.good_ok_starts += other.good_ok_starts
-        self.records += other.records
 
 
 class Soak:
@@ -73,23 +80,22 @@ class Soak:
         async with httpx.AsyncClient(base_url=self.base, timeout=timeout) as client:
             while time.monotonic() < self.deadline:      # (moved later while a killed engine comes back)
                 action = rng.choices(names, weights)[0]
-                self.tally.sent[action] += 1
                 t_sent = round(time.monotonic() - self.t0, 2)
                 note: dict = {}                  # what the action measured (a stream: its TTFT)
                 try:
                     ok, why = await getattr(self, action)(client, rng, note)
                 except Exception as e:           # a transport error counts against the action
                     ok, why = False, f"{type(e).__name__}: {e}"
-                outcome = "ok" if ok else "fail"
                 if ok:
-                    self.tally.ok[action] += 1
-                    if action in GOOD:
-                        self.tally.good_ok_starts.append(t_sent)
+                    outcome = "ok"
                 elif action in (*GOOD, *BAD) and why.startswith(ENGINE_ERROR):
                     outcome = "engine"
                     self.tally.engine_errors.append((round(time.monotonic() - self.t0, 1), action, why[:300]))
                 elif action in (*GOOD, *BAD, "ui"):
+                    outcome = "fail"
                     self.tally.fail(self.t0, action, why)
+                else:
+                    outcome = "dropped"
                 self.tally.records.append((t_sent, round(time.monotonic() - self.t0, 3), action, outcome,
                                            note.get("ttft") if ok else None, note.get("tokens", 0) if ok else 0))
                 await asyncio.sleep(rng.uniform(0, self.args.think_s))
