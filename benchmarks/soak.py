@@ -6,7 +6,13 @@ process, as users run it), mixing good and bad traffic, while a sampler records 
     python benchmarks/soak.py --server api --kill-core-at 60 ...          # the API server; its engine process
                                                                           # is killed 60 s in
 
-Each user loops until the deadline, picking one action at a time (weights in ACTIONS):
+    python benchmarks/soak.py --server api --load-frac 0.7 --users 512 ...  # open loop at 70% of the capacity
+                                                                          # a closed-loop probe measures
+
+The load is closed loop (--users, each sending one request at a time with up to --think-s between them) or
+open loop (--rate: requests arrive as a Poisson process however many are in flight; --load-frac F first
+measures the capacity, --users users with no pause for --probe-s seconds, and sends F x its requests/s).
+Each request is one action drawn by weight (ACTIONS):
   stream      streaming /v1/completions, token-id prompt, greedy, ignore_eos: must finish "length" with
               exactly max_tokens tokens (usage) and as many streamed tokens (logprobs)
   chat        non-streamed /v1/chat/completions with ignore_eos: exactly max_tokens completion tokens
@@ -63,28 +69,60 @@ async def run(base: str, pid: int | None, args) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=30.0) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
         mml = parse_metrics((await c.get("/metrics")).text)["max_model_len"]
+    capacity = None
+    if args.load_frac:
+        capacity = await probe_capacity(base, model, mml, args)
+        args.rate = round(args.load_frac * capacity["requests_per_s"], 2)
+        print(f"capacity: {capacity['requests_per_s']} requests/s ({capacity['good_tokens_per_s']} good tokens/s) "
+              f"with {args.users} users and no pause; the soak sends {args.rate} requests/s")
+        await wait_idle(base, args.idle_timeout)
     t0 = time.monotonic()
     soak = Soak(base, model, mml, args, t0)
     rows: list[dict] = []
     stop = asyncio.Event()
     samp = asyncio.create_task(sampler(base, pid, t0, rows, args.sample_s, stop))
     kill = asyncio.create_task(kill_core(base, pid, t0, args.kill_core_at, soak)) if args.kill_core_at else None
-    if args.procs > 1:
-        loop = asyncio.get_running_loop()
-        with ProcessPoolExecutor(args.procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            parts = [loop.run_in_executor(pool, users_process, base, model, mml, args, t0,
-                                          list(range(i, args.users, args.procs))) for i in range(args.procs)]
-            for tally in await asyncio.gather(*parts):
-                soak.tally.merge(tally)
-    else:
-        await asyncio.gather(*(soak.user(u) for u in range(args.users)))
+    await drive(soak, base, model, mml, args, t0)
     t_users = time.monotonic() - t0
     kill_res = await kill if kill is not None else None
     final = await wait_idle(base, args.idle_timeout)
     stop.set()
     await samp
     annotate(rows, soak.tally)
-    return judge(soak, rows, final, t_users, args, kill_res)
+    res = judge(soak, rows, final, t_users, args, kill_res)
+    res["capacity"] = capacity
+    if capacity:
+        res["checks"]["capacity probe: no failed request"] = capacity["failed"] == 0
+        res["passed"] = all(res["checks"].values())
+        res["load_frac_tokens"] = round(res["good_tokens_per_s_after_warmup"] / capacity["good_tokens_per_s"], 3)
+    return res
+
+
+async def drive(soak: Soak, base: str, model: str, mml: int, args, t0: float) -> None:
+    """The load until soak.deadline: in this process, or spread over --procs client processes."""
+    if args.procs == 1:
+        await soak.drive()
+        return
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(args.procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = [loop.run_in_executor(pool, users_process, base, model, mml, args, t0, i) for i in range(args.procs)]
+        for tally in await asyncio.gather(*parts):
+            soak.tally.merge(tally)
+
+
+async def probe_capacity(base: str, model: str, mml: int, args) -> dict:
+    """The server's capacity for this request mix: --users users in a closed loop with no pause for --probe-s
+    seconds; requests finished per second (and good tokens per second) over the probe's last two thirds."""
+    probe_args = argparse.Namespace(**{**vars(args), "think_s": 0.0, "duration": args.probe_s, "rate": None})
+    t0 = time.monotonic()
+    soak = Soak(base, model, mml, probe_args, t0)
+    await drive(soak, base, model, mml, probe_args, t0)
+    lo, hi = args.probe_s / 3, args.probe_s
+    done = [r for r in soak.tally.records if lo <= r[1] < hi]
+    return dict(users=args.users, probe_s=args.probe_s, requests=len(soak.tally.records),
+                requests_per_s=round(len(done) / (hi - lo), 2),
+                good_tokens_per_s=round(sum(r[5] for r in done) / (hi - lo), 1),
+                failed=sum(r[3] == "fail" for r in soak.tally.records))
 
 
 def core_process(pid: int):
@@ -176,7 +214,7 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
     elif ta.engine_errors:
         ta.failures.extend(ta.engine_errors[:10])
         checks["good requests complete with the right length"] = False
-    return dict(users=args.users, duration_s=args.duration, users_done_s=round(t_users, 1), server=args.server,
+    return dict(users=None if args.rate else args.users, rate_per_s=args.rate, duration_s=args.duration, users_done_s=round(t_users, 1), server=args.server,
                 kill_core=kill, num_engine_errors=len(ta.engine_errors), engine_errors=ta.engine_errors[:50],
                 sent=sent, ok=ok, requests=len(ta.records),
                 final={k: final.get(k) for k in ("kv_blocks_in_use", "num_kv_blocks", "num_requests_running",
@@ -276,7 +314,12 @@ def start_app(args) -> tuple[subprocess.Popen, str]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=float, default=1200.0, help="seconds the users keep sending")
-    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--users", type=int, default=16, help="closed-loop users (and the capacity probe's)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="open loop instead of users: requests arrive as a Poisson process of this many a second")
+    ap.add_argument("--load-frac", type=float, default=None, metavar="F",
+                    help="open loop at F x the capacity a --probe-s closed-loop run of --users users measures")
+    ap.add_argument("--probe-s", type=float, default=60.0, help="length of the --load-frac capacity probe")
     ap.add_argument("--url", default=None, help="a running app's base URL (default: start app.py)")
     ap.add_argument("--server", choices=["app", "api"], default="app",
                     help="what to start: app.py (UI + API, engine on a thread) or the API server (engine in its "
@@ -311,6 +354,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.procs > 1 and args.kill_core_at is not None:
         ap.error("--kill-core-at needs the users in one process (--procs 1)")
+    if args.load_frac is not None and (args.rate is not None or not 0 < args.load_frac <= 1 or args.probe_s <= 0):
+        ap.error("--load-frac F: 0 < F <= 1, a --probe-s above 0, and no --rate")
+    if args.rate is not None and args.rate <= 0:
+        ap.error("--rate must be above 0")
     return args
 
 
@@ -347,7 +394,8 @@ def plot(rows: list[dict], res: dict, out: Path, args) -> str | None:
     if importlib.util.find_spec("plotly") is None:
         print("no plotly here: soak.csv and soak.json only (python benchmarks/soak.py --replot DIR draws them)")
         return None
-    title = (f"kvscope soak: {res['users']} users × {res['duration_s'] / 60:.3g} min, {res['requests']} requests — "
+    load = f"{res['rate_per_s']} requests/s" if res.get("rate_per_s") else f"{res['users']} users"
+    title = (f"kvscope soak: {load} × {res['duration_s'] / 60:.3g} min, {res['requests']} requests — "
              f"{'PASS' if res['passed'] else 'FAIL'}")
     fig = figure(rows, res, title)
     fig.write_html(str(out / "soak.html"), include_plotlyjs="cdn")
@@ -387,6 +435,11 @@ def report(res: dict, out: Path, args) -> int:
           f"({res['good_tokens_per_s_after_warmup']} tokens/s), {res['running_mean_after_warmup']} "
           f"running on average; stream TTFT {res['ttft_ms_after_warmup']} ms; p99 {res['ttft_p99_ms_early']} ms "
           f"just after warm-up, {res['ttft_p99_ms_late']} ms at the end")
+    if res.get("capacity"):
+        c = res["capacity"]
+        print(f"capacity probe: {c['requests_per_s']} requests/s, {c['good_tokens_per_s']} good tokens/s "
+              f"({c['users']} users, no pause, {c['probe_s']:g} s); the soak ran at {res['rate_per_s']} requests/s, "
+              f"{res['load_frac_tokens']:.0%} of the probe's good tokens/s")
     if res.get("kill_core"):
         k = res["kill_core"]
         print(f"engine core killed at {k.get('t_kill_s')} s (pid {k.get('killed_pid')}), serving again at "

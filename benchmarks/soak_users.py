@@ -73,32 +73,66 @@ class Soak:
     def prompt(self, rng: random.Random, n: int) -> list[int]:
         return [rng.randrange(*PROMPT_IDS) for _ in range(n)]
 
-    async def user(self, uid: int) -> None:
-        rng = random.Random(self.args.seed * 1000 + uid)
+    async def act(self, client: httpx.AsyncClient, rng: random.Random) -> None:
+        """One request: an action drawn by weight, run, and its outcome recorded."""
         names, weights = list(self.weights), list(self.weights.values())
-        timeout = httpx.Timeout(self.args.request_timeout, connect=30.0)
-        async with httpx.AsyncClient(base_url=self.base, timeout=timeout) as client:
+        action = rng.choices(names, weights)[0]
+        t_sent = round(time.monotonic() - self.t0, 2)
+        note: dict = {}                  # what the action measured (a stream: its TTFT)
+        try:
+            ok, why = await getattr(self, action)(client, rng, note)
+        except Exception as e:           # a transport error counts against the action
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if ok:
+            outcome = "ok"
+        elif action in (*GOOD, *BAD) and why.startswith(ENGINE_ERROR):
+            outcome = "engine"
+            self.tally.engine_errors.append((round(time.monotonic() - self.t0, 1), action, why[:300]))
+        elif action in (*GOOD, *BAD, "ui"):
+            outcome = "fail"
+            self.tally.fail(self.t0, action, why)
+        else:
+            outcome = "dropped"
+        self.tally.records.append((t_sent, round(time.monotonic() - self.t0, 3), action, outcome,
+                                   note.get("ttft") if ok else None, note.get("tokens", 0) if ok else 0))
+
+    async def drive(self, part: int = 0) -> None:
+        """This client process's load: arrivals at its share of args.rate, or its users (every procs-th)."""
+        procs = getattr(self.args, "procs", 1)
+        if getattr(self.args, "rate", None):
+            await self.arrivals(self.args.rate / procs, seed=self.args.seed * 1000 + part)
+        else:
+            await asyncio.gather(*(self.user(u) for u in range(part, self.args.users, procs)))
+
+    def _client(self, **kw) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base, timeout=httpx.Timeout(self.args.request_timeout, connect=30.0),
+                                 **kw)
+
+    async def user(self, uid: int) -> None:
+        """Closed loop: one request at a time, a pause of up to --think-s between them, until the deadline."""
+        rng = random.Random(self.args.seed * 1000 + uid)
+        async with self._client() as client:
             while time.monotonic() < self.deadline:      # (moved later while a killed engine comes back)
-                action = rng.choices(names, weights)[0]
-                t_sent = round(time.monotonic() - self.t0, 2)
-                note: dict = {}                  # what the action measured (a stream: its TTFT)
-                try:
-                    ok, why = await getattr(self, action)(client, rng, note)
-                except Exception as e:           # a transport error counts against the action
-                    ok, why = False, f"{type(e).__name__}: {e}"
-                if ok:
-                    outcome = "ok"
-                elif action in (*GOOD, *BAD) and why.startswith(ENGINE_ERROR):
-                    outcome = "engine"
-                    self.tally.engine_errors.append((round(time.monotonic() - self.t0, 1), action, why[:300]))
-                elif action in (*GOOD, *BAD, "ui"):
-                    outcome = "fail"
-                    self.tally.fail(self.t0, action, why)
-                else:
-                    outcome = "dropped"
-                self.tally.records.append((t_sent, round(time.monotonic() - self.t0, 3), action, outcome,
-                                           note.get("ttft") if ok else None, note.get("tokens", 0) if ok else 0))
+                await self.act(client, rng)
                 await asyncio.sleep(rng.uniform(0, self.args.think_s))
+
+    async def arrivals(self, rate: float, seed: int) -> None:
+        """Open loop: requests arrive as a Poisson process of `rate` a second until the deadline, each in a task of
+        its own however many are still in flight, as a server's independent clients do."""
+        rng = random.Random(seed)
+        in_flight: set[asyncio.Task] = set()
+        async with self._client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)) as client:
+            t = time.monotonic()
+            while True:
+                t += rng.expovariate(rate)
+                if t >= self.deadline:
+                    break
+                await asyncio.sleep(max(0.0, t - time.monotonic()))
+                task = asyncio.create_task(self.act(client, random.Random(rng.getrandbits(64))))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            if in_flight:
+                await asyncio.gather(*in_flight)
 
     def _body(self, rng, **kw) -> dict:
         return dict(model=self.model, prompt=self.prompt(rng, rng.randint(*self.args.prompt_len)),
@@ -191,13 +225,10 @@ class Soak:
         return r.status_code == 200, f"status {r.status_code}"
 
 
-def users_process(base: str, model: str, max_model_len: int, args, t0: float, uids: list[int]) -> Tally:
-    """Users `uids` in a process of their own (soak.py --procs): one Python client falls behind a GPU server's
-    token rate, and its own lag would read as the server's latency."""
+def users_process(base: str, model: str, max_model_len: int, args, t0: float, part: int) -> Tally:
+    """Client process `part` of args.procs (soak.py --procs): its share of the users, or of the arrival rate
+    (--rate). One Python client falls behind a GPU server's token rate, and its own lag would read as the
+    server's latency."""
     soak = Soak(base, model, max_model_len, args, t0)
-
-    async def go():
-        await asyncio.gather(*(soak.user(u) for u in uids))
-    asyncio.run(go())
+    asyncio.run(soak.drive(part))
     return soak.tally
-
