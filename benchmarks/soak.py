@@ -75,7 +75,7 @@ async def run(base: str, pid: int | None, args) -> dict:
         args.rate = round(args.load_frac * capacity["requests_per_s"], 2)
         print(f"capacity: {capacity['requests_per_s']} requests/s ({capacity['good_tokens_per_s']} good tokens/s) "
               f"with {args.users} users and no pause; the soak sends {args.rate} requests/s")
-        await wait_idle(base, args.idle_timeout)
+    before = await wait_idle(base, args.idle_timeout)      # the counters the run's own responses are told from
     t0 = time.monotonic()
     soak = Soak(base, model, mml, args, t0)
     rows: list[dict] = []
@@ -89,10 +89,11 @@ async def run(base: str, pid: int | None, args) -> dict:
     stop.set()
     await samp
     annotate(rows, soak.tally)
-    res = judge(soak, rows, final, t_users, args, kill_res)
+    res = judge(soak, rows, final, t_users, args, kill_res, before)
     res["capacity"] = capacity
     if capacity:
-        res["checks"]["capacity probe: no failed request"] = capacity["failed"] == 0
+        res["checks"]["capacity probe: no failed request (a 503 while full is admission at work)"] = \
+            capacity["failed"] == 0
         res["passed"] = all(res["checks"].values())
         res["load_frac_tokens"] = round(res["good_tokens_per_s_after_warmup"] / capacity["good_tokens_per_s"], 3)
     return res
@@ -122,7 +123,8 @@ async def probe_capacity(base: str, model: str, mml: int, args) -> dict:
     return dict(users=args.users, probe_s=args.probe_s, requests=len(soak.tally.records),
                 requests_per_s=round(len(done) / (hi - lo), 2),
                 good_tokens_per_s=round(sum(r[5] for r in done) / (hi - lo), 1),
-                failed=sum(r[3] == "fail" for r in soak.tally.records))
+                refused_full=sum(r[3] == "full" for r in soak.tally.records),
+                failed=sum(r[3] == "fail" for r in soak.tally.records), failures=soak.tally.failures[:10])
 
 
 def core_process(pid: int):
@@ -166,8 +168,11 @@ async def kill_core(base: str, pid: int | None, t0: float, at_s: float, soak: So
             "new_pid": new.pid if new is not None else None}
 
 
-def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill: dict | None = None) -> dict:
+def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill: dict | None = None,
+          before: dict | None = None) -> dict:
     ta = soak.tally
+    # the server's 5xx / 503 answers during this run (not the capacity probe's, nor an earlier user's)
+    during = {k: (final.get(k) or 0) - ((before or {}).get(k) or 0) for k in ("http_5xx", "http_503")}
     warm_t = args.warmup_frac * t_users
     post = [r for r in rows if r["t_s"] >= warm_t and r["t_s"] <= t_users and r["rss_mib"] == r["rss_mib"]]
     slope = slope_per_s([r["t_s"] for r in post], [r["rss_mib"] for r in post])
@@ -186,7 +191,7 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
         sum(ok[a] for a in GOOD) > 0,
         "bad requests get a 4xx": all(sent[a] == ok[a] for a in BAD) and sum(sent[a] for a in BAD) > 0,
         "UI page served": sent["ui"] == ok["ui"],
-        "no 5xx from the server": not final.get("http_5xx"),
+        "no 5xx from the server": not during["http_5xx"],
         "0 KV blocks in use at the end": final.get("kv_blocks_in_use") == 0,
         f"RSS flat after warm-up (fit rises <= {args.rss_tol_mib:g} MiB)": len(post) >= 3 and
         growth <= args.rss_tol_mib,
@@ -206,7 +211,7 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
             kill.get("new_pid") != kill.get("killed_pid")
         checks["failed requests got a clear engine error, around the restart only"] = \
             all(lo <= e[0] <= hi for e in engine_errs)
-        checks["no 5xx but the 503s of the restart"] = (final.get("http_5xx") or 0) == (final.get("http_503") or 0)
+        checks["no 5xx but the 503s of the restart"] = during["http_5xx"] == during["http_503"]
         # RSS is no signal across a restart (a process went, a new one grew): not judged
         checks = {k: v for k, v in checks.items() if not k.startswith(("RSS flat", "p99 TTFT stable"))}
         checks["good requests served after the restart"] = \
@@ -216,7 +221,7 @@ def judge(soak: Soak, rows: list[dict], final: dict, t_users: float, args, kill:
         checks["good requests complete with the right length"] = False
     return dict(users=None if args.rate else args.users, rate_per_s=args.rate, duration_s=args.duration, users_done_s=round(t_users, 1), server=args.server,
                 kill_core=kill, num_engine_errors=len(ta.engine_errors), engine_errors=ta.engine_errors[:50],
-                sent=sent, ok=ok, requests=len(ta.records),
+                sent=sent, ok=ok, requests=len(ta.records), http_5xx_during=during["http_5xx"],
                 final={k: final.get(k) for k in ("kv_blocks_in_use", "num_kv_blocks", "num_requests_running",
                                                  "num_requests_waiting", "http_2xx", "http_4xx", "http_5xx", "http_503",
                                                  "num_preemptions_total")},
@@ -438,7 +443,8 @@ def report(res: dict, out: Path, args) -> int:
     if res.get("capacity"):
         c = res["capacity"]
         print(f"capacity probe: {c['requests_per_s']} requests/s, {c['good_tokens_per_s']} good tokens/s "
-              f"({c['users']} users, no pause, {c['probe_s']:g} s); the soak ran at {res['rate_per_s']} requests/s, "
+              f"({c['users']} users, no pause, {c['probe_s']:g} s; {c['refused_full']} refused with 503 while full, "
+              f"{c['failed']} failed); the soak ran at {res['rate_per_s']} requests/s, "
               f"{res['load_frac_tokens']:.0%} of the probe's good tokens/s")
     if res.get("kill_core"):
         k = res["kill_core"]

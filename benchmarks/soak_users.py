@@ -30,8 +30,9 @@ def _why(status: int, body: bytes) -> str:
 @dataclass
 class Tally:
     # one per request: (sent s, done s, action, outcome, TTFT s of a stream or None, tokens of a good request);
-    # outcome "ok", "fail" (counted against the action), "engine" (a clear engine-stopped error) or "dropped"
-    # (a disconnect or cancel the transport broke: nothing to judge)
+    # outcome "ok", "fail" (counted against the action), "full" (a 503 "retry later": against the action too, but
+    # expected while the capacity probe saturates the server), "engine" (a clear engine-stopped error) or
+    # "dropped" (a disconnect or cancel the transport broke: nothing to judge)
     records: list = field(default_factory=list)
     failures: list = field(default_factory=list)     # (t, action, message), the first 50 kept
     engine_errors: list = field(default_factory=list)  # (t, action, message): a clear "engine stopped" error
@@ -89,7 +90,8 @@ class Soak:
             outcome = "engine"
             self.tally.engine_errors.append((round(time.monotonic() - self.t0, 1), action, why[:300]))
         elif action in (*GOOD, *BAD, "ui"):
-            outcome = "fail"
+            # a 503 "retry later" from a full server is told apart: the capacity probe saturates it on purpose
+            outcome = "full" if why.startswith("status 503") else "fail"
             self.tally.fail(self.t0, action, why)
         else:
             outcome = "dropped"

@@ -24,6 +24,7 @@ def test_soak_short(tmp_path):
     assert rc == 0
     cap = res["capacity"]
     assert cap["requests_per_s"] > 0 and res["rate_per_s"] == round(0.7 * cap["requests_per_s"], 2)
+    assert cap["failed"] == 0 and res["http_5xx_during"] == 0
     assert res["requests"] > 0 and res["users"] is None
     for action in ("stream", "bad", "too_long", "disconnect", "cancel"):
         assert res["sent"][action] > 0, action
