@@ -16,14 +16,14 @@ CONFIGS = {
     "smollm2-shape": lambda: transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": 4},
                                                       tie_word_embeddings=True, rope_theta=100000.0),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=False),
-    "qwen3": lambda: transformers.Qwen3Config(**{**SMALL, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
-                                                 "head_dim": 32}, tie_word_embeddings=True),
+    "qwen3": lambda **kw: transformers.Qwen3Config(**{**SMALL, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "hidden_size": 128, "head_dim": 32, **kw}, tie_word_embeddings=True),
 }
 
 
-def _hf_model(kind, folder):
+def _hf_model(kind, folder, **overrides):
     torch.manual_seed(0)
-    cfg = CONFIGS[kind]()
+    cfg = CONFIGS[kind](**overrides)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # make biases and norms non-trivial so every code path matters
         for name, p in model.named_parameters():
@@ -113,8 +113,9 @@ def test_bundled_smollm2_greedy_matches_hf_generate(smollm2_engine_factory):
 @pytest.mark.parametrize("fused_qk_norm", [True, False])
 def test_qwen3_qk_norm_triton_matches_hf(fused_qk_norm, tmp_path):
     """Qwen3's q/k norm on the Triton path (interpreter here): in place on the qkv views (EngineConfig.fused_qk_norm)
-    or copied and normalized row by row; both give HF's greedy tokens, batched and chunked."""
-    hf = _hf_model("qwen3", tmp_path)
+    or copied and normalized row by row; both give HF's greedy tokens, batched and chunked. One layer: every
+    kernel runs interpreted, and the norm's code is the same in each layer."""
+    hf = _hf_model("qwen3", tmp_path, num_hidden_layers=1)
     eng = LLMEngine(model=str(tmp_path), device="cpu", kernels="triton", block_size=4, max_num_batched_tokens=16,
                     num_kv_blocks=64, enable_prefix_caching=False, fused_qk_norm=fused_qk_norm)
     gen = torch.Generator().manual_seed(2)

@@ -45,10 +45,10 @@ def test_soak_short(tmp_path):
 
 
 def test_soak_engine_core_killed(tmp_path):
-    """The API server (engine in its own process) with its engine core SIGKILLed 5 s in: requests caught by it
+    """The API server (engine in its own process) with its engine core SIGKILLed 3 s in: requests caught by it
     get a clear engine error (503 or a stream error event), only around the restart; after it, good requests are
     served again; no other 5xx; no KV block in use at the end."""
-    args = soak.parse_args(["--server", "api", "--kill-core-at", "5", "--after-restart-s", "5", "--duration", "10", "--users", "4",
+    args = soak.parse_args(["--server", "api", "--kill-core-at", "3", "--after-restart-s", "3", "--duration", "6", "--users", "4",
                             "--model", "dummy:tiny", "--sample-s", "1", "--set", "num_kv_blocks=48", "--no-png",
                             "--out", str(tmp_path)])
     res = soak.run_soak(args)
