@@ -271,9 +271,11 @@ def figure(rows: list[dict], res: dict, title: str):
                              line_color="#F28E2B"), 1, 2)
     fig.add_trace(go.Scatter(x=t, y=[r["running"] for r in rows], name="running", line_color="#59A14F"), 2, 1)
     fig.add_trace(go.Scatter(x=t, y=[r["waiting"] for r in rows], name="waiting", line_color="#E15759"), 2, 1)
+    base_5xx = rows[0]["server_5xx"] or 0                 # the server's count before this run (a capacity probe's)
     for key, name, color in (("good_ok", "good, right length", "#59A14F"), ("bad_4xx", "bad → 4xx", "#B07AA1"),
                              ("client_failures", "failures", "#FF9DA7"), ("server_5xx", "server 5xx", "#000")):
-        fig.add_trace(go.Scatter(x=t, y=[r[key] for r in rows], name=name, line_color=color), 2, 2)
+        ys = [r[key] - base_5xx if key == "server_5xx" else r[key] for r in rows]
+        fig.add_trace(go.Scatter(x=t, y=ys, name=name, line_color=color), 2, 2)
     for key, name, color in (("ttft_p50_ms", "TTFT p50", "#76B7B2"), ("ttft_p99_ms", "TTFT p99", "#E15759")):
         fig.add_trace(go.Scatter(x=t, y=[r.get(key) for r in rows], name=name, line_color=color), 3, 1)
     fig.add_vline(x=res["rss_warmup_s"] / 60, line_dash="dot", line_color="#888", row=3, col=1)
