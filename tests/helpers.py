@@ -135,7 +135,8 @@ def packed_model_and_ref(fmt: str):
     from engine.kernels.ops import get_ops
     from engine.models.loader import build_model
     from tests.test_quant import TINY, _prefill_then_decode
-    cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}
+    cfg = {**TINY, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 1, "num_key_value_heads": 1,
+           "head_dim": 32}
 
     def build(ops):
         return build_model(cfg, None, get_ops(ops), torch.device("cpu"), torch.float32, max_pos=64, seed=5,

@@ -54,13 +54,13 @@ def test_int4_layout_nibbles():
 def test_quant_gemv_matches_reference(fmt, group, prologue):
     """The decodes (CVT 1: bit operations, 0: conversion instructions, int8's 2: a multiply-add) and both loop
     orders (PRE 1: next tile prefetched), M = 1 and a padded M = 3; N over one 128-row fp8 scale block, K not a
-    multiple of 128."""
+    multiple of 128 (BLOCK_N 32 and 64: programs on both sides of the scale block's edge)."""
     torch.manual_seed(1)
     N, K = 133, 333
     t = quantize(torch.randn(N, K) * 0.05, fmt, group)
     bk = 128 if fmt == "int4" else 64
     cvt = 2 if fmt == "int8" else 0                                  # int8's third decode
-    for M, dtype, cfg in ((1, torch.float32, (4, bk, 1, 1, 1)), (3, torch.float16, (16, 2 * bk, 1, cvt, 0))):
+    for M, dtype, cfg in ((1, torch.float32, (32, bk, 1, 1, 1)), (3, torch.float16, (64, 2 * bk, 1, cvt, 0))):
         x = torch.randn(M, 2 * K if prologue == "silu_mul" else K).to(dtype)
         kw = dict(prologue=prologue, norm_weight=(torch.rand(K) + 0.5).to(dtype), eps=1e-5,
                   residual=torch.randn(M, N).to(dtype))
@@ -89,10 +89,10 @@ def test_quant_gemv_decodes_every_code_exactly(fmt):
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 32)])
 def test_quant_qkv_rope_store_matches_reference(fmt, group):
     """The quantized q/k/v linear with RoPE and the KV store in its epilogue vs dequantize + the torch
-    composition: q, and the caches (a padding slot stores nothing); fp8's rows span two scale blocks."""
+    composition: q, and the caches (a padding slot stores nothing); fp8's 160 rows span two scale blocks."""
     from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
     torch.manual_seed(4)
-    (H, Hk), D, K, bs = ((4, 2) if fmt == "fp8" else (2, 1)), 32, 200, 4
+    (H, Hk, D), K, bs = ((3, 1, 32) if fmt == "fp8" else (2, 1, 16)), 200, 4
     N = (H + 2 * Hk) * D
     t = quantize(torch.randn(N, K) * 0.05, fmt, group)
     cos_sin = torch.randn(64, D)
@@ -275,7 +275,8 @@ def test_quantized_model_triton_matches_torch(fmt):
     prologues and residual, q/k/v with RoPE and the KV store in its epilogue) give the torch path's logits."""
     from engine.kernels.ops import get_ops
     from engine.models.loader import build_model
-    cfg = {**TINY, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 1, "head_dim": 32}
+    cfg = {**TINY, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 1, "num_key_value_heads": 1,
+           "head_dim": 32}
     out = [_prefill_then_decode(build_model(cfg, None, get_ops(k), torch.device("cpu"), torch.float32, max_pos=64,
                                             seed=5, quantization=fmt), [5, 9, 13, 200, 7, 11, 3])
            for k in ("torch", "triton")]

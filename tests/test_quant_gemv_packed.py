@@ -39,8 +39,8 @@ CASES = [("int4", 32, None, 1), ("int4", 64, "rms_norm", 3), ("int4", 128, "silu
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,group,prologue,split", CASES)
 def test_packed_gemv_matches_reference(fmt, group, prologue, split):
-    """Odd N and K (int4: K not a multiple of the group), bias + residual, M = 1 and 3, split-K (the workspace is
-    left zero: a second call gives the same result)."""
+    """Odd N and K (int4: K not a multiple of the group), N over two row blocks, bias + residual, M = 1 and 3,
+    split-K (the workspace is left zero: a second call gives the same result)."""
     torch.manual_seed(1)
     N, K = (40, 236) if fmt == "fp8" else (37, 236)
     t = quantize(torch.randn(N, K) * 0.05, fmt, group or 128)
@@ -51,7 +51,7 @@ def test_packed_gemv_matches_reference(fmt, group, prologue, split):
         x = torch.randn(M, 2 * K if prologue == "silu_mul" else K).to(dtype)
         nw = (torch.rand(K) + 0.5).to(dtype) if prologue == "rms_norm" else None
         bias, res = torch.randn(N).to(dtype), torch.randn(M, N).to(dtype)
-        cfg = (8, bk, 1, split, 2 if M == 1 else 0)
+        cfg = (32, bk, 1, split, 2 if M == 1 else 0)
         y = quant_fused_linear_packed(x, fmt, t, (N, K), bias, prologue=prologue, norm_weight=nw, residual=res,
                                       config=cfg)
         ref = quant_fused_linear_ref(x, fmt, t, (N, K), bias, prologue=prologue, norm_weight=nw, residual=res)
@@ -97,7 +97,7 @@ def test_quant_qkv_rope_store_packed_matches_reference():
         if fmt == "int4":
             t = int4_to_words(t)
         cos_sin = torch.randn(64, D)
-        for M, bias, cfg in ((1, False, (8, 64, 1, 1, 2)), (3, True, None)):
+        for M, bias, cfg in ((1, False, (16, 64, 1, 1, 2)), (3, True, None)):
             x = torch.randn(M, K)
             nw = torch.rand(K) + 0.5
             b = torch.randn(N) if bias else None
@@ -162,28 +162,29 @@ class _GridSpy:
 def test_packed_int4_rows_on_grid(prologue, monkeypatch):
     """int4 at M > 1 runs each row as its own programs (the kernel's ROWS: grid (M, row blocks, K chunks), the M = 1
     dot, launched with M = 1), the H200-verified M = 1 path; int8 keeps its rows in one program. Both give the
-    reference: odd N, K a partial group past three, M = 2..4, split-K 1 / 2 / 3 (the workspace left zero)."""
+    reference: odd N over two row blocks, K a partial group past three, M = 2 (split-K 1) and a padded M = 3 (split-K
+    3, clamped to the 2 chunks there are; the workspace left zero)."""
     from engine.kernels import quant_gemv_packed as q
     spy = _GridSpy(q._pk_gemv_kernel)
     monkeypatch.setattr(q, "_pk_gemv_kernel", spy)
     torch.manual_seed(7)
     N, K, group = 37, 3 * 64 + 20, 64
     t = int4_to_words(quantize(torch.randn(N, K) * 0.05, "int4", group))
-    for M, split in ((2, 1), (3, 2), (4, 3)):
+    for M, split in ((2, 1), (3, 3)):
         x = torch.randn(M, 2 * K if prologue == "silu_mul" else K)
         nw = torch.rand(K) + 0.5 if prologue == "rms_norm" else None
         bias, res = torch.randn(N), torch.randn(M, N)
         ref = quant_fused_linear_ref(x, "int4", t, (N, K), bias, prologue=prologue, norm_weight=nw, residual=res)
         for rows in (None, False):
             spy.launches.clear()
-            cfg = (16, 2 * group, 1, split, 0)
+            cfg = (32, 2 * group, 1, split, 0)
             kw = dict(prologue=prologue, norm_weight=nw, residual=res, config=cfg, rows_on_grid=rows)
             y = quant_fused_linear_packed(x, "int4", t, (N, K), bias, **kw)
             torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
             if split > 1:
                 torch.testing.assert_close(quant_fused_linear_packed(x, "int4", t, (N, K), bias, **kw), y)
             grid, args, kwargs = spy.launches[0]
-            nb, chunks = triton.cdiv(N, 16), min(split, 2)           # 4 groups of 64 in tiles of 2: 2 chunks at most
+            nb, chunks = triton.cdiv(N, 32), min(split, 2)           # 4 groups of 64 in tiles of 2: 2 chunks at most
             if rows is None:                                          # the default: rows on the grid
                 assert grid == (M, nb, chunks) and kwargs["ROWS"] and kwargs["BLOCK_M"] == 1 and args[10] == 1
             else:

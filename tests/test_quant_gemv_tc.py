@@ -17,8 +17,8 @@ CASES = [(f, 128, p) for f in ("fp8", "int8", "int4") for p in (None, "rms_norm"
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,group,prologue", CASES)
 def test_tc_gemv_matches_reference(fmt, group, prologue):
-    """N = 133 over two 128-row fp8 scale blocks (BLOCK_N 16 divides 128), K = 333 not a multiple of the k step
-    nor of the group; bias and residual epilogue."""
+    """N = 133 over two 128-row fp8 scale blocks (BLOCK_N 64 divides 128: two programs in the first block, one in
+    the second), K = 333 not a multiple of the k step nor of the group; bias and residual epilogue."""
     torch.manual_seed(1)
     N, K = 133, 333
     t = quantize(torch.randn(N, K) * 0.05, fmt, group)
@@ -28,7 +28,7 @@ def test_tc_gemv_matches_reference(fmt, group, prologue):
         kw = dict(prologue=prologue, norm_weight=(torch.rand(K) + 0.5).to(dtype), eps=1e-5,
                   residual=torch.randn(M, N).to(dtype))
         bias = torch.randn(N).to(dtype)
-        y = quant_fused_linear(x, fmt, t, (N, K), bias, tensor_cores=True, config=(16, bk, 1, 2, dot), **kw)
+        y = quant_fused_linear(x, fmt, t, (N, K), bias, tensor_cores=True, config=(64, bk, 1, 2, dot), **kw)
         ref = quant_fused_linear_ref(x, fmt, t, (N, K), bias, **kw)
         # fp32 dots are exact up to summation order; fp16 operands round the activation (2^-11)
         tol = 1e-4 if (dtype, dot) == (torch.float32, 0) else 2e-2
@@ -54,10 +54,10 @@ def test_tc_gemv_decodes_every_code_exactly(fmt):
 @pytest.mark.parametrize("fmt,group", [("fp8", 128), ("int8", 128), ("int4", 32)])
 def test_tc_qkv_rope_store_matches_reference(fmt, group):
     """The q/k/v + RoPE + KV-store kernel on the tensor-core dot (16 rows a program: 8 rotation pairs): q and the
-    caches; a padding slot stores nothing; fp8's rows span two scale blocks."""
+    caches; a padding slot stores nothing; fp8's 160 rows span two scale blocks."""
     from engine.kernels.quant_qkv_rope import quant_fused_qkv_rope_store, quant_fused_qkv_rope_store_ref
     torch.manual_seed(4)
-    (H, Hk), D, K, bs = ((4, 2) if fmt == "fp8" else (2, 1)), 32, 200, 4
+    (H, Hk), D, K, bs = ((3, 1) if fmt == "fp8" else (2, 1)), 32, 200, 4
     N = (H + 2 * Hk) * D
     t = quantize(torch.randn(N, K) * 0.05, fmt, group)
     cos_sin = torch.randn(64, D)
