@@ -100,8 +100,9 @@ def main(argv=None) -> dict:
     prompt_len = max(32, nb * 16 // n * 2)
     rng = random.Random(1)
     for mode in ("recompute", "swap", "auto"):
+        # every prompt admitted at once (a small pool would otherwise derive a max_num_seqs that never preempts)
         eng = LLMEngine(**base, num_kv_blocks=nb, kv_offload_gib=args.offload_gib, preemption_mode=mode,
-                        max_model_len=min(nb * 16 - 16, 4096))
+                        max_model_len=min(nb * 16 - 16, 4096), max_num_seqs=n)
         prompts = [[rng.randrange(eng.arch_config.vocab_size) for _ in range(prompt_len)] for _ in range(n)]
         r = drive(eng, prompts, max_tokens=max(16, prompt_len // 2))
         res[f"burst_{mode}"] = r
