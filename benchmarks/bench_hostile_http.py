@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import shlex
 import socket
 import statistics
 import subprocess
@@ -170,6 +171,7 @@ def start_server(args) -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     common = ["--port", str(port), "--max-body-bytes", str(64 << 20), "--header-timeout", str(args.header_timeout),
               "--body-timeout", str(args.header_timeout)]
+    common += shlex.split(args.server_args)
     if args.target == "app":
         cmd = [sys.executable, str(ROOT / "app.py"), "--model", "dummy:tiny", "--device", "cpu", *common]
         probe = "/healthz"
@@ -256,6 +258,7 @@ def main() -> None:
     ap.add_argument("--target", choices=["api", "app"], default="api")
     ap.add_argument("--idle", type=int, default=20000, help="stalled sockets to open (capped by the fd limit)")
     ap.add_argument("--big-mib", type=float, default=4.0)
+    ap.add_argument("--server-args", default="", help="more server flags, e.g. '--api-server-count 2'")
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--header-timeout", type=float, default=10.0, help="the server's header and body timeouts")
     ap.add_argument("--settle", type=float, default=12.0, help="seconds to hold the stalled sockets before checking")

@@ -301,8 +301,8 @@ def add_http_args(g) -> None:
     g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_s,
                    help="seconds an idle kept-alive connection stays open")
     g.add_argument("--max-connections", type=int, default=None,
-                   help="open connections at most (default: the open-file limit less 256); over it the oldest "
-                        "idle connection is closed, or the new one gets 503")
+                   help="open connections at most (default: the open-file limit less an eighth, at least 256); over "
+                        "it the oldest idle connection is closed, or the new one gets 503")
 
 
 def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:

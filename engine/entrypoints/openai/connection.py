@@ -36,8 +36,11 @@ from engine.entrypoints.openai.arrival import ArrivalProtocol
 
 log = logging.getLogger(__name__)
 
-# file descriptors kept for everything but client connections (engine pipes, files, logs, outgoing calls)
-FD_RESERVE = 256
+# file descriptors kept for everything but counted client connections: engine pipes, files, logs, outgoing calls,
+# and the sockets in transit under a connection flood (accepted in batches before the guard counts them, closed
+# by it one loop iteration after it decides); an eighth of the limit, at least 256. A full table makes asyncio's
+# accept fail (EMFILE) and pause accepting for a second
+FD_RESERVE_MIN, FD_RESERVE_FRACTION = 256, 8
 WARN_EVERY_S = 60.0
 PROBE_FIRST_S, PROBE_S = 0.01, 0.5     # after a 102 probe, check for a reset this soon, backing off to this
 
@@ -60,7 +63,7 @@ def default_max_connections() -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(16, min(soft - FD_RESERVE, 65536))
+    return max(16, min(soft - max(FD_RESERVE_MIN, soft // FD_RESERVE_FRACTION), 65536))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,7 @@ class HttpLimits:
     header_timeout_s: float | None = 10.0
     body_timeout_s: float | None = 30.0
     keep_alive_s: float = 5.0
-    max_connections: int | None = None        # None: the open-file limit less FD_RESERVE, read at start
+    max_connections: int | None = None        # None: the open-file limit less an eighth, read at start
     max_header_bytes: int = 64 << 10
 
     def __post_init__(self):
