@@ -82,7 +82,7 @@ async def run(base: str, pid: int | None, args) -> dict:
     stop = asyncio.Event()
     samp = asyncio.create_task(sampler(base, pid, t0, rows, args.sample_s, stop))
     kill = asyncio.create_task(kill_core(base, pid, t0, args.kill_core_at, soak)) if args.kill_core_at else None
-    await drive(soak, base, model, mml, args, t0)
+    await load(soak)
     t_users = time.monotonic() - t0
     kill_res = await kill if kill is not None else None
     final = await wait_idle(base, args.idle_timeout)
@@ -99,14 +99,16 @@ async def run(base: str, pid: int | None, args) -> dict:
     return res
 
 
-async def drive(soak: Soak, base: str, model: str, mml: int, args, t0: float) -> None:
-    """The load until soak.deadline: in this process, or spread over --procs client processes."""
-    if args.procs == 1:
+async def load(soak: Soak) -> None:
+    """soak's load until its deadline: in this process, or spread over --procs client processes."""
+    procs = soak.args.procs
+    if procs == 1:
         await soak.drive()
         return
     loop = asyncio.get_running_loop()
-    with ProcessPoolExecutor(args.procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = [loop.run_in_executor(pool, users_process, base, model, mml, args, t0, i) for i in range(args.procs)]
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = [loop.run_in_executor(pool, users_process, soak.base, soak.model, soak.mml, soak.args, soak.t0, i)
+                 for i in range(procs)]
         for tally in await asyncio.gather(*parts):
             soak.tally.merge(tally)
 
@@ -117,7 +119,7 @@ async def probe_capacity(base: str, model: str, mml: int, args) -> dict:
     probe_args = argparse.Namespace(**{**vars(args), "think_s": 0.0, "duration": args.probe_s, "rate": None})
     t0 = time.monotonic()
     soak = Soak(base, model, mml, probe_args, t0)
-    await drive(soak, base, model, mml, probe_args, t0)
+    await load(soak)
     lo, hi = args.probe_s / 3, args.probe_s
     done = [r for r in soak.tally.records if lo <= r[1] < hi]
     return dict(users=args.users, probe_s=args.probe_s, requests=len(soak.tally.records),

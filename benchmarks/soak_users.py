@@ -69,15 +69,15 @@ class Soak:
         self.base, self.model, self.mml, self.args, self.t0 = base.rstrip("/"), model, max_model_len, args, t0
         self.tally = Tally()
         self.deadline = t0 + args.duration
-        self.weights = {a: w for a, w in ACTIONS.items() if a != "ui" or getattr(args, "server", "app") == "app"}
+        weights = {a: w for a, w in ACTIONS.items() if a != "ui" or getattr(args, "server", "app") == "app"}
+        self.actions, self.action_weights = list(weights), list(weights.values())
 
     def prompt(self, rng: random.Random, n: int) -> list[int]:
         return [rng.randrange(*PROMPT_IDS) for _ in range(n)]
 
     async def act(self, client: httpx.AsyncClient, rng: random.Random) -> None:
         """One request: an action drawn by weight, run, and its outcome recorded."""
-        names, weights = list(self.weights), list(self.weights.values())
-        action = rng.choices(names, weights)[0]
+        action = rng.choices(self.actions, self.action_weights)[0]
         t_sent = round(time.monotonic() - self.t0, 2)
         note: dict = {}                  # what the action measured (a stream: its TTFT)
         try:
@@ -100,8 +100,8 @@ class Soak:
 
     async def drive(self, part: int = 0) -> None:
         """This client process's load: arrivals at its share of args.rate, or its users (every procs-th)."""
-        procs = getattr(self.args, "procs", 1)
-        if getattr(self.args, "rate", None):
+        procs = self.args.procs
+        if self.args.rate:
             await self.arrivals(self.args.rate / procs, seed=self.args.seed * 1000 + part)
         else:
             await asyncio.gather(*(self.user(u) for u in range(part, self.args.users, procs)))
