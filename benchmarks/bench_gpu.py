@@ -181,7 +181,7 @@ def workload_floor(prompts, outs, bw: float, cfg: dict) -> float:
 
 
 def bench_vllm(shape: str, path: str, requests: int, sections: list[str], long_requests: int,
-               kv_dtypes: str) -> dict:
+               kv_dtypes: str, tensor_parallel_size: int = 1) -> dict:
     """{workload: figure} from benchmarks/vllm_offline.py in its own process (its own CUDA context), one process
     per KV cache dtype for the long-context workload."""
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1")
@@ -197,7 +197,8 @@ def bench_vllm(shape: str, path: str, requests: int, sections: list[str], long_r
                  for kv in kv_dtypes.split(",") if kv]
     res: dict = {}
     for extra in runs:
-        proc = subprocess.run([sys.executable, str(script), "--shape", shape, "--requests", str(requests), *extra],
+        proc = subprocess.run([sys.executable, str(script), "--shape", shape, "--requests", str(requests),
+                               "--tensor-parallel-size", str(tensor_parallel_size), *extra],
                               env=env, capture_output=True, text=True, timeout=900)
         sys.stderr.write(proc.stderr[-3000:])
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -1,11 +1,14 @@
 """Tensor parallelism on a multi-GPU machine , bf16, random weights, all in one run:
 
   latency     Llama-3.1-8B shape, batch 1: 128-token prompt, 256 new tokens, ms/token at TP=1 and TP=2
-              (target: TP=2 <= 0.62x TP=1), plus TP=2 eager with step timings: all-reduce ms per step
+              (target: TP=2 <= 0.62x TP=1), TP=2 with NCCL for every all-reduce (no one-shot kernel), and TP=2
+              eager with step timings: all-reduce ms per step
   throughput  nano-vllm's workload (bench_gpu.nano_workload) on the 8B shape at TP=1 and TP=2
+  vllm        vLLM at TP=2 on the same two workloads (benchmarks/vllm_offline.py in its own process;
+              --vllm-path is prepended to its PYTHONPATH)
   70b         the Llama-3.1-70B shape at TP=2 serving the same workload (141 GB of weights: one H200 cannot)
 
-    python benchmarks/bench_tp.py [--sections latency,throughput,70b] [--requests 256] [--requests-70b 256]
+    python benchmarks/bench_tp.py [--sections latency,throughput,vllm,70b] [--requests 256] [--requests-70b 256]
 Prints a table last; writes benchmarks/results/tp_<device>.json.
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_gpu import nano_workload, timed_generate  # noqa: E402
+from benchmarks.bench_gpu import bench_vllm, nano_workload, timed_generate  # noqa: E402
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -43,7 +46,8 @@ def latency(model: str, tp: int, timed: bool = False, **cfg) -> dict:
     out = llm.generate([list(range(1000, 1128))], sp, use_tqdm=False)[0]
     whole = (time.perf_counter() - t) / 256
     m = out.metrics
-    row = dict(bench="latency b=1", model=model.split(":")[1], tp=tp, config="eager, timed" if timed else "cuda graphs",
+    config = "eager, timed" if timed else "cuda graphs" + (", NCCL only" if cfg.get("disable_custom_all_reduce") else "")
+    row = dict(bench="latency b=1", model=model.split(":")[1], tp=tp, config=config,
                ms_per_token=whole * 1e3, decode_step_ms=(m.last_token_time - m.first_token_time) / 255 * 1e3,
                ttft_ms=m.ttft * 1e3, start_s=start_s)
     if timed:
@@ -76,6 +80,7 @@ def main():
     ap.add_argument("--sections", default="latency,throughput,70b")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--requests-70b", type=int, default=256)
+    ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
     args = ap.parse_args()
     sections = args.sections.split(",")
     dev = device_name()
@@ -94,11 +99,23 @@ def main():
     if "latency" in sections:
         attempt(latency, M8, 1)
         attempt(latency, M8, 2)
+        attempt(latency, M8, 2, disable_custom_all_reduce=True)
         attempt(latency, M8, 2, timed=True, enable_cuda_graphs=False)
     prompts, outs = nano_workload(args.requests)
     if "throughput" in sections:
         attempt(throughput, M8, 1, prompts, outs)
         attempt(throughput, M8, 2, prompts, outs)
+    if "vllm" in sections:
+        try:
+            peer = bench_vllm("llama-3.1-8b", args.vllm_path, args.requests, ["latency", "throughput"], 0, "",
+                              tensor_parallel_size=2)
+            rows.append(dict(bench="latency b=1", model="llama-3.1-8b", tp=2, config=f"vLLM {peer['version']}",
+                             ms_per_token=peer["batch1_ms_per_token"]))
+            rows.append(dict(bench="nano workload", model="llama-3.1-8b", tp=2, config=f"vLLM {peer['version']}",
+                             seconds=peer["nano_seconds"], tok_s=peer["nano_out_tok_s"]))
+        except Exception as e:  # keep the rest of the table
+            rows.append(dict(bench="vllm", model="llama-3.1-8b", tp=2, config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
+        print(rows[-1], flush=True)
     if "70b" in sections:
         p70, o70 = nano_workload(args.requests_70b)
         attempt(throughput, M70, 2, p70, o70)
@@ -108,10 +125,16 @@ def main():
     if a and b:
         summary["8b_batch1_tp2_over_tp1"] = b["ms_per_token"] / a["ms_per_token"]
         summary["8b_batch1_target_met"] = summary["8b_batch1_tp2_over_tp1"] <= 0.62
+    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "latency b=1"]
+    if b and v:
+        summary["8b_batch1_tp2_over_vllm_tp2"] = b["ms_per_token"] / v[0]["ms_per_token"]
     a = by.get(("nano workload", "llama-3.1-8b", 1, f"{args.requests} requests"))
     b = by.get(("nano workload", "llama-3.1-8b", 2, f"{args.requests} requests"))
     if a and b:
         summary["8b_nano_tp2_over_tp1"] = b["tok_s"] / a["tok_s"]
+    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "nano workload"]
+    if b and v:
+        summary["8b_nano_tp2_over_vllm_tp2"] = b["tok_s"] / v[0]["tok_s"]
     out = dict(device=dev, num_gpus=torch.cuda.device_count(), dtype="bfloat16", rows=rows, summary=summary,
                env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                      "NVSHMEM_DISABLE_NVLS")})

@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--long-requests", type=int, default=256)
     ap.add_argument("--workloads", default="latency,throughput,prefill", help="of latency, throughput, prefill, longctx")
     ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype (auto: the model's dtype)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     args = ap.parse_args()
     workloads = args.workloads.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,8 +45,9 @@ def main():
     folder = Path(tempfile.mkdtemp(prefix="vllm_cfg_"))
     write_config(args.shape, folder)
     llm = LLM(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=5200 if "longctx" in workloads else 4200, seed=0, kv_cache_dtype=args.kv_cache_dtype)
-    res = {"version": vllm.__version__, "shape": args.shape}
+              max_model_len=5200 if "longctx" in workloads else 4200, seed=0, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size)
+    res = {"version": vllm.__version__, "shape": args.shape, "tensor_parallel_size": args.tensor_parallel_size}
 
     def timed(prompts, params):
         torch.cuda.synchronize()
