@@ -16,7 +16,7 @@ declare -A ABOUT=(
   [quant]="[args]  bench_quant.py: fp8 / int8 / int4 GEMV and GEMM per projection; the 8B shape per format"
   [spec]="[args]  bench_spec.py: n-gram and self drafting, batch 1 and 8; dummy Llama-3.2-1B, bundled SmolLM2"
   [structured]="[args]  bench_structured.py: JSON-schema decoding against free decoding, multi-step and single steps"
-  [tp]="[args]  2+ GPUs: test_gpu_tp.py, bench_tp.py (8B latency + throughput at TP 1 / 2; args go to it), DP 1 / 2 serving burst"
+  [tp]="[args]  2+ GPUs: test_gpu_tp.py, bench_tp.py (8B latency + throughput at TP 1 / 2, vLLM TP=2; args go to it), DP 1 / 2 serving burst (vLLM DP=2 beside)"
   [lessons]="[args]  lessons.py on the Llama-3.2-1B shape, large sweeps and the CUDA-graph timing cost"
 )
 OFFLINE_SHAPES=(llama-3.2-1b llama-3.1-8b qwen3-0.6b)
@@ -119,11 +119,21 @@ suite_tp() {
   stamp "tensor-parallel GPU tests: fp32 greedy identity TP=1 vs TP=2 (Llama-3.2-1B shape, bundled SmolLM2)"
   python3 -m pytest -q -o addopts= -p no:cacheprovider -p benchmarks.pytest_record tests/test_gpu_tp.py || rc=1   # one at a time: each test takes both GPUs
   stamp "bench_tp: Llama-3.1-8B shape, batch-1 latency and nano throughput, TP=1 vs TP=2"
-  python3 benchmarks/bench_tp.py --sections latency,throughput --requests 128 "$@" || rc=1
-  stamp "serving burst, Llama-3.2-1B shape: one engine vs --data-parallel-size 2"
+  local sections=latency,throughput; have_vllm && sections=$sections,vllm
+  python3 benchmarks/bench_tp.py --sections "$sections" --requests 128 --vllm-path "$VLLM_SITE" "$@" || rc=1
+  stamp "serving burst, Llama-3.2-1B shape: one engine vs --data-parallel-size 2, vLLM's beside"
+  local peer=()
+  if have_vllm; then
+    local cfg; cfg=$(mktemp -d)
+    python3 -c "from pathlib import Path; from benchmarks.vllm_offline import write_config; \
+write_config('llama-3.2-1b', Path('$cfg'))"
+    peer=(--launch "vllm-dp2=PYTHONPATH=$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH} python3 -m vllm.entrypoints.openai.api_server \
+--model $cfg --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 --served-model-name llama1b \
+--port 8002 --data-parallel-size 2" --target vllm-dp2=http://127.0.0.1:8002)
+  fi
   python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
-    --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 \
-    --target dp1=launch --target dp2=launch:--data-parallel-size=2 --name "dp_burst_$(device_slug)" || rc=1
+    --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 --client-procs 4 \
+    --target dp1=launch --target dp2=launch:--data-parallel-size=2 "${peer[@]}" --name "dp_burst_$(device_slug)" || rc=1
   return $rc
 }
 

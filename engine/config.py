@@ -84,7 +84,7 @@ class CacheConfig(_Checks):
     """The KV cache: its blocks, its size and how requests share it."""
     block_size: int = 16                # tokens per KV block
     num_kv_blocks: int | None = None    # blocks in the KV pool; None: what the memory budget holds
-    gpu_memory_utilization: float = 0.85  # cuda: share of the memory free after the weights for activations + KV
+    gpu_memory_utilization: float = 0.9   # cuda: share of the GPU's memory for this engine's weights, activations + KV
     cpu_kv_cache_gib: float = 1.0       # cpu: the KV pool's size in GiB
     enable_kv_cache: bool = True        # False: every step recomputes each request's whole prefix
     enable_prefix_caching: bool = True  # requests reuse the cached blocks of a prompt prefix they share

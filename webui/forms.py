@@ -209,7 +209,7 @@ FIELD_HELP.update({
     "scheduling": "static: a batch runs until all its requests finish",
     "scheduling_policy": "priority: lower SamplingParams.priority first (Playground turns -1, simulated users 0); "
                          "may preempt a worse running request",
-    "gpu_memory_utilization": "fraction of free GPU memory for weights + KV",
+    "gpu_memory_utilization": "share of the GPU's memory for this engine: weights, a profiled step's activations and the KV pool (vLLM's meaning)",
     "cpu_kv_cache_gib": "KV pool size on CPU", "enable_step_timings": "per-region timings in step events",
     "gemv_max_tokens": "empty: 1 with Triton kernels; 0 = off (cuBLAS linears, separate norm/activation kernels)",
     "enable_pdl": "Hopper+: small-batch kernels launch as programmatic dependents",

@@ -17,6 +17,8 @@ from engine.models.config import ModelArchConfig
 DEVICE_DEFAULTS = {"cuda": (8192, None), "cpu": (256, 128)}
 MAX_NUM_SEQS_CAP = 1024             # the most running requests a pool-derived max_num_seqs admits (vLLM's 1024)
 KV_TOKENS_PER_SEQ = 512             # pool-derived max_num_seqs: one running request per this many KV tokens
+SAMPLER_LOGITS_COPIES = 3           # a step's fp32 [rows, vocab] buffers in the sampler (probabilities, sorts)
+GRAPH_AND_CONTEXT_BYTES = 1 << 30   # CUDA graphs' pools, kernels' workspaces, allocator slack
 
 
 def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfig:
@@ -62,18 +64,25 @@ def derive_max_model_len(cfg: EngineConfig, mcfg: ModelArchConfig) -> int:
     return n
 
 
-def derive_num_blocks(cfg: EngineConfig, mcfg: ModelArchConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """KV blocks in the pool: num_kv_blocks, or what the memory budget holds (free GPU memory, or the CPU size),
-    in bytes of the pool's element type (an fp8 pool holds twice the blocks of a bf16 one)."""
+def derive_num_blocks(cfg: EngineConfig, mcfg: ModelArchConfig, device: torch.device, dtype: torch.dtype,
+                      weight_bytes: int = 0, step_bytes: int | None = None, extra_block_bytes: int = 0) -> int:
+    """KV blocks in the pool: num_kv_blocks, or what the memory budget holds, in bytes of the pool's element type
+    (an fp8 pool holds twice the blocks of a bf16 one). On a GPU, as vLLM sizes it: gpu_memory_utilization of the
+    GPU's memory, less this engine's weights (`weight_bytes`, this rank's shard), a full step's activations
+    (`step_bytes`, measured by `profile_step_bytes`; None: an upper estimate), the sampler's buffers and
+    GRAPH_AND_CONTEXT_BYTES; never more than the memory free now allows. On a CPU: cpu_kv_cache_gib.
+    extra_block_bytes: what each block costs elsewhere (a draft model's pool holds the same blocks)."""
     if cfg.cache_config.num_kv_blocks is not None:
         return cfg.cache_config.num_kv_blocks
-    per_block = kv_bytes_per_block(mcfg, cfg.cache_config.block_size, kv_cache_dtype(cfg, dtype))
+    per_block = kv_bytes_per_block(mcfg, cfg.cache_config.block_size, kv_cache_dtype(cfg, dtype)) + extra_block_bytes
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        reserve = cfg.scheduler_config.max_num_batched_tokens \
-            * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4 \
-            + (cfg.scheduler_config.max_num_seqs or MAX_NUM_SEQS_CAP) * mcfg.vocab_size * 4 * 3 + (1 << 30)
-        budget = int(free * cfg.cache_config.gpu_memory_utilization) - reserve
+        free, total = torch.cuda.mem_get_info(device)
+        tokens = cfg.scheduler_config.max_num_batched_tokens
+        if step_bytes is None:
+            step_bytes = tokens * (6 * mcfg.hidden_size + 4 * mcfg.intermediate_size) * 4
+        rows = min(tokens, cfg.scheduler_config.max_num_seqs or MAX_NUM_SEQS_CAP)
+        reserve = step_bytes + rows * mcfg.vocab_size * 4 * SAMPLER_LOGITS_COPIES + GRAPH_AND_CONTEXT_BYTES
+        budget = min(int(total * cfg.cache_config.gpu_memory_utilization) - weight_bytes, free) - reserve
     else:
         budget = int(cfg.cache_config.cpu_kv_cache_gib * (1 << 30))
     n = budget // per_block
@@ -81,3 +90,53 @@ def derive_num_blocks(cfg: EngineConfig, mcfg: ModelArchConfig, device: torch.de
         raise ValueError(f"EngineConfig: the KV memory budget ({budget / 2**20:.0f} MiB) holds fewer than "
                          f"2 blocks of {per_block / 2**20:.2f} MiB")
     return int(n)
+
+
+def draft_model_bytes(cfg: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(weight bytes, KV bytes per block) of the draft model (speculative_method="draft"), from its config, before
+    it is loaded: it is built after the target's pool is sized, beside it. (0, 0) without one."""
+    if cfg.speculative_config.speculative_method != "draft":
+        return 0, 0
+    from engine.models.loader import resolve
+    from engine.spec.model_drafter import parse_draft_model
+    d = ModelArchConfig.from_hf(resolve(parse_draft_model(cfg.speculative_config.draft_model, 0)[0])[0])
+    q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    params = d.vocab_size * d.hidden_size * (1 if d.tie_word_embeddings else 2) + d.num_layers * (
+        d.hidden_size * (2 * q + 2 * kv) + 3 * d.hidden_size * d.intermediate_size)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return params * elem, kv_bytes_per_block(d, cfg.cache_config.block_size, kv_cache_dtype(cfg, dtype))
+
+
+def profile_step_bytes(model, mcfg: ModelArchConfig, config: EngineConfig, device: torch.device,
+                       dtype: torch.dtype, max_model_len: int) -> int:
+    """Peak bytes a full step allocates on the GPU beyond what is held before it: an eager forward of
+    max_num_batched_tokens tokens, in sequences of at most max_model_len, with logits for the most rows a step
+    samples, through a one-block pool (every slot and every block-table entry is block 0). Every rank of a
+    tensor-parallel engine runs it at the same time: it makes the forward's collectives."""
+    from engine.kernels.metadata import AttentionMetadata
+    from engine.worker.model_runner import ModelRunner
+    tokens = config.scheduler_config.max_num_batched_tokens
+    rows = min(tokens, config.scheduler_config.max_num_seqs or MAX_NUM_SEQS_CAP)
+    bs = config.cache_config.block_size
+    lens = [min(max_model_len, tokens - i) for i in range(0, tokens, max_model_len)]
+    runner = ModelRunner(model, mcfg, config, device, dtype, 1, max_model_len)
+    pos = torch.cat([torch.arange(n, device=device) for n in lens])
+    md = AttentionMetadata(
+        positions=pos, slot_mapping=pos % bs,
+        cu_seqlens_q=torch.tensor([0] + lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(len(lens), -(-max(lens) // bs), dtype=torch.int32, device=device),
+        logits_indices=torch.arange(tokens - rows, tokens, device=device), q_lens=lens, seq_lens_cpu=lens,
+        max_seqlen_q=max(lens), max_seqlen_k=max(lens), block_size=bs)
+    ids = torch.ones(tokens, dtype=torch.int64, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    held = torch.cuda.memory_allocated(device)
+    runner.forward(ids, md, False)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - held
+    for layer in model.model.layers:            # the real pool replaces the one-block one
+        layer.self_attn.k_cache = layer.self_attn.v_cache = None
+    del runner, md, ids, pos
+    torch.cuda.empty_cache()
+    return int(peak)

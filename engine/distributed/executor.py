@@ -258,8 +258,8 @@ class TPExecutor:
         self.worker_bytes = [m[0] for m in self._expect("loaded")]
 
     def min_blocks(self, own: int) -> int:
-        """The KV blocks every rank's memory holds: the smallest of each rank's budget and rank 0's own."""
-        self.send("profile")
+        """After send("profile"): the KV blocks every rank's memory holds, the smallest of each rank's budget and
+        rank 0's own."""
         return min([own] + [m[0] for m in self._expect("blocks")])
 
     def capture(self) -> None:

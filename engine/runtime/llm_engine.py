@@ -46,7 +46,8 @@ from engine.runtime.step_events import phase_of, request_event, step_event
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)   # vLLM's
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.multi_step import MultiStepDecoder
-from engine.core.sizing import derive_max_model_len, derive_max_num_seqs, derive_num_blocks, with_device_defaults
+from engine.core.sizing import (derive_max_model_len, derive_max_num_seqs, derive_num_blocks, draft_model_bytes,
+                                 profile_step_bytes, with_device_defaults)
 from engine.worker.timing import NullTimer, make_timer
 
 log = logging.getLogger(__name__)
@@ -184,8 +185,17 @@ class LLMEngine:
         if ex is not None:
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
-        self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype)   # this rank's heads
-        if ex is not None and config.cache_config.num_kv_blocks is None:
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in
+                                itertools.chain(self.model.parameters(), self.model.buffers()))
+        sized = config.cache_config.num_kv_blocks is None
+        if ex is not None and sized:
+            ex.send("profile")                  # the ranks profile a full step together (its collectives)
+        step_bytes = profile_step_bytes(self.model, mcfg, config, self.device, self.dtype,
+                                        self.max_model_len + spec_margin) if sized and self.device.type == "cuda" else None
+        draft_weights, draft_block = draft_model_bytes(config, self.dtype)    # a draft model's pool has the same blocks
+        self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype,
+                                            self.weight_bytes + draft_weights, step_bytes, draft_block)   # this rank's heads
+        if ex is not None and sized:
             self.num_blocks = ex.min_blocks(self.num_blocks)    # every rank's pool holds the same blocks
         if config.scheduler_config.max_num_seqs is None:                   # a GPU's default: from the pool
             self.config = config = config.replace(
@@ -223,8 +233,6 @@ class LLMEngine:
         if ex is not None:
             ex.send("warmup")
         self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.runner.kv_dtype)   # K and V of one token, all layers
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in
-                                itertools.chain(self.model.parameters(), self.model.buffers()))
         self.detok = Detokenizer(self.tokenizer)
         self.structured = StructuredOutputManager(
             self.tokenizer, mcfg.vocab_size, self.eos_token_ids, self.device,
