@@ -12,7 +12,6 @@ import datetime
 import logging
 import os
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +31,6 @@ class OneShotAllReduce:
     def __init__(self, group_name: str, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
         self.group_name, self.max_bytes = group_name, max_bytes
-        with warnings.catch_warnings():     # needed before torch 2.9 (rendezvous found no store), a no-op after
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, group_name)             # collective: every rank maps every buffer
 
@@ -127,7 +123,10 @@ def init_group(rank: int, size: int, store: "torch.distributed.Store", device: t
                                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
     tp = TensorParallel(rank, size, backend)
     one_node = os.environ.get("LOCAL_WORLD_SIZE", str(size)) == str(size)     # torchrun sets it; spawned: one node
-    if backend == "nccl" and custom_all_reduce and one_node:
+    # torch >= 2.9: rendezvous finds the group's own store (before, a per-name cache kept the first group's, and a
+    # second engine in one process waited on a store that was gone)
+    new_torch = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 9)
+    if backend == "nccl" and custom_all_reduce and one_node and new_torch:
         tp.one_shot = _one_shot_or_none(device)
     return tp
 
