@@ -1,8 +1,7 @@
 """Tensor parallelism on a multi-GPU machine , bf16, random weights, all in one run:
 
   latency     Llama-3.1-8B shape, batch 1: 128-token prompt, 256 new tokens, ms/token at TP=1 and TP=2
-              (target: TP=2 <= 0.62x TP=1), TP=2 with NCCL for every all-reduce (no one-shot kernel), and TP=2
-              eager with step timings: all-reduce ms per step
+              (target: TP=2 <= 0.62x TP=1), plus TP=2 eager with step timings: all-reduce ms per step
   throughput  nano-vllm's workload (bench_gpu.nano_workload) on the 8B shape at TP=1 and TP=2
   vllm        vLLM at TP=2 on the same two workloads (benchmarks/vllm_offline.py in its own process;
               --vllm-path is prepended to its PYTHONPATH)
@@ -46,8 +45,7 @@ def latency(model: str, tp: int, timed: bool = False, **cfg) -> dict:
     out = llm.generate([list(range(1000, 1128))], sp, use_tqdm=False)[0]
     whole = (time.perf_counter() - t) / 256
     m = out.metrics
-    config = "eager, timed" if timed else "cuda graphs" + (", NCCL only" if cfg.get("disable_custom_all_reduce") else "")
-    row = dict(bench="latency b=1", model=model.split(":")[1], tp=tp, config=config,
+    row = dict(bench="latency b=1", model=model.split(":")[1], tp=tp, config="eager, timed" if timed else "cuda graphs",
                ms_per_token=whole * 1e3, decode_step_ms=(m.last_token_time - m.first_token_time) / 255 * 1e3,
                ttft_ms=m.ttft * 1e3, start_s=start_s)
     if timed:
@@ -99,7 +97,6 @@ def main():
     if "latency" in sections:
         attempt(latency, M8, 1)
         attempt(latency, M8, 2)
-        attempt(latency, M8, 2, disable_custom_all_reduce=True)
         attempt(latency, M8, 2, timed=True, enable_cuda_graphs=False)
     prompts, outs = nano_workload(args.requests)
     if "throughput" in sections:

@@ -31,7 +31,7 @@ VALUES = {
     "num_scheduler_steps": ("4", 4), "multi_step_max_ms": ("2.5", 2.5), "multi_step_trim": ("false", False),
     "multi_step_admit_min": ("2", 2),
     "tensor_parallel_size": ("2", 2),
-    "data_parallel_size": ("2", 2), "disable_custom_all_reduce": ("true", True),
+    "data_parallel_size": ("2", 2),
     "speculative_method": ("ngram", "ngram"), "num_speculative_tokens": ("5", 5),
     "num_speculative_tokens_max": ("8", 8), "draft_model": ("dummy:tiny", "dummy:tiny"), "ngram_min": ("2", 2),
     "ngram_max": ("6", 6), "draft_layers": ("4", 4), "speculative_auto_off": ("false", False),

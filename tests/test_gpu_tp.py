@@ -1,11 +1,8 @@
 """GPU-only, 2+ GPUs: tensor parallelism over NCCL with the Triton kernels and CUDA graphs (the all-reduces
-captured inside them) gives one GPU's greedy tokens in fp32, with the one-shot all-reduce and with NCCL alone; the
-one-shot all-reduce sums as NCCL does, eagerly and replayed in a CUDA graph; a killed rank is reported and stops
-the engine.
+captured inside them) gives one GPU's greedy tokens in fp32; a killed rank is reported and stops the engine.
 `bash benchmarks/gpu.sh tp` runs these beside bench_tp.py and the data-parallel serving burst."""
 import os
 import signal
-import tempfile
 
 import pytest
 import torch
@@ -25,8 +22,6 @@ def run_tp(model: str | None, tp: int, vocab: int, **cfg):
         ids = add_random_requests(eng, (5, 300, 37, 129, 1, 250), max_tokens=24, vocab=vocab)
         outs = drain(eng)
         graphed = eng.runner.graphs is not None and eng.runner.graphs.captured
-        if eng.executor is not None:
-            assert (eng.executor.tp.one_shot is None) == cfg.get("disable_custom_all_reduce", False)
         return [outs[i].token_ids for i in ids], (eng.executor.pids if eng.executor else []), eng.num_blocks, graphed
     finally:
         eng.close()
@@ -38,62 +33,11 @@ def assert_gone(pids):
             os.kill(pid, 0)
 
 
-def _all_reduce_rank(rank: int, path: str, results):
-    from engine.distributed.parallel_state import ONE_SHOT_MAX_BYTES, abort_group, init_group
-    store = torch.distributed.FileStore(path, 2)
-    tp = init_group(rank, 2, store, torch.device("cuda", rank))
-    assert tp.one_shot is not None
-    dev = torch.device("cuda", rank)
-
-    def data(r: int, n: int, dtype, seed: int):
-        g = torch.Generator(device="cuda").manual_seed(seed * 10 + r)
-        return torch.randn(n, device=dev, dtype=torch.float32, generator=g).to(dtype)
-
-    for dtype in (torch.float32, torch.bfloat16):
-        size = torch.tensor([], dtype=dtype).element_size()
-        for i, n in enumerate((8, 576 * 3, 4096, 4096 * 7 + 8, ONE_SHOT_MAX_BYTES // size)):
-            x = data(rank, n, dtype, i)
-            assert tp.one_shot.fits(x)
-            want = data(0, n, dtype, i) + data(1, n, dtype, i)
-            assert torch.equal(tp.all_reduce(x), want), (dtype, n)
-    big = data(rank, ONE_SHOT_MAX_BYTES // 2 + 8, torch.bfloat16, 9)      # over the limit: NCCL
-    assert not tp.one_shot.fits(big)
-    assert torch.equal(tp.all_reduce(big), data(0, big.numel(), torch.bfloat16, 9) + data(1, big.numel(), torch.bfloat16, 9))
-    static = torch.zeros(4096, device=dev, dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        tp.all_reduce(static.clone())                                        # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tp.all_reduce(static)
-    for seed in (20, 21):
-        static.copy_(data(rank, 4096, torch.bfloat16, seed))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(static, data(0, 4096, torch.bfloat16, seed) + data(1, 4096, torch.bfloat16, seed))
-    del graph
-    results[rank] = "ok"
-    abort_group()
-
-
-def test_one_shot_all_reduce_sums_as_nccl():
-    """Sizes from one element group to the one-shot limit, fp32 and bf16, eager and in a CUDA graph: the sum of
-    both ranks' tensors exactly (two addends: the order cannot change it)."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:
-        results = mp.Manager().dict()
-        mp.spawn(_all_reduce_rank, args=(os.path.join(d, "store"), results), nprocs=2, join=True)
-    assert dict(results) == {0: "ok", 1: "ok"}
-
-
-@pytest.mark.parametrize("custom", [True, False], ids=["one-shot", "nccl"])
-def test_tensor_parallel_2_matches_1_fp32_llama_1b_shape(custom):
+def test_tensor_parallel_2_matches_1_fp32_llama_1b_shape():
     """Chunked prefill (256-token budget), decode and mixed CUDA graphs with the all-reduces captured,
     multi-step decode; the KV pool sized from each rank's free memory (the smaller)."""
     ref, _, _, _ = run_tp("dummy:llama-3.2-1b", 1, 128000)
-    out, pids, blocks, graphed = run_tp("dummy:llama-3.2-1b", 2, 128000, disable_custom_all_reduce=not custom)
+    out, pids, blocks, graphed = run_tp("dummy:llama-3.2-1b", 2, 128000)
     assert graphed and blocks > 0
     assert out == ref
     assert_gone(pids)

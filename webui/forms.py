@@ -222,8 +222,6 @@ FIELD_HELP.update({
                                "to 16); auto: on with Triton on CUDA sm80+",
     "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "
                             "GPUs, gloo on CPU); num_heads must split by KV-head groups",
-    "disable_custom_all_reduce": "tensor parallel on CUDA: NCCL for every all-reduce; off = small ones (a decode "
-                                 "step's) through a one-shot kernel over symmetric memory",
     "data_parallel_size": "API server / LLM: engine replicas, each on its own GPUs, requests routed by load and "
                           "cached prefix (the app runs one engine: 1)",
     "structured_mask_threads": "llguidance threads filling a step's masks; 0 or empty: llguidance's default",

@@ -94,7 +94,7 @@ class TPExecutor:
                     (torch.device("cuda", local_rank) if device.type == "cuda" else device)
                 self.devices.append(f"{dev}" + (f" on {self.peers[i][2]}" if launch is not None else ""))
                 send(c, "args", dict(args, device=str(dev)))
-            self.tp: TensorParallel = init_group(0, size, store, device, args["custom_all_reduce"])
+            self.tp: TensorParallel = init_group(0, size, store, device)
         except BaseException:
             self.shutdown()
             raise

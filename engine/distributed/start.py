@@ -39,6 +39,5 @@ def start_workers(config: EngineConfig, hf_cfg: dict, weights: Path | None, devi
             raise ValueError(f"EngineConfig.tensor_parallel_size: {tp} ranks from {device} need "
                              f"{base + tp} CUDA devices, this machine has {torch.cuda.device_count()}")
     args = dict(hf_config=hf_cfg, weights=None if weights is None else str(weights), config=config.to_dict(),
-                threads=max(1, torch.get_num_threads() // tp),
-                custom_all_reduce=not config.parallel_config.disable_custom_all_reduce, **model_args)
+                threads=max(1, torch.get_num_threads() // tp), **model_args)
     return TPExecutor(tp, device, args, launch)

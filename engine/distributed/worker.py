@@ -106,7 +106,7 @@ def _serve(launch: EnvLaunch, store, conn) -> None:
     config = EngineConfig(**args["config"])
     device = torch.device(args["device"])
     dtype = getattr(torch, args["dtype"])
-    tp: TensorParallel = init_group(launch.rank, launch.world_size, store, device, args["custom_all_reduce"])
+    tp: TensorParallel = init_group(launch.rank, launch.world_size, store, device)
     ops = get_ops(args["kernels"])
     weights = None if args["weights"] is None else Path(args["weights"])
     model = build_model(args["hf_config"], weights, ops, device, dtype, max_pos=args["max_pos"],
