@@ -1,8 +1,8 @@
 """KV cache tiers: fp8 vs model-dtype KV, the host tier on a multi-turn chat workload, swap vs recompute.
 
   capacity     pool blocks at the same memory budget, model-dtype KV vs fp8 (kv_cache_dtype="fp8")
-  multi-turn   users whose conversations (their prefixes) total ~4x the device pool, each turn resending
-               the whole conversation; mean TTFT with and without the host tier (kv_offload_gib)
+  multi-turn   users whose conversations (their prefixes) end at ~4x the device pool after --turns rounds, each
+               turn resending the whole conversation; mean TTFT with and without the host tier (kv_offload_gib)
   burst        an oversubscribed burst of long prompts with long outputs: preemption_mode recompute vs swap
                vs auto (the cost model's choice); mean TTFT, output tok/s, swaps / preemptions
 
@@ -69,6 +69,7 @@ def main(argv=None) -> dict:
                     "on cuda, 64 on cpu) so that they oversubscribe it")
     ap.add_argument("--offload-gib", type=float, default=2.0)
     ap.add_argument("--scale", type=float, default=1.0, help="workload size factor (0.1 for a CPU smoke run)")
+    ap.add_argument("--turns", type=int, default=8, help="multi-turn: rounds of conversation per user")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per configuration (multi-turn and burst), in rotating order; the median is reported")
     args = ap.parse_args(argv)
@@ -87,15 +88,16 @@ def main(argv=None) -> dict:
                      blocks=res["capacity_auto"]["blocks"]))
     rows.append(dict(workload="capacity", config="fp8 KV", blocks=res["capacity_fp8"]["blocks"]))
 
-    # multi-turn: users * turns * turn tokens ~ 4x the pool
-    users = max(2, int(8 * args.scale))
-    turn_len = max(16, nb * 16 * 4 // (users * 4 * 3))
+    # multi-turn: each user's conversation grows by a turn and an answer per round; all of them together end
+    # at ~4x the device pool
+    users, answer = max(2, int(8 * args.scale)), 32
+    turn_len = max(16, nb * 16 * 4 // (users * args.turns) - answer)
     configs = [("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))]
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for rep in range(args.repeats):                  # alternating order: neither configuration always goes first
         for name, extra in (configs if rep % 2 == 0 else configs[::-1]):
             eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=min(nb * 16 - 16, 4096), **extra)
-            runs[name].append(multi_turn(eng, users, 4, turn_len, 16, seed=0))
+            runs[name].append(multi_turn(eng, users, args.turns, turn_len, answer, seed=0))
             eng.close()
     for name, _ in configs:                          # the run of median TTFT, and every run's TTFT
         by_ttft = sorted(runs[name], key=lambda r: r["ttft_mean_s"])
@@ -129,7 +131,8 @@ def main(argv=None) -> dict:
             "prefix_hit_pct", "blocks_offloaded", "blocks_fetched"]
     print_table(rows, cols)
     payload = dict(device=device_name(args.device), model=args.model or "SmolLM2-135M (bundled)",
-                   num_kv_blocks=nb, repeats=args.repeats, offload_gib=args.offload_gib, scale=args.scale, rows=rows, results=res)
+                   num_kv_blocks=nb, turns=args.turns, users=users, turn_len=turn_len, answer=answer,
+                   repeats=args.repeats, offload_gib=args.offload_gib, scale=args.scale, rows=rows, results=res)
     write_json("bench_kv_tiers", payload)
     return payload
 
