@@ -7,7 +7,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
-SUITES=(tests kernels offline serving quant spec structured tp lessons)
+SUITES=(tests kernels offline serving quant spec structured tp kv lessons)
 declare -A ABOUT=(
   [tests]="[tests/FILE...] [pytest args]  the GPU tests: test_gpu_*.py, the kernel tests at full size, the bf16 masks"
   [kernels]="[SHAPE...] [args]  bench_kernels.py: every Triton kernel against torch and the copy / matmul ceilings"
@@ -17,6 +17,7 @@ declare -A ABOUT=(
   [spec]="[args]  bench_spec.py: n-gram and self drafting, batch 1 and 8; dummy Llama-3.2-1B, bundled SmolLM2"
   [structured]="[args]  bench_structured.py: JSON-schema decoding against free decoding, multi-step and single steps"
   [tp]="[args]  2+ GPUs: test_gpu_tp.py, bench_tp.py (8B latency + throughput at TP 1 / 2, vLLM TP=2; args go to it), DP 1 / 2 serving burst (vLLM DP=2 beside)"
+  [kv]="[args]  KV tiers: bench_kv_tiers.py (fp8 capacity, multi-turn with/without the host tier, swap vs recompute; 1B shape), the 8B long-context workload with fp8 KV against vLLM's (args go to bench_kv_tiers.py)"
   [lessons]="[args]  lessons.py on the Llama-3.2-1B shape, large sweeps and the CUDA-graph timing cost"
 )
 OFFLINE_SHAPES=(llama-3.2-1b llama-3.1-8b qwen3-0.6b)
@@ -134,6 +135,17 @@ write_config('llama-3.2-1b', Path('$cfg'))"
   python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
     --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 --client-procs 4 \
     --target dp1=launch --target dp2=launch:--data-parallel-size=2 "${peer[@]}" --name "dp_burst_$(device_slug)" || rc=1
+  return $rc
+}
+
+suite_kv() {
+  local rc=0
+  stamp "bench_kv_tiers, Llama-3.2-1B shape"
+  python3 benchmarks/bench_kv_tiers.py --model dummy:llama-3.2-1b --device cuda "$@" || rc=1
+  stamp "8B long contexts: bf16 and fp8 KV, vLLM's fp8 KV beside"
+  local sections=longctx; have_vllm && sections=vllm,$sections
+  python3 benchmarks/bench_gpu.py --shape llama-3.1-8b --sections "$sections" --vllm-kv-cache-dtypes fp8 \
+    --long-requests 200 --hf-requests 0 --tag longctx --vllm-path "$VLLM_SITE" || rc=1
   return $rc
 }
 

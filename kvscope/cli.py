@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-GPU_SUITES = ("tests", "kernels", "offline", "serving", "quant", "spec", "structured", "tp", "lessons")
+GPU_SUITES = ("tests", "kernels", "offline", "serving", "quant", "spec", "structured", "tp", "kv", "lessons")
 
 
 def serve(argv: list[str]) -> None:
