@@ -114,7 +114,7 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     """cache [N, bs, Hk, D], block_ids [..., nb] -> [..., nb * bs, Hk, D] (index_select on whole blocks: a
     plain row copy, ~2x faster on CPU than advanced indexing)."""
     N, bs, Hk, D = cache.shape
-    rows = cache.view(N, bs * Hk * D).index_select(0, block_ids.reshape(-1).long())
+    rows = cache.view(N, bs * Hk * D).index_select(0, block_ids.reshape(-1))          # int32 or int64 ids
     return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * bs, Hk, D)
 
 
@@ -180,12 +180,14 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     max_len = max(lens_cpu)
     bs = k_cache.shape[1]
     nb = (max_len + bs - 1) // bs
-    bt = block_tables[:, :nb].long()                                   # [B, nb]
-    k = kv_decode(_gather_blocks(k_cache, bt)[:, :max_len], q.dtype)   # [B, S, Hk, D]
-    v = kv_decode(_gather_blocks(v_cache, bt)[:, :max_len], q.dtype)
+    bt = block_tables[:, :nb]                                          # [B, nb]
+    k = _gather_blocks(k_cache, bt)[:, :max_len]                       # [B, S, Hk, D]
+    v = _gather_blocks(v_cache, bt)[:, :max_len]
+    if k.dtype != q.dtype:
+        k, v = kv_decode(k, q.dtype), kv_decode(v, q.dtype)
     mask = None                                  # all lengths equal (batch 1): no mask, so SDPA takes its fused kernel
     if min(lens_cpu) < max_len:
-        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None].long())[:, None, None, :]
+        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),                                                # [B, H, 1, D]
         k.transpose(1, 2), v.transpose(1, 2),                          # [B, Hk, S, D]

@@ -84,7 +84,8 @@ class CompiledDecode:
         use_kvscope_cache_dir()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.sizes))
         self.forward = torch.compile(_own_code(decode_forward), fullgraph=True, dynamic=False,
-                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                              "size_asserts": False})   # ~640 shape checks a step otherwise
 
     def can_run(self, md: AttentionMetadata) -> bool:
         B = md.num_seqs
