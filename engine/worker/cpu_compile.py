@@ -72,7 +72,8 @@ class CompiledDecode:
         model = self.model
 
         def decode_forward(input_ids, positions, slots, seq_lens, block_tables):
-            """[P] ids, positions, slots, lengths; [P, max_blocks] tables -> float32 logits [P, vocab]."""
+            """[P] ids, positions, slots, lengths; [P, max_blocks] tables -> float32 logits [P, vocab]. The tensor-only
+            path reads positions, slots, lengths and tables; cu_seqlens_q and logits_indices are placeholders."""
             md = AttentionMetadata(positions=positions, slot_mapping=slots, cu_seqlens_q=seq_lens, seq_lens=seq_lens,
                                    block_tables=block_tables, logits_indices=positions, q_lens=[], seq_lens_cpu=[],
                                    max_seqlen_q=1, max_seqlen_k=0, block_size=bs, tensor_only=True)
