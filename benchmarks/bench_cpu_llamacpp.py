@@ -5,6 +5,10 @@ benchmark-only: `CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python` buil
 best, so load from other processes on a shared box hits both alike.
 
     python benchmarks/bench_cpu_llamacpp.py [--tokens 128] [--batch 8] [--repeats 3] [--quantization int4 none]
+        [--cpu-compile on off]
+
+--cpu-compile runs kvscope with its compiled decode steps (`cpu_compile`, worker/cpu_compile.py) and/or eager;
+the seconds each engine took to start (the compile, or its load from the disk cache) are reported.
 """
 from __future__ import annotations
 
@@ -35,11 +39,13 @@ def threads() -> int:
 
 
 class Kvscope:
-    def __init__(self, quantization: str | None):
+    def __init__(self, quantization: str | None, compiled: bool):
         from engine import LLM, SamplingParams
-        self.name = f"kvscope {quantization or 'fp32'}"
+        self.name = f"kvscope {quantization or 'fp32'}" + (" compiled" if compiled else "")
         extra = {"int4_group_size": 32} if quantization == "int4" else {}   # the GGUF's Q4_1 groups
-        self.llm = LLM(device="cpu", quantization=quantization, max_model_len=1024, **extra)
+        t = time.perf_counter()
+        self.llm = LLM(device="cpu", quantization=quantization, max_model_len=1024, cpu_compile=compiled, **extra)
+        self.start_s = time.perf_counter() - t
         self.params = SamplingParams
 
     def run(self, tokens: int, batch: int) -> float:
@@ -76,10 +82,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per engine and batch; best is kept")
     ap.add_argument("--quantization", nargs="+", default=["int4", "none"], help="kvscope weight formats to run")
+    ap.add_argument("--cpu-compile", nargs="+", default=["on"], choices=["on", "off"],
+                    help="kvscope's compiled decode steps, eager, or both")
     args = ap.parse_args()
     load_before = os.getloadavg()
     from engine.models.bundled import gguf_path
-    engines = [Kvscope(None if q == "none" else q) for q in args.quantization]
+    engines = [Kvscope(None if q == "none" else q, c == "on") for q in args.quantization for c in args.cpu_compile]
+    starts = {e.name: round(e.start_s, 1) for e in engines}
     try:
         engines.insert(0, LlamaCpp(gguf_path()))
     except ImportError:
@@ -99,10 +108,11 @@ def main() -> None:
             for (name, b), v in best.items()]
     print_table(rows, ["engine", "batch", "tok/s", "x llama.cpp b1"])
     load = {"before": [round(v, 2) for v in load_before], "after": [round(v, 2) for v in os.getloadavg()]}
+    print("seconds to start:", starts)
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']} on {threads()} cores")
     path = write_json("cpu_vs_llamacpp", {"device": device_name("cpu"), "threads": threads(), "commit": commit(),
                                           "tokens": args.tokens, "prompt": PROMPT, "repeats": args.repeats,
-                                          "command": " ".join(sys.argv), "load_average": load, "rows": rows})
+                                          "command": " ".join(sys.argv), "load_average": load, "start_s": starts, "rows": rows})
     print(f"wrote {path}")
 
 

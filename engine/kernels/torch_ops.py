@@ -114,7 +114,7 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     """cache [N, bs, Hk, D], block_ids [..., nb] -> [..., nb * bs, Hk, D] (index_select on whole blocks: a
     plain row copy, ~2x faster on CPU than advanced indexing)."""
     N, bs, Hk, D = cache.shape
-    rows = cache.view(N, bs * Hk * D).index_select(0, block_ids.reshape(-1).long())
+    rows = cache.view(N, bs * Hk * D).index_select(0, block_ids.reshape(-1))          # int32 or int64 ids
     return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * bs, Hk, D)
 
 
@@ -164,24 +164,65 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             sel = torch.tensor(dec_seqs, device=q.device)
             tok_idx = md.cu_seqlens_q[:-1].long()[sel]
             bt, lens = md.block_tables[sel], md.seq_lens[sel]
-        dec_lens = [md.seq_lens_cpu[i] for i in dec_seqs]
-        max_len = max(dec_lens)
-        bs = k_cache.shape[1]
-        nb = (max_len + bs - 1) // bs
-        bt = bt[:, :nb].long()                                     # [Bd, nb]
-        k = kv_decode(_gather_blocks(k_cache, bt)[:, :max_len], q.dtype)   # [Bd, S, Hk, D]
-        v = kv_decode(_gather_blocks(v_cache, bt)[:, :max_len], q.dtype)
-        mask = None                              # all lengths equal (batch 1): no mask, so SDPA takes its fused kernel
-        if min(dec_lens) < max_len:
-            mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None].long())[:, None, None, :]
         qd = q if tok_idx is None else q[tok_idx]                  # [Bd, H, D]
-        o = F.scaled_dot_product_attention(
-            qd.unsqueeze(2),                                       # [Bd, H, 1, D]
-            k.transpose(1, 2), v.transpose(1, 2),                  # [Bd, Hk, S, D]
-            attn_mask=mask, scale=scale, enable_gqa=g > 1)        # [Bd, H, 1, D]
-        o = o.squeeze(2)
+        o = _decode_attention(qd, k_cache, v_cache, bt, lens, [md.seq_lens_cpu[i] for i in dec_seqs], scale)
         if tok_idx is None:
             out.copy_(o)
         else:
             out[tok_idx] = o
     return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      lens: torch.Tensor, lens_cpu: list[int], scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, H, D], block_tables [B, >= blocks of the longest], lens [B] (and on the
+    host) -> [B, H, D]."""
+    max_len = max(lens_cpu)
+    bs = k_cache.shape[1]
+    nb = (max_len + bs - 1) // bs
+    bt = block_tables[:, :nb]                                          # [B, nb]
+    k = _gather_blocks(k_cache, bt)[:, :max_len]                       # [B, S, Hk, D]
+    v = _gather_blocks(v_cache, bt)[:, :max_len]
+    if k.dtype != q.dtype:
+        k, v = kv_decode(k, q.dtype), kv_decode(v, q.dtype)
+    mask = None                                  # all lengths equal (batch 1): no mask, so SDPA takes its fused kernel
+    if min(lens_cpu) < max_len:
+        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),                                                # [B, H, 1, D]
+        k.transpose(1, 2), v.transpose(1, 2),                          # [B, Hk, S, D]
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] > k.shape[2])   # [B, H, 1, D]
+    return o.squeeze(2)
+
+
+def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                                cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """rope_and_store then paged_attention for a decode step traced into a compiled graph (md.tensor_only: one
+    query per sequence, q [B, H, D]): RoPE is traced; the KV store and the attention are one opaque op that reads
+    its lengths itself, so one graph serves every context length. -> [B, H, D]."""
+    apply_rope(q, k, positions, cos_sin)
+    return torch.ops.kvscope.decode_attention(q, k, v, k_cache, v_cache, md.slot_mapping, md.block_tables,
+                                              md.seq_lens, scale)
+
+
+# Declared without mutated arguments although it writes k_cache and v_cache, as vLLM's attention op reaches its
+# KV cache outside the graph: the caches are views of one pool, and a mutation the graph sees would make the
+# compiler copy the whole pool each step. Nothing in the graph reads the caches, and the output orders the op.
+# Registered on a plain torch.library.Library (torch.library.custom_op's wrapper costs ~40 us a call, 30 a token).
+_LIB = torch.library.Library("kvscope", "DEF")
+_LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, "
+            "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
+
+
+def _decode_attention_op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale):
+    if k_cache.dtype == FP8_KV:
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    else:                                           # the slots of a compiled step are never negative
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    return _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale)
+
+
+_LIB.impl("decode_attention", _decode_attention_op, "CPU")
+_LIB.impl("decode_attention", lambda q, *args: torch.empty_like(q), "Meta")

@@ -97,6 +97,9 @@ class Attention(nn.Module):
             q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0]
             k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0]
             q, k = q.view(T, self.h, self.d), k.view(T, self.hk, self.d)
+        if md.tensor_only:                                      # a compiled CPU decode step (torch ops)
+            return self.ops.rope_store_decode_attention(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache,
+                                                        md, self.scale)
         self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping,
                                 pdl=pdl)
         return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)  # [T, H, D]

@@ -229,6 +229,10 @@ class LLMEngine:
         if ex is not None:
             ex.send("cache", self.num_blocks, self.max_model_len + spec_margin)
             self.runner.executor = ex
+        if config.kernel_config.cpu_compile and self.device.type == "cpu" and self.kernels == "torch" \
+                and ex is None and gemv_max_tokens == 0:
+            from engine.worker.cpu_compile import CompiledDecode
+            self.runner.compiled = CompiledDecode(self.runner, config)
         self.runner.warmup()
         if ex is not None:
             ex.send("warmup")
@@ -751,6 +755,7 @@ class LLMEngine:
         if self.runner.graphs is not None:
             self.runner.graphs.release()
             self.runner.graphs = None
+        self.runner.compiled = None
         self.stop_workers()
         self.multi_step.inflight = None
         self.drafter = self.fast_verify = self.output_processor.drafter = self.multi_step.drafter = None
