@@ -24,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kernels.metadata import AttentionMetadata
+from engine.worker.cuda_graphs import stage_decode
 from engine.worker.timing import NullTimer
 
 log = logging.getLogger(__name__)
@@ -115,18 +116,7 @@ class CompiledDecode:
         """-> float32 logits [B, vocab], as an eager forward would give."""
         B = md.num_seqs
         P = self.sizes[bisect.bisect_left(self.sizes, B)]
-        nb = md.block_tables.shape[1]
-        self.input_ids[:B].copy_(input_ids)
-        self.positions[:B].copy_(md.positions)
-        self.slots[:B].copy_(md.slot_mapping)
-        self.seq_lens[:B].copy_(md.seq_lens)
-        self.block_tables[:B, :nb].copy_(md.block_tables)   # columns past nb: stale valid ids, past every length
-        if P > B:                                           # padded rows: length 1 in the null block
-            self.input_ids[B:P].zero_()
-            self.positions[B:P].zero_()
-            self.slots[B:P].zero_()
-            self.seq_lens[B:P].fill_(1)
-            self.block_tables[B:P, 0].zero_()
+        stage_decode(self, input_ids, md, P)
         saved, self.model.timer = self.model.timer, NullTimer()
         try:
             out = self._call(P)

@@ -57,6 +57,24 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
     return [s for s in sizes if s < max_tokens] + [max_tokens]      # a full token budget is a bucket
 
 
+def stage_decode(bufs, input_ids: torch.Tensor, md: AttentionMetadata, P: int) -> None:
+    """Copy a decode step of B <= P sequences into the first rows of static buffers (bufs.input_ids, positions,
+    slots, seq_lens [N]; block_tables [N, max_blocks]); rows B..P-1 become length-1 sequences in the null block.
+    Table columns past the step's width keep stale ids, which every length stops short of."""
+    B, nb = md.num_seqs, md.block_tables.shape[1]
+    bufs.input_ids[:B].copy_(input_ids)
+    bufs.positions[:B].copy_(md.positions)
+    bufs.slots[:B].copy_(md.slot_mapping)
+    bufs.seq_lens[:B].copy_(md.seq_lens)
+    bufs.block_tables[:B, :nb].copy_(md.block_tables)
+    if P > B:
+        bufs.input_ids[B:P].zero_()
+        bufs.positions[B:P].zero_()
+        bufs.slots[B:P].zero_()
+        bufs.seq_lens[B:P].fill_(1)
+        bufs.block_tables[B:P, 0].zero_()
+
+
 class CudaGraphRunner:
     """Graphs keyed by (padded batch P, query rows per sequence Q, layers or None for all).
     capture=False runs the same padded static-buffer forward eagerly instead of replaying (no CUDA needed), so
@@ -242,17 +260,7 @@ class CudaGraphRunner:
         if Q == MIXED:
             return self._run_mixed(key, input_ids, md)
         if Q == 1:
-            self.input_ids[:B].copy_(input_ids)
-            self.positions[:B].copy_(md.positions)
-            self.slots[:B].copy_(md.slot_mapping)
-            self.seq_lens[:B].copy_(md.seq_lens)
-            self.block_tables[:B, :nb].copy_(md.block_tables)
-            if P > B:                               # padded rows: length 1 in the null block
-                self.input_ids[B:P].zero_()
-                self.positions[B:P].zero_()
-                self.slots[B:P].zero_()
-                self.seq_lens[B:P].fill_(1)
-                self.block_tables[B:P, 0].zero_()
+            stage_decode(self, input_ids, md, P)
             out = self._replay(key, md)[:B]
             return self.model.compute_logits(out) if self._hidden_out(key) else out
         # packed row r = cu[i] + j of sequence i -> padded row i*Q + j; context extended by Q - q_i
