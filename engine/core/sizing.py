@@ -107,12 +107,20 @@ def draft_model_bytes(cfg: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
     return params * elem, kv_bytes_per_block(d, cfg.cache_config.block_size, kv_cache_dtype(cfg, dtype))
 
 
+def resident_bytes(model) -> int:
+    """Bytes the model holds on its device: parameters and buffers (this rank's shard)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def profile_step_bytes(model, mcfg: ModelArchConfig, config: EngineConfig, device: torch.device,
-                       dtype: torch.dtype, max_model_len: int) -> int:
+                       dtype: torch.dtype, max_model_len: int) -> int | None:
     """Peak bytes a full step allocates on the GPU beyond what is held before it: an eager forward of
     max_num_batched_tokens tokens, in sequences of at most max_model_len, with logits for the most rows a step
     samples, through a one-block pool (every slot and every block-table entry is block 0). Every rank of a
-    tensor-parallel engine runs it at the same time: it makes the forward's collectives."""
+    tensor-parallel engine runs it at the same time: it makes the forward's collectives. None off CUDA (a CPU
+    pool is sized by cpu_kv_cache_gib)."""
+    if device.type != "cuda":
+        return None
     from engine.kernels.metadata import AttentionMetadata
     from engine.worker.model_runner import ModelRunner
     tokens = config.scheduler_config.max_num_batched_tokens

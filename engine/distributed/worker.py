@@ -93,7 +93,7 @@ def run_worker(launch: EnvLaunch) -> int:
 
 def _serve(launch: EnvLaunch, store, conn) -> None:
     from engine.config import EngineConfig
-    from engine.core.sizing import derive_num_blocks, profile_step_bytes
+    from engine.core.sizing import derive_num_blocks, profile_step_bytes, resident_bytes
     from engine.kernels.ops import get_ops
     from engine.models.config import ModelArchConfig
     from engine.models.loader import build_model
@@ -138,10 +138,8 @@ def _serve(launch: EnvLaunch, store, conn) -> None:
             if timed:
                 send(conn, "timings", timer.collect())
         elif kind == "profile":             # the KV blocks this rank's memory holds (rank 0 takes the min)
-            step_bytes = profile_step_bytes(model, mcfg, config, device, dtype, args["max_pos"]) \
-                if device.type == "cuda" else None
-            weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-            send(conn, "blocks", derive_num_blocks(config, model.cfg, device, dtype, weight_bytes, step_bytes))
+            step_bytes = profile_step_bytes(model, mcfg, config, device, dtype, args["max_pos"])
+            send(conn, "blocks", derive_num_blocks(config, model.cfg, device, dtype, resident_bytes(model), step_bytes))
         elif kind == "cache":
             if config.scheduler_config.max_num_seqs is None:        # as rank 0 derives it from the same pool
                 from engine.core.sizing import derive_max_num_seqs

@@ -216,11 +216,7 @@ _LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tens
 
 
 def _decode_attention_op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale):
-    if k_cache.dtype == FP8_KV:
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-    else:                                           # the slots of a compiled step are never negative
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     return _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, seq_lens.tolist(), scale)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import logging
 import time
 
@@ -47,7 +46,7 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.multi_step import MultiStepDecoder
 from engine.core.sizing import (derive_max_model_len, derive_max_num_seqs, derive_num_blocks, draft_model_bytes,
-                                 profile_step_bytes, with_device_defaults)
+                                 profile_step_bytes, resident_bytes, with_device_defaults)
 from engine.worker.timing import NullTimer, make_timer
 
 log = logging.getLogger(__name__)
@@ -185,13 +184,12 @@ class LLMEngine:
         if ex is not None:
             ex.wait_loaded()
         self.tokenizer = load_tokenizer(tok_folder)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in
-                                itertools.chain(self.model.parameters(), self.model.buffers()))
+        self.weight_bytes = resident_bytes(self.model)
         sized = config.cache_config.num_kv_blocks is None
         if ex is not None and sized:
             ex.send("profile")                  # the ranks profile a full step together (its collectives)
         step_bytes = profile_step_bytes(self.model, mcfg, config, self.device, self.dtype,
-                                        self.max_model_len + spec_margin) if sized and self.device.type == "cuda" else None
+                                        self.max_model_len + spec_margin) if sized else None
         draft_weights, draft_block = draft_model_bytes(config, self.dtype)    # a draft model's pool has the same blocks
         self.num_blocks = derive_num_blocks(config, self.model.cfg, self.device, self.dtype,
                                             self.weight_bytes + draft_weights, step_bytes, draft_block)   # this rank's heads
