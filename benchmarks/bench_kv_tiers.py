@@ -61,6 +61,12 @@ def multi_turn(eng: LLMEngine, users: int, turns: int, turn_len: int, answer: in
                 blocks_offloaded=st["offloaded"], blocks_fetched=st["fetched"])
 
 
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is the median, with every run's `key` beside it (as `<key>_runs`)."""
+    r = sorted(runs, key=lambda x: x[key])[len(runs) // 2]
+    return dict(r, **{f"{key}_runs": [x[key] for x in runs]})
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -91,17 +97,17 @@ def main(argv=None) -> dict:
     # multi-turn: each user's conversation grows by a turn and an answer per round; all of them together end
     # at ~4x the device pool
     users, answer = max(2, int(8 * args.scale)), 32
-    turn_len = max(16, nb * 16 * 4 // (users * args.turns) - answer)
+    max_len = min(nb * 16 - 16, 4096)                # one sequence fits the pool
+    turn_len = max(16, min(nb * 16 * 4 // users, max_len - 1) // args.turns - answer)   # a conversation fits max_len
     configs = [("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))]
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for rep in range(args.repeats):                  # alternating order: neither configuration always goes first
         for name, extra in (configs if rep % 2 == 0 else configs[::-1]):
-            eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=min(nb * 16 - 16, 4096), **extra)
+            eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=max_len, **extra)
             runs[name].append(multi_turn(eng, users, args.turns, turn_len, answer, seed=0))
             eng.close()
-    for name, _ in configs:                          # the run of median TTFT, and every run's TTFT
-        by_ttft = sorted(runs[name], key=lambda r: r["ttft_mean_s"])
-        r = dict(by_ttft[len(by_ttft) // 2], ttft_mean_s_runs=[x["ttft_mean_s"] for x in runs[name]])
+    for name, _ in configs:
+        r = median_run(runs[name], "ttft_mean_s")
         res[f"multi_turn_{name}"] = r
         rows.append(dict(workload="multi-turn", config=name, **r))
 
@@ -116,15 +122,14 @@ def main(argv=None) -> dict:
         for mode in modes[rep % 3:] + modes[:rep % 3]:
             # every prompt admitted at once (a small pool would otherwise derive a max_num_seqs that never preempts)
             eng = LLMEngine(**base, num_kv_blocks=nb, kv_offload_gib=args.offload_gib, preemption_mode=mode,
-                            max_model_len=min(nb * 16 - 16, 4096), max_num_seqs=n)
+                            max_model_len=max_len, max_num_seqs=n)
             if prompts is None:
                 rng = random.Random(1)
                 prompts = [[rng.randrange(eng.arch_config.vocab_size) for _ in range(prompt_len)] for _ in range(n)]
             bursts[mode].append(drive(eng, prompts, max_tokens=max(16, prompt_len // 2)))
             eng.close()
     for mode in modes:
-        by_rate = sorted(bursts[mode], key=lambda r: r["out_tok_s"])
-        r = dict(by_rate[len(by_rate) // 2], out_tok_s_runs=[x["out_tok_s"] for x in bursts[mode]])
+        r = median_run(bursts[mode], "out_tok_s")
         res[f"burst_{mode}"] = r
         rows.append(dict(workload="burst", config=f"preemption {mode}", **r))
     cols = ["workload", "config", "blocks", "ttft_mean_s", "out_tok_s", "wall_s", "preemptions", "swaps",

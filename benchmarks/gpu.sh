@@ -70,14 +70,18 @@ suite_offline() {
   done
 }
 
-suite_serving() {
-  have_vllm || { echo "serving: no vLLM in $VLLM_SITE"; return 3; }
+# vLLM's OpenAI server on the Llama-3.2-1B shape (dummy weights, token-id prompts) at port 8002; $1: max model length
+vllm_server_cmd() {
   local cfg; cfg=$(mktemp -d)
   python3 -c "from pathlib import Path; from benchmarks.vllm_offline import write_config; \
 write_config('llama-3.2-1b', Path('$cfg'))"
-  local vllm="PYTHONPATH=$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH} python3 -m vllm.entrypoints.openai.api_server \
---model $cfg --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 4096 \
---served-model-name llama1b --port 8002"
+  echo "PYTHONPATH=$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH} python3 -m vllm.entrypoints.openai.api_server --model $cfg \
+--load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len $1 --served-model-name llama1b --port 8002"
+}
+
+suite_serving() {
+  have_vllm || { echo "serving: no vLLM in $VLLM_SITE"; return 3; }
+  local vllm; vllm=$(vllm_server_cmd 4096)
   # every server workload from one client process and from four (a single Python client falls behind in the
   # burst, and its own delays would count as the server's)
   python3 benchmarks/bench_serve.py --suite serving --model dummy:llama-3.2-1b --device cuda \
@@ -125,12 +129,7 @@ suite_tp() {
   stamp "serving burst, Llama-3.2-1B shape: one engine vs --data-parallel-size 2, vLLM's beside"
   local peer=()
   if have_vllm; then
-    local cfg; cfg=$(mktemp -d)
-    python3 -c "from pathlib import Path; from benchmarks.vllm_offline import write_config; \
-write_config('llama-3.2-1b', Path('$cfg'))"
-    peer=(--launch "vllm-dp2=PYTHONPATH=$VLLM_SITE${PYTHONPATH:+:$PYTHONPATH} python3 -m vllm.entrypoints.openai.api_server \
---model $cfg --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 2048 --served-model-name llama1b \
---port 8002 --data-parallel-size 2" --target vllm-dp2=http://127.0.0.1:8002)
+    peer=(--launch "vllm-dp2=$(vllm_server_cmd 2048) --data-parallel-size 2" --target vllm-dp2=http://127.0.0.1:8002)
   fi
   python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
     --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 --client-procs 4 \
