@@ -1,6 +1,7 @@
 """Where the time goes: the benchmarks say how fast, these profiles say why. One subcommand per question:
 
-    python benchmarks/profiler.py kernels --engine kvscope|vllm [--shape llama-3.1-8b] [--workload nano|prefill]
+    python benchmarks/profiler.py kernels --engine kvscope|vllm [--shape llama-3.1-8b]
+            [--workload nano|prefill|longctx] [--kv-cache-dtype fp8]
         a whole offline run's GPU time per kernel class and top kernels, kvscope or vLLM on the same workload
         (PYTHONPATH=$HOME/vsite for vLLM)                               -> kernels_profile_<engine>_<device>_...
     python benchmarks/profiler.py decode [--shape llama-3.1-8b] [--steps 8] [--pdl 0] [--gemv-table T.json]
@@ -42,7 +43,8 @@ elif str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.bench_gpu import copy_bandwidth, model_bytes, nano_workload, prefill_workload  # noqa: E402
+from benchmarks.bench_gpu import (copy_bandwidth, long_context_workload, model_bytes, nano_workload,  # noqa: E402
+                                  prefill_workload)  # noqa: E402
 from benchmarks.bench_spec import WORKLOADS, run_mode, switch_drafter  # noqa: E402
 from benchmarks.common import device_name, load_gemv_table, print_table, slug, write_json  # noqa: E402
 
@@ -116,7 +118,7 @@ def kvscope_runner(shape: str, prompts, outs, max_model_len: int, **cfg):
     return go
 
 
-def vllm_runner(shape: str, prompts, outs, max_model_len: int, quantization: str | None):
+def vllm_runner(shape: str, prompts, outs, max_model_len: int, quantization: str | None, kv_cache_dtype: str):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # in this process: the profiler sees it
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
@@ -125,7 +127,7 @@ def vllm_runner(shape: str, prompts, outs, max_model_len: int, quantization: str
     folder = Path(tempfile.mkdtemp(prefix="vllm_cfg_"))
     write_config(shape, folder)
     llm = LLM(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=max_model_len, seed=0, quantization=quantization)
+              max_model_len=max_model_len, seed=0, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:8]],
                  SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True, detokenize=False) for o in outs]
@@ -143,15 +145,21 @@ def cmd_kernels(args) -> None:
     if args.workload == "nano":
         prompts, outs = nano_workload(args.requests or 256)
         max_len = 2048
-    else:
+    elif args.workload == "prefill":
         prompts, outs = prefill_workload(args.requests or 128)
         max_len = 4200
+    else:
+        prompts, outs = long_context_workload(args.requests or 200)
+        max_len = 5200
     quant = args.quantization or None
+    kv_dtype = args.kv_cache_dtype
     if args.engine == "kvscope":
         cfg = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set)}
-        go = kvscope_runner(args.shape, prompts, outs, max_len, **cfg, **({"quantization": quant} if quant else {}))
+        cfg.update({"quantization": quant} if quant else {})
+        cfg.update({"kv_cache_dtype": kv_dtype} if kv_dtype != "auto" else {})
+        go = kvscope_runner(args.shape, prompts, outs, max_len, **cfg)
     else:
-        go = vllm_runner(args.shape, prompts, outs, max_len, quant)
+        go = vllm_runner(args.shape, prompts, outs, max_len, quant, kv_dtype)
     # the profiled run's ids are shifted so that neither engine's prefix cache serves it from the first run
     sync()
     t = time.perf_counter()
@@ -168,18 +176,19 @@ def cmd_kernels(args) -> None:
     cls_rows, top_rows, total = kernel_table(prof, cuda)
     in_tok = sum(map(len, prompts))
     dev = device_name()
-    print(f"\n{args.engine} {args.shape} {args.workload}{' ' + quant if quant else ''} on {dev}: "
+    print(f"\n{args.engine} {args.shape} {args.workload}{' ' + quant if quant else ''} {kv_dtype} KV on {dev}: "
           f"wall {wall_plain:.2f} s unprofiled ({n / wall_plain:,.0f} out tok/s, {(n + in_tok) / wall_plain:,.0f} total), "
           f"{wall_prof:.2f} s profiled; GPU kernel time {total / 1e3:.2f} s ({100 * total / 1e3 / wall_prof:.0f}% busy)")
     print_table(cls_rows, ["cls", "ms", "pct", "kernels"])
     print()
     print_table(top_rows, ["kernel", "cls", "ms", "calls", "us_per_call"])
-    tag = "_".join(x for x in (args.engine, slug(dev), args.shape, args.workload, quant) if x)
+    tag = "_".join(x for x in (args.engine, slug(dev), args.shape, args.workload, quant,
+                               None if kv_dtype == "auto" else f"kv{kv_dtype}") if x)
     tag += "".join(f"_{slug(kv)}" for kv in args.set)
     write_json(f"kernels_profile_{tag}", dict(engine=args.engine, device=dev, shape=args.shape,
-                                               workload=args.workload, quantization=quant, set=args.set, out_tokens=n,
-                                               in_tokens=in_tok, wall_s=wall_plain, wall_profiled_s=wall_prof,
-                                               kernel_s=total / 1e3, classes=cls_rows, top=top_rows))
+                                               workload=args.workload, quantization=quant, kv_cache_dtype=kv_dtype,
+                                               set=args.set, out_tokens=n, in_tokens=in_tok, wall_s=wall_plain,
+                                               wall_profiled_s=wall_prof, kernel_s=total / 1e3, classes=cls_rows, top=top_rows))
 
 
 # ---- decode: one batch-1 decode step ----------------------------------------------------------------------
@@ -753,9 +762,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("kernels", help="a whole offline run's GPU time per kernel, kvscope or vLLM")
     p.add_argument("--engine", choices=["kvscope", "vllm"], default="kvscope")
     p.add_argument("--shape", default="llama-3.1-8b")
-    p.add_argument("--workload", choices=["nano", "prefill"], default="nano")
-    p.add_argument("--requests", type=int, default=0, help="default: 256 (nano) / 128 (prefill)")
+    p.add_argument("--workload", choices=["nano", "prefill", "longctx"], default="nano",
+                   help="longctx: nano's outputs after 2-4k-token prompts (bench_gpu.py --sections longctx)")
+    p.add_argument("--requests", type=int, default=0, help="default: 256 (nano) / 128 (prefill) / 200 (longctx)")
     p.add_argument("--quantization", default="", help="fp8 etc. (both engines)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="both engines")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                    help="kvscope: an EngineConfig field, e.g. --set fp8_activations=false (repeatable)")
     p.set_defaults(fn=cmd_kernels)
