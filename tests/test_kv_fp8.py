@@ -101,14 +101,16 @@ def test_paged_attention_fp8_cache(dtype, case):
     assert rel_err(torch_ops.paged_attention(q, kc, vc, md, scale), ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_paged_attention_decode_fp8_cache(splits):
-    q, kc, vc, md = _fp8_batch([1] * 4, [1, 130, 7, 64], torch.float32, bs=16)
+@pytest.mark.parametrize("splits, dtype, f16_dot", [(1, torch.float32, False), (4, torch.float32, False),
+                                                    (1, torch.bfloat16, True), (4, torch.bfloat16, True)])
+def test_paged_attention_decode_fp8_cache(splits, dtype, f16_dot):
+    """f16_dot: bf16 queries against fp8 codes with the products in fp16 (a launch config of the kernel)."""
+    q, kc, vc, md = _fp8_batch([1] * 4, [1, 130, 7, 64], dtype, bs=16)
     scale = q.shape[-1] ** -0.5
     out = tk.paged_attention_decode(q, kc, vc, md.block_tables, md.seq_lens, scale, md.max_seqlen_k,
-                                    num_splits=splits)
+                                    num_splits=splits, config={"f16_dot": f16_dot})
     ref = paged_attention_decode_ref(q.double(), kc, vc, md.block_tables, md.seq_lens, scale)
-    assert rel_err(out, ref) < TOL[torch.float32]
+    assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype]
 
 
 # ---------------------------------------------------------------- the engine with an fp8 pool

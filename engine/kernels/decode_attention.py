@@ -20,7 +20,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     if USE_PDL:                                              # launched early: wait for q and the new KV
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -46,6 +47,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, seq_lens_ptr, cu
     q_mask = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(q_ptr + r * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)                      # [M, BD]
+    if F16_DOT:                                              # fp8 codes -> fp16 is one conversion, -> bf16 two
+        q = q.to(tl.float16)
 
     bt = bt_ptr + b * stride_bt
     k_base = k_ptr + kvh * stride_kh
@@ -159,6 +162,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
         NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype), USE_PDL=pdl,
+        F16_DOT=cfg.get("f16_dot", False) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     if S > 1:
         _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),
