@@ -59,7 +59,7 @@ def main():
         ref = paged_attention_decode_ref(q, kc, vc, md.block_tables, md.seq_lens, bk.D ** -0.5)
         hint = 4096 if not smoke else 64
         S_rule = decode_num_splits(B, bk.HK, hint, q.device)
-        eng = _decode_config(bk.H // bk.HK, bk.D, q.dtype, q.device, S_rule)
+        eng = _decode_config(bk.H // bk.HK, bk.D, q.dtype, q.device, S_rule, kc.dtype)
         trials = [("engine", None, S_rule)] + [
             (f"{bn}/{w}/{s}" + ("/f16" if f16 else ""), dict(BLOCK_N=bn, num_warps=w, num_stages=s, f16_dot=f16), S)
             for bn, w, s, f16 in grid for S in sorted({1, S_rule})]

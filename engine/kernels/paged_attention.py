@@ -143,7 +143,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if n_dec:
         S = dec_splits or decode_num_splits(n_dec, Hk, md.max_seqlen_k, q.device)
         _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, S,
-                       _decode_config(G, D, q.dtype, q.device, S), out)
+                       _decode_config(G, D, q.dtype, q.device, S, k_cache.dtype), out)
     return out
 
 
@@ -161,5 +161,5 @@ def _paged_attention_graphed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     pcfg = _prefill_config(triton.next_power_of_2(G), D, T, q.dtype, q.device)
     _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes=True)
     _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, md.mixed_splits,
-                   _decode_config(G, D, q.dtype, q.device, md.mixed_splits), out)
+                   _decode_config(G, D, q.dtype, q.device, md.mixed_splits, k_cache.dtype), out)
     return out
