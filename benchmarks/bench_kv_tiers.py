@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import device_name, print_table, write_json  # noqa: E402
+from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLMEngine, SamplingParams  # noqa: E402
 
 
@@ -75,6 +75,8 @@ def main(argv=None) -> dict:
                     "on cuda, 64 on cpu) so that they oversubscribe it")
     ap.add_argument("--offload-gib", type=float, default=2.0)
     ap.add_argument("--scale", type=float, default=1.0, help="workload size factor (0.1 for a CPU smoke run)")
+    ap.add_argument("--tag", default="", help="suffix of the JSON's name (benchmarks/results/bench_kv_tiers_<device>_"
+                    "<model><tag>.json)")
     ap.add_argument("--turns", type=int, default=8, help="multi-turn: rounds of conversation per user")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per configuration (multi-turn and burst), in rotating order; the median is reported")
@@ -138,7 +140,8 @@ def main(argv=None) -> dict:
     payload = dict(device=device_name(args.device), model=args.model or "SmolLM2-135M (bundled)",
                    num_kv_blocks=nb, turns=args.turns, users=users, turn_len=turn_len, answer=answer,
                    repeats=args.repeats, offload_gib=args.offload_gib, scale=args.scale, rows=rows, results=res)
-    write_json("bench_kv_tiers", payload)
+    model = (args.model or "smollm2-135m").removeprefix("dummy:")
+    write_json(f"bench_kv_tiers_{slug(device_name(args.device))}_{slug(Path(model).name)}{args.tag}", payload)
     return payload
 
 
