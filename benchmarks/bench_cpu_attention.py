@@ -7,7 +7,11 @@ and "attend", the eager decode path's attention over a cache that already holds 
 (torch_ops.paged_attention's decode branch: torch's gather + SDPA against the C++ kernel with nothing to store).
 Each figure is the best of --repeats runs of the median over --iters calls.
 
-    python benchmarks/bench_cpu_attention.py [--batch 1 8] [--context 128 1024] [--threads 2]
+--engine int4 (or none) adds the end to end figure: the bundled model generating --tokens greedy tokens at batch
+1 and 8, compiled decode steps and eager, once with the C++ kernel and once with the torch implementation
+registered over it for the CPU key, alternating in one process (best of --engine-repeats each).
+
+    python benchmarks/bench_cpu_attention.py [--batch 1 8] [--context 128 1024] [--threads 2] [--engine int4]
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,6 +62,39 @@ def time_us(fn, iters: int, repeats: int) -> float:
     return best * 1e6
 
 
+def engine_rows(quantization: str, tokens: int, repeats: int) -> list[dict]:
+    from engine import LLM, SamplingParams
+    prompt = "Once upon a time, in a small village by the sea,"
+    q = None if quantization == "none" else quantization
+    extra = {"int4_group_size": 32} if q == "int4" else {}
+    p = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens)
+    rows = []
+    for compiled in (True, False):
+        llm = LLM(device="cpu", quantization=q, max_model_len=1024, cpu_compile=compiled, **extra)
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        best: dict[tuple[int, str], float] = {}
+        for _ in range(repeats):
+            for B in (1, 8):
+                for kernel in ("C++", "torch"):
+                    lib = None
+                    if kernel == "torch":            # the torch implementation over the C++ kernel, for this run
+                        lib = torch.library.Library("kvscope", "IMPL")
+                        with warnings.catch_warnings():
+                            warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
+                            lib.impl("decode_attention", torch_ops.decode_attention_ref, "CPU")
+                    t = time.perf_counter()
+                    llm.generate([prompt] * B, p, use_tqdm=False)
+                    best[B, kernel] = max(best.get((B, kernel), 0.0), tokens * B / (time.perf_counter() - t))
+                    if lib is not None:
+                        lib._destroy()
+        for B in (1, 8):
+            rows.append({"engine": f"kvscope {quantization}" + (" compiled" if compiled else " eager"), "batch": B,
+                         "torch tok/s": round(best[B, "torch"], 1), "C++ tok/s": round(best[B, "C++"], 1),
+                         "speed-up": round(best[B, "C++"] / best[B, "torch"], 2)})
+        del llm
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -65,6 +103,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--engine", choices=["int4", "none"], help="also the end-to-end A/B on the bundled model")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--engine-repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not torch_ops.cpu_kernel_ready():
@@ -89,12 +130,16 @@ def main() -> None:
                 rows.append({"batch": B, "context": ctx, **{f"{n} us": round(x, 1) for n, x in us.items()},
                              "store+attend speed-up": round(us["store+attend torch"] / us["store+attend C++"], 1),
                              "attend speed-up": round(us["attend torch"] / us["attend C++"], 1)})
-    cols = list(rows[0])
-    print_table(rows, cols)
+    print_table(rows, list(rows[0]))
+    e2e = engine_rows(args.engine, args.tokens, args.engine_repeats) if args.engine else []
+    if e2e:
+        print()
+        print_table(e2e, list(e2e[0]))
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}; {args.threads} threads")
     path = write_json("cpu_attention", {"device": device_name("cpu"), "threads": args.threads, "dtype": args.dtype,
-                                        "command": " ".join(sys.argv), "load_average": load, "rows": rows})
+                                        "command": " ".join(sys.argv), "load_average": load, "rows": rows,
+                                        "engine_rows": e2e})
     print(f"wrote {path}")
 
 

@@ -1,11 +1,17 @@
 """The C++ CPU kernel of kvscope::decode_attention (engine/kernels/cpu_attention.py) against its torch
 implementation (torch_ops.decode_attention_ref): odd lengths, scattered blocks, GQA, skipped slots, cache dtypes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.kernels import torch_ops
 
-pytestmark = pytest.mark.skipif(not torch_ops.cpu_kernel_ready(), reason="the C++ CPU kernel could not be built")
+needs_kernel = pytest.mark.skipif(not torch_ops.cpu_kernel_ready(), reason="the C++ CPU kernel could not be built")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_case(B: int, Hk: int, g: int, D: int, lens: list[int], dtype, cache_dtype, seed: int):
@@ -43,6 +49,7 @@ CASES = [  # B, Hk, g, D, lens
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
+@needs_kernel
 @pytest.mark.parametrize("B,Hk,g,D,lens", CASES)
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.float16, torch.float16), (torch.float32, torch.float8_e4m3fn),
@@ -59,6 +66,7 @@ def test_cpp_kernel_matches_torch(B, Hk, g, D, lens, dtype, cache_dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@needs_kernel
 def test_fp8_store_saturates():
     """An fp8 cache stores values beyond e4m3's range as +-448, as torch_ops.kv_encode does."""
     q, k, v, kc, vc, slots, tables, seq_lens = make_case(2, 1, 2, 16, [5, 20], torch.float32, torch.float8_e4m3fn, 7)
@@ -70,6 +78,7 @@ def test_fp8_store_saturates():
     assert kc.float().abs().max() == 448
 
 
+@needs_kernel
 def test_store_only_rows_and_attention_only():
     """No tokens to store (the eager path's decode: the KV already stored) leaves the caches as they were."""
     q, k, v, kc, vc, slots, tables, seq_lens = make_case(3, 2, 2, 32, [40, 3, 17], torch.float32, torch.float32, 3)
@@ -81,6 +90,7 @@ def test_store_only_rows_and_attention_only():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@needs_kernel
 @pytest.mark.parametrize("lens", [[700], [600, 3], [1030, 257, 40]])
 def test_long_contexts_split_over_threads(lens):
     """With more threads than sequences a long context splits into ranges whose partial softmaxes merge (a range
@@ -96,3 +106,28 @@ def test_long_contexts_split_over_threads(lens):
         torch.set_num_threads(n)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+FALLBACK = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from engine.kernels import torch_ops
+from tests.test_cpu_attention import make_case
+assert not torch_ops.cpu_kernel_ready()
+q, k, v, kc, vc, slots, tables, lens = make_case(2, 1, 3, 16, [5, 20], torch.float32, torch.float32, 1)
+kc2, vc2 = kc.clone(), vc.clone()
+out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
+ref = torch_ops.decode_attention_ref(q, k, v, kc2, vc2, slots, tables, lens, 0.25)
+assert torch.equal(out, ref) and torch.equal(kc, kc2)
+torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
+print("ok")
+"""
+
+
+def test_falls_back_to_torch_without_a_toolchain(tmp_path):
+    """No ninja or compiler on PATH: the op runs its torch implementation, and one warning says so."""
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = subprocess.run([sys.executable, "-c", FALLBACK], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr.count("using the torch implementation") == 1, out.stderr
