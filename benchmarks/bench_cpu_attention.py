@@ -80,7 +80,7 @@ def engine_rows(quantization: str, tokens: int, repeats: int) -> list[dict]:
                     if kernel == "torch":            # the torch implementation over the C++ kernel, for this run
                         lib = torch.library.Library("kvscope", "IMPL")
                         with warnings.catch_warnings():
-                            warnings.filterwarnings("ignore", "Overriding a previously registered kernel")
+                            warnings.simplefilter("ignore", UserWarning)   # "Overriding a previously registered kernel"
                             lib.impl("decode_attention", torch_ops.decode_attention_ref, "CPU")
                     t = time.perf_counter()
                     llm.generate([prompt] * B, p, use_tqdm=False)
