@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.bench_cpu_llamacpp import commit  # noqa: E402
 from benchmarks.common import device_name, print_table, write_json  # noqa: E402
 from engine.kernels import torch_ops  # noqa: E402
 
@@ -138,6 +139,7 @@ def main() -> None:
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}; {args.threads} threads")
     path = write_json("cpu_attention", {"device": device_name("cpu"), "threads": args.threads, "dtype": args.dtype,
+                                        "commit": commit(),
                                         "command": " ".join(sys.argv), "load_average": load, "rows": rows,
                                         "engine_rows": e2e})
     print(f"wrote {path}")

@@ -108,6 +108,20 @@ def test_long_contexts_split_over_threads(lens):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@needs_kernel
+def test_rejects_slots_and_lengths_beyond_the_pool():
+    """A slot past the pool or a length past the block table raises instead of writing or reading outside."""
+    q, k, v, kc, vc, slots, tables, seq_lens = make_case(2, 1, 2, 16, [5, 20], torch.float32, torch.float32, 2)
+    bad = slots.clone()
+    bad[1] = kc.shape[0] * kc.shape[1]
+    with pytest.raises(RuntimeError, match="slot"):
+        torch.ops.kvscope.decode_attention(q, k, v, kc, vc, bad, tables, seq_lens, 1.0)
+    long = seq_lens.clone()
+    long[0] = tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, long, 1.0)
+
+
 FALLBACK = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -267,6 +267,8 @@ void attend_d(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   int64_t max_len = 1, total = 0;
   for (int64_t b = 0; b < B; ++b) {
     L[b] = index_at(lens, lens32, b * seq_lens.stride(0));
+    TORCH_CHECK(L[b] <= block_tables.size(1) * bs, "kvscope::decode_attention: seq_lens[", b, "] = ", L[b],
+                " beyond its block table's ", block_tables.size(1) * bs, " tokens");
     max_len = std::max(max_len, L[b]);
     total += std::max<int64_t>(L[b], 0);
   }
@@ -315,8 +317,8 @@ void attend_d(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
             for (; d < D; ++d) ob[h * D + d] /= l[h];
           }
         } else {
-          r.run(qf.data(), t0, t1, s.data(), rowbuf.data(), kr.data(), vr.data(), pm.data() + task * H, pl.data() + task * H,
-                po.data() + task * H * D);
+          r.run(qf.data(), t0, t1, s.data(), rowbuf.data(), kr.data(), vr.data(), pm.data() + task * H,
+                pl.data() + task * H, po.data() + task * H * D);
         }
       }
     };
@@ -357,7 +359,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 }
 
 void check_dense_rows(const at::Tensor& t, const char* name, int64_t rank) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == rank, "kvscope::decode_attention: ", name, " must be a CPU tensor of rank ", rank);
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == rank, "kvscope::decode_attention: ", name,
+              " must be a CPU tensor of rank ", rank);
   TORCH_CHECK(t.stride(-1) == 1, "kvscope::decode_attention: ", name, "'s last dimension must be dense");
 }
 
@@ -376,14 +379,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "kvscope::decode_attention: a cached token's heads must be dense");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
               "kvscope::decode_attention: q heads must be a multiple of the cache's kv heads, of its head size");
-  TORCH_CHECK(block_tables.dim() == 2 && (block_tables.scalar_type() == at::kInt || block_tables.scalar_type() == at::kLong)
-              && block_tables.stride(1) == 1, "kvscope::decode_attention: block_tables must be int32/int64 [B, blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong,
-              "kvscope::decode_attention: seq_lens must be int32 or int64");
+  const auto bt_type = block_tables.scalar_type();
+  TORCH_CHECK(block_tables.dim() == 2 && (bt_type == at::kInt || bt_type == at::kLong) && block_tables.stride(1) == 1
+              && block_tables.size(0) >= q.size(0),
+              "kvscope::decode_attention: block_tables must be int32/int64 [B, blocks]");
+  TORCH_CHECK(k.size(0) == slot_mapping.numel() && v.sizes() == k.sizes() && k.size(1) == k_cache.size(2)
+              && k.size(2) == k_cache.size(3), "kvscope::decode_attention: k, v must be [slots, Hk, D] of the caches");
+  TORCH_CHECK((seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong)
+              && seq_lens.numel() == q.size(0), "kvscope::decode_attention: seq_lens must be int32/int64 [B]");
   const auto cdt = k_cache.scalar_type();
   if (slot_mapping.numel() > 0) {
     const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
     const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < slots.numel(); ++i)
+      TORCH_CHECK(sp[i] < k_cache.size(0) * k_cache.size(1), "kvscope::decode_attention: slot ", sp[i],
+                  " beyond the cache's ", k_cache.size(0) * k_cache.size(1));
     auto store = [&](auto tag) {
       using C = decltype(tag);
       store_rows<C>(k, k_cache, sp);
