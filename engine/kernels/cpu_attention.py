@@ -388,6 +388,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK((seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong)
               && seq_lens.numel() == q.size(0), "kvscope::decode_attention: seq_lens must be int32/int64 [B]");
   const auto cdt = k_cache.scalar_type();
+  TORCH_CHECK(cdt == at::kFloat || cdt == at::kBFloat16 || cdt == at::kHalf || cdt == at::kFloat8_e4m3fn,
+              "kvscope::decode_attention: unsupported cache dtype ", cdt);
   if (slot_mapping.numel() > 0) {
     const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
     const int64_t* sp = slots.data_ptr<int64_t>();
@@ -402,8 +404,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     if (cdt == at::kFloat) store(float{});
     else if (cdt == at::kBFloat16) store(c10::BFloat16{});
     else if (cdt == at::kHalf) store(c10::Half{});
-    else if (cdt == at::kFloat8_e4m3fn) store(c10::Float8_e4m3fn{});
-    else TORCH_CHECK(false, "kvscope::decode_attention: unsupported cache dtype ", cdt);
+    else store(c10::Float8_e4m3fn{});
   }
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   if (cdt == at::kFloat) attend<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
