@@ -1,0 +1,459 @@
+"""The CPU kernel of `kvscope::decode_attention` (torch_ops.py defines the op): the KV store and the paged decode
+attention in one C++ function, built on first use with torch.utils.cpp_extension.load_inline and registered for
+the CPU dispatch key, so the compiled decode graph and the eager path call it through the dispatcher.
+
+One build per machine kind: the build directory (~/.cache/kvscope/torch_extensions unless TORCH_EXTENSIONS_DIR is
+set) is keyed on the torch version and the vector ISA the build targets (AVX2 + FMA + F16C where torch reports
+AVX2 or AVX-512, else the compiler's portable default), never on -march=native. Without a compiler or ninja the
+op keeps its torch implementation and one line says why.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kV = Vec::size();
+static_assert(kV == 8, "built for 8-float vectors (AVX2 or the portable default)");
+constexpr float kFp8Max = 448.f;
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table() { for (int i = 0; i < 256; ++i) v[i] = c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(i)); }
+};
+const Fp8Table& fp8_table() { static const Fp8Table t; return t; }
+
+// One row of D elements of any supported type -> floats (float rows are read in place).
+template <typename T>
+inline const float* row_as_float(const T* p, float* buf, int64_t D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    const float* lut = fp8_table().v;
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+    for (int64_t d = 0; d < D; ++d) buf[d] = lut[b[d]];
+    return buf;
+  } else {
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(p[d]);
+    return buf;
+  }
+}
+
+template <typename T>
+inline T from_float(float x) {
+  if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    return T(std::min(std::max(x, -kFp8Max), kFp8Max));   // saturated, as torch_ops.kv_encode
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  Vec acc0(0.f), acc1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kV <= D; d += 2 * kV) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + kV), Vec::loadu(b + d + kV), acc1);
+  }
+  for (; d + kV <= D; d += kV) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t D) {   // y += a * x
+  const Vec va(a);
+  int64_t d = 0;
+  for (; d + kV <= D; d += kV) at::vec::fmadd(va, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d < D; ++d) y[d] += a * x[d];
+}
+
+// x [T, Hk, D] (any strides, last dim dense) -> cache [N, bs, Hk, D] at flat slots; negative slots are skipped.
+template <typename C>
+void store_rows(const at::Tensor& x, const at::Tensor& cache, const int64_t* slots) {
+  const int64_t T = x.size(0), Hk = x.size(1), D = x.size(2), bs = cache.size(1);
+  C* base = reinterpret_cast<C*>(cache.data_ptr());
+  const int64_t c0 = cache.stride(0), c1 = cache.stride(1), c2 = cache.stride(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kvscope_store", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const int64_t x0 = x.stride(0), x1 = x.stride(1);
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;
+      C* dst = base + (slot / bs) * c0 + (slot % bs) * c1;
+      for (int64_t h = 0; h < Hk; ++h) {
+        const scalar_t* s = src + i * x0 + h * x1;
+        C* o = dst + h * c2;
+        if constexpr (std::is_same_v<C, scalar_t>) {
+          std::memcpy(o, s, D * sizeof(C));
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = from_float<C>(static_cast<float>(s[d]));
+        }
+      }
+    }
+  });
+}
+
+template <typename I>
+inline int64_t at_i(const void* p, int64_t i) { return static_cast<const I*>(p)[i]; }
+
+inline int64_t index_at(const void* p, bool i32, int64_t i) { return i32 ? at_i<int32_t>(p, i) : at_i<int64_t>(p, i); }
+
+// Eight partial-sum vectors -> their eight sums, in one vector.
+inline Vec hsum8(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));  // lanes: 0-3 lo | hi
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));  // lanes: 4-7 lo | hi
+  return Vec(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  float out[kV] = {};
+  for (int r = 0; r < 8 && r < kV; ++r) {
+    float tmp[kV];
+    v[r].store(tmp);
+    for (int l = 0; l < kV; ++l) out[r] += tmp[l];
+  }
+  return Vec::loadu(out);
+#endif
+}
+
+// The attention of one sequence's tokens [t_begin, t_end) for all H heads: scores, then softmax relative to the
+// range's own maximum. Writes m[H] (the maximum), l[H] (the sum of exponentials) and o[H, D] (the unnormalized
+// weighted sum of V rows). A cached token's row [Hk, D] is dense; rows of a cache of another type are read
+// through a float buffer.
+template <typename C, int64_t DC>   // DC: the head size known at compile time (0: read at run time)
+struct SeqRange {
+  const C* kc; const C* vc;
+  int64_t k0, k1, v0, v1, bs, H, Hk, D_;
+  const void* bt; bool bt32; int64_t bt_row;
+
+  // rows[i] = the cached row of token t_begin + i (one table lookup a block, no division a token)
+  void rows_of(const C* base, int64_t s0, int64_t s1, int64_t t_begin, int64_t t_end, const C** rows) const {
+    for (int64_t t = t_begin, i = 0; t < t_end;) {
+      const C* blk = base + index_at(bt, bt32, bt_row + t / bs) * s0;
+      for (int64_t off = t % bs; off < bs && t < t_end; ++off, ++t, ++i) rows[i] = blk + off * s1;
+    }
+  }
+
+  void run(const float* qf, int64_t t_begin, int64_t t_end, float* s, float* rowbuf, const C** kr_all,
+           const C** vr_all, float* m, float* l, float* o) const {
+    const int64_t D = DC > 0 ? DC : D_;
+    const int64_t n = t_end - t_begin, g = H / Hk, HkD = Hk * D;
+    rows_of(kc, k0, k1, t_begin, t_end, kr_all);
+    rows_of(vc, v0, v1, t_begin, t_end, vr_all);
+    // scores s[h, i] = q_h . k_{t_begin + i}, eight tokens at a time (one horizontal sum for the eight)
+    const int64_t Dv = D / kV * kV;
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+      const int64_t m8 = std::min<int64_t>(8, n - i0);
+      const float* rows[8];
+      for (int64_t r = 0; r < m8; ++r)
+        rows[r] = row_as_float(kr_all[i0 + r], rowbuf + r * HkD, HkD);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = qf + h * D;
+        const int64_t off = (h / g) * D;
+        float tail[8] = {};
+        Vec part[8];
+        for (int64_t r = 0; r < 8; ++r) part[r] = Vec(0.f);
+        for (int64_t r = 0; r < m8; ++r) {
+          const float* kr = rows[r] + off;
+          Vec a(0.f), b(0.f);
+          int64_t d = 0;
+          for (; d + 2 * kV <= Dv; d += 2 * kV) {
+            a = at::vec::fmadd(Vec::loadu(qh + d), Vec::loadu(kr + d), a);
+            b = at::vec::fmadd(Vec::loadu(qh + d + kV), Vec::loadu(kr + d + kV), b);
+          }
+          if (d < Dv) a = at::vec::fmadd(Vec::loadu(qh + d), Vec::loadu(kr + d), a);
+          part[r] = a + b;
+          for (int64_t e = Dv; e < D; ++e) tail[r] += qh[e] * kr[e];
+        }
+        float sums[kV];
+        (hsum8(part) + Vec::loadu(tail)).store(sums);
+        std::memcpy(s + h * n + i0, sums, m8 * sizeof(float));
+      }
+    }
+    // softmax numerators in place; m, l per head
+    for (int64_t h = 0; h < H; ++h) {
+      float* sh = s + h * n;
+      const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sh, n);
+      const Vec vmx(mx);
+      Vec vsum(0.f);
+      int64_t i = 0;
+      for (; i + kV <= n; i += kV) {
+        const Vec e = (Vec::loadu(sh + i) - vmx).exp_u20();
+        e.store(sh + i);
+        vsum = vsum + e;
+      }
+      float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+      for (; i < n; ++i) {
+        sh[i] = std::exp(sh[i] - mx);
+        sum += sh[i];
+      }
+      m[h] = mx;
+      l[h] = sum;
+    }
+    // o_h = sum_i p[h, i] v_i, four tokens a pass (one load and store of o_h per four)
+    std::fill(o, o + H * D, 0.f);
+    for (int64_t i0 = 0; i0 < n; i0 += 4) {
+      const int64_t m4 = std::min<int64_t>(4, n - i0);
+      const float* rows[4];
+      for (int64_t r = 0; r < m4; ++r)
+        rows[r] = row_as_float(vr_all[i0 + r], rowbuf + r * HkD, HkD);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t off = (h / g) * D;
+        float* oh = o + h * D;
+        const float* ph = s + h * n + i0;
+        if (m4 == 4) {
+          const Vec p0(ph[0]), p1(ph[1]), p2(ph[2]), p3(ph[3]);
+          const float *r0 = rows[0] + off, *r1 = rows[1] + off, *r2 = rows[2] + off, *r3 = rows[3] + off;
+          int64_t d = 0;
+          for (; d < Dv; d += kV) {
+            Vec a = Vec::loadu(oh + d);
+            a = at::vec::fmadd(p0, Vec::loadu(r0 + d), a);
+            a = at::vec::fmadd(p1, Vec::loadu(r1 + d), a);
+            a = at::vec::fmadd(p2, Vec::loadu(r2 + d), a);
+            a = at::vec::fmadd(p3, Vec::loadu(r3 + d), a);
+            a.store(oh + d);
+          }
+          for (; d < D; ++d) oh[d] += ph[0] * r0[d] + ph[1] * r1[d] + ph[2] * r2[d] + ph[3] * r3[d];
+        } else {
+          for (int64_t r = 0; r < m4; ++r) {
+            const float* vr = rows[r] + off;
+            const Vec p(ph[r]);
+            int64_t d = 0;
+            for (; d < Dv; d += kV) at::vec::fmadd(p, Vec::loadu(vr + d), Vec::loadu(oh + d)).store(oh + d);
+            for (; d < D; ++d) oh[d] += ph[r] * vr[d];
+          }
+        }
+      }
+    }
+  }
+};
+
+// q [B, H, D] (rows dense), caches [N, bs, Hk, D] (a token's heads dense), block_tables [B, >= blocks],
+// seq_lens [B] -> out [B, H, D] float. A task is a sequence's range of tokens (a block multiple): one range a
+// sequence where the batch fills the threads, else a long context splits into ranges whose partial softmaxes
+// merge at the end (as flash-decoding does).
+template <typename C, int64_t DC>
+void attend_d(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), Hk = k_cache.size(2);
+  SeqRange<C, DC> sr{reinterpret_cast<const C*>(k_cache.data_ptr()), reinterpret_cast<const C*>(v_cache.data_ptr()),
+                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), bs, H, Hk, D,
+                 block_tables.data_ptr(), block_tables.scalar_type() == at::kInt, 0};
+  const int64_t bt0 = block_tables.stride(0);
+  const void* lens = seq_lens.data_ptr();
+  const bool lens32 = seq_lens.scalar_type() == at::kInt;
+  std::vector<int64_t> L(B);
+  int64_t max_len = 1, total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    L[b] = index_at(lens, lens32, b * seq_lens.stride(0));
+    TORCH_CHECK(L[b] <= block_tables.size(1) * bs, "kvscope::decode_attention: seq_lens[", b, "] = ", L[b],
+                " beyond its block table's ", block_tables.size(1) * bs, " tokens");
+    max_len = std::max(max_len, L[b]);
+    total += std::max<int64_t>(L[b], 0);
+  }
+  const int64_t threads = at::get_num_threads();
+  // ranges of at least kMinSplit tokens, enough of them to give every thread work
+  constexpr int64_t kMinSplit = 256;
+  int64_t S = 1;
+  if (B < threads) S = std::max<int64_t>(1, std::min((threads + B - 1) / B, max_len / kMinSplit));
+  const int64_t chunk = ((max_len + S - 1) / S + bs - 1) / bs * bs;
+  S = (max_len + chunk - 1) / chunk;
+  const float sc = static_cast<float>(scale);
+  float* o = out.data_ptr<float>();
+  std::vector<float> pm(S > 1 ? B * S * H : 0), pl(pm.size()), po(S > 1 ? B * S * H * D : 0);
+  // work below ~64k multiply-adds stays on the calling thread: a parallel region costs a few microseconds
+  const bool serial = B * S == 1 || total * H * D < (int64_t{1} << 16);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "kvscope_decode_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const int64_t q0 = q.stride(0), q1 = q.stride(1);
+    auto tasks = [&](int64_t begin, int64_t end) {
+      const int64_t span = std::min(chunk, max_len);
+      std::vector<float> qf(H * D), s(H * span), rowbuf(8 * Hk * D), m(H), l(H);
+      std::vector<const C*> kr(span), vr(span);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / S, part = task % S;
+        const int64_t t0 = part * chunk, t1 = std::min(L[b], t0 + chunk);
+        float* ob = o + b * H * D;
+        if (t1 <= t0) {                                   // an empty range (or an empty sequence: zeros)
+          if (S > 1) {
+            std::fill(pm.begin() + task * H, pm.begin() + (task + 1) * H, -std::numeric_limits<float>::infinity());
+            std::fill(pl.begin() + task * H, pl.begin() + (task + 1) * H, 0.f);
+          } else {
+            std::fill(ob, ob + H * D, 0.f);
+          }
+          continue;
+        }
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(qp[b * q0 + h * q1 + d]) * sc;
+        SeqRange<C, DC> r = sr;
+        r.bt_row = b * bt0;
+        if (S == 1) {
+          r.run(qf.data(), t0, t1, s.data(), rowbuf.data(), kr.data(), vr.data(), m.data(), l.data(), ob);
+          for (int64_t h = 0; h < H; ++h) {
+            const Vec inv(1.f / l[h]);
+            int64_t d = 0;
+            for (; d + kV <= D; d += kV) (Vec::loadu(ob + h * D + d) * inv).store(ob + h * D + d);
+            for (; d < D; ++d) ob[h * D + d] /= l[h];
+          }
+        } else {
+          r.run(qf.data(), t0, t1, s.data(), rowbuf.data(), kr.data(), vr.data(), pm.data() + task * H,
+                pl.data() + task * H, po.data() + task * H * D);
+        }
+      }
+    };
+    if (serial) tasks(0, B * S);
+    else at::parallel_for(0, B * S, 1, tasks);
+  });
+  if (S > 1) {                                            // merge each sequence's ranges
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < S; ++p) M = std::max(M, pm[(b * S + p) * H + h]);
+        float* oh = o + (b * H + h) * D;
+        std::fill(oh, oh + D, 0.f);
+        if (M == -std::numeric_limits<float>::infinity()) continue;
+        float denom = 0.f;
+        for (int64_t p = 0; p < S; ++p) {
+          const int64_t i = (b * S + p) * H + h;
+          if (pl[i] == 0.f) continue;
+          const float w = std::exp(pm[i] - M);
+          denom += w * pl[i];
+          const float* src = po.data() + i * D;
+          for (int64_t d = 0; d < D; ++d) oh[d] += w * src[d];
+        }
+        for (int64_t d = 0; d < D; ++d) oh[d] /= denom;
+      }
+    }
+  }
+}
+
+template <typename C>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, const at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: return attend_d<C, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    case 128: return attend_d<C, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    default: return attend_d<C, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  }
+}
+
+void check_dense_rows(const at::Tensor& t, const char* name, int64_t rank) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == rank, "kvscope::decode_attention: ", name,
+              " must be a CPU tensor of rank ", rank);
+  TORCH_CHECK(t.stride(-1) == 1, "kvscope::decode_attention: ", name, "'s last dimension must be dense");
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  check_dense_rows(q, "q", 3);
+  check_dense_rows(k, "k", 3);
+  check_dense_rows(v, "v", 3);
+  check_dense_rows(k_cache, "k_cache", 4);
+  check_dense_rows(v_cache, "v_cache", 4);
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "kvscope::decode_attention: caches of two dtypes");
+  TORCH_CHECK(k_cache.stride(2) == k_cache.size(3) && v_cache.stride(2) == v_cache.size(3),
+              "kvscope::decode_attention: a cached token's heads must be dense");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
+              "kvscope::decode_attention: q heads must be a multiple of the cache's kv heads, of its head size");
+  const auto bt_type = block_tables.scalar_type();
+  TORCH_CHECK(block_tables.dim() == 2 && (bt_type == at::kInt || bt_type == at::kLong) && block_tables.stride(1) == 1
+              && block_tables.size(0) >= q.size(0),
+              "kvscope::decode_attention: block_tables must be int32/int64 [B, blocks]");
+  TORCH_CHECK(k.size(0) == slot_mapping.numel() && v.sizes() == k.sizes() && k.size(1) == k_cache.size(2)
+              && k.size(2) == k_cache.size(3), "kvscope::decode_attention: k, v must be [slots, Hk, D] of the caches");
+  TORCH_CHECK((seq_lens.scalar_type() == at::kInt || seq_lens.scalar_type() == at::kLong)
+              && seq_lens.numel() == q.size(0), "kvscope::decode_attention: seq_lens must be int32/int64 [B]");
+  const auto cdt = k_cache.scalar_type();
+  TORCH_CHECK(cdt == at::kFloat || cdt == at::kBFloat16 || cdt == at::kHalf || cdt == at::kFloat8_e4m3fn,
+              "kvscope::decode_attention: unsupported cache dtype ", cdt);
+  if (slot_mapping.numel() > 0) {
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < slots.numel(); ++i)
+      TORCH_CHECK(sp[i] < k_cache.size(0) * k_cache.size(1), "kvscope::decode_attention: slot ", sp[i],
+                  " beyond the cache's ", k_cache.size(0) * k_cache.size(1));
+    auto store = [&](auto tag) {
+      using C = decltype(tag);
+      store_rows<C>(k, k_cache, sp);
+      store_rows<C>(v, v_cache, sp);
+    };
+    if (cdt == at::kFloat) store(float{});
+    else if (cdt == at::kBFloat16) store(c10::BFloat16{});
+    else if (cdt == at::kHalf) store(c10::Half{});
+    else store(c10::Float8_e4m3fn{});
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  if (cdt == at::kFloat) attend<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (cdt == at::kBFloat16) attend<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else if (cdt == at::kHalf) attend<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else attend<c10::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}
+
+TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+}
+"""
+
+_NAME = "kvscope_cpu_attention"
+_state: dict[str, object] = {}
+
+
+def _isa() -> tuple[str, list[str]]:
+    """The vector ISA of the build and its compiler flags: AVX2 (+ FMA, F16C) where torch's own kernels run AVX2
+    or AVX-512, else none (the portable scalar build). Never -march=native: the build is cached by this key."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):
+        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return "default", []
+
+
+def build_directory() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "kvscope" / "torch_extensions")
+    isa = _isa()[0]
+    return Path(root) / f"{_NAME}_torch{torch.__version__.replace('+', '_')}_{isa}"
+
+
+def load():
+    """The built extension (its CPU kernel registered for kvscope::decode_attention), or None where it cannot
+    be built; tried once per process."""
+    if "module" in _state:
+        return _state["module"]
+    _state["module"] = None
+    try:
+        from torch.utils.cpp_extension import load_inline
+        isa, flags = _isa()
+        d = build_directory()
+        d.mkdir(parents=True, exist_ok=True)
+        _state["module"] = load_inline(
+            name=f"{_NAME}_{isa}", cpp_sources=[_SOURCE], build_directory=str(d),
+            extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], is_python_module=False,
+            verbose=False)
+    except Exception as e:   # no compiler, no ninja, a failed build: the torch implementation stays
+        log.warning("kvscope::decode_attention: C++ CPU kernel unavailable (%s), using the torch implementation",
+                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+    return _state["module"]

@@ -1,0 +1,147 @@
+"""The C++ CPU kernel of kvscope::decode_attention (engine/kernels/cpu_attention.py) against its torch
+implementation (torch_ops.decode_attention_ref): odd lengths, scattered blocks, GQA, skipped slots, cache dtypes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import torch_ops
+
+needs_kernel = pytest.mark.skipif(not torch_ops.cpu_kernel_ready(), reason="the C++ CPU kernel could not be built")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_case(B: int, Hk: int, g: int, D: int, lens: list[int], dtype, cache_dtype, seed: int):
+    """Caches with random contents, each sequence's blocks scattered over the pool, this step's token at
+    position len - 1 (every third sequence's slot -1: not stored)."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = 16
+    nbs = [-(-n // bs) for n in lens]
+    N = sum(nbs) + 3
+    perm = torch.randperm(N - 1, generator=gen) + 1                  # block 0 stays the null block
+    width = max(nbs) + 2
+    tables = torch.zeros(B, width, dtype=torch.int32)
+    at = 0
+    for b, nb in enumerate(nbs):
+        tables[b, :nb] = perm[at:at + nb].int()
+        at += nb
+    k_cache = (torch.randn(N, bs, Hk, D, generator=gen) * 2).to(cache_dtype)
+    v_cache = torch.randn(N, bs, Hk, D, generator=gen).to(cache_dtype)
+    qkv = torch.randn(B, (g + 2) * Hk * D, generator=gen).to(dtype)  # q, k, v as views of one projection
+    q, k, v = qkv.split([g * Hk * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(B, g * Hk, D), k.view(B, Hk, D), v.view(B, Hk, D)
+    pos = torch.tensor(lens) - 1
+    slots = tables[torch.arange(B), pos // bs].long() * bs + pos % bs
+    slots[::3] = -1
+    return q, k, v, k_cache, v_cache, slots, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+CASES = [  # B, Hk, g, D, lens
+    (1, 3, 3, 64, [1]),
+    (1, 2, 1, 32, [37]),
+    (5, 3, 3, 64, [17, 1, 130, 16, 45]),
+    (5, 1, 1, 24, [3, 33, 5, 64, 7]),
+    (5, 2, 3, 40, [250, 9, 31, 2, 16]),
+]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,Hk,g,D,lens", CASES)
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16), (torch.float32, torch.float8_e4m3fn),
+                                               (torch.bfloat16, torch.float8_e4m3fn)])
+def test_cpp_kernel_matches_torch(B, Hk, g, D, lens, dtype, cache_dtype):
+    args = make_case(B, Hk, g, D, lens, dtype, cache_dtype, seed=B * 100 + D)
+    q, k, v, kc, vc, slots, tables, seq_lens = args
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = torch_ops.decode_attention_ref(q.clone(), k, v, kc_ref, vc_ref, slots, tables, seq_lens, D ** -0.5)
+    out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, seq_lens, D ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))      # the same codes stored, slot -1 skipped
+    assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_kernel
+def test_fp8_store_saturates():
+    """An fp8 cache stores values beyond e4m3's range as +-448, as torch_ops.kv_encode does."""
+    q, k, v, kc, vc, slots, tables, seq_lens = make_case(2, 1, 2, 16, [5, 20], torch.float32, torch.float8_e4m3fn, 7)
+    k = k * 1000
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    torch_ops.decode_attention_ref(q, k, v, kc_ref, vc_ref, slots, tables, seq_lens, 1.0)
+    torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, seq_lens, 1.0)
+    assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))
+    assert kc.float().abs().max() == 448
+
+
+@needs_kernel
+def test_store_only_rows_and_attention_only():
+    """No tokens to store (the eager path's decode: the KV already stored) leaves the caches as they were."""
+    q, k, v, kc, vc, slots, tables, seq_lens = make_case(3, 2, 2, 32, [40, 3, 17], torch.float32, torch.float32, 3)
+    before = kc.clone(), vc.clone()
+    empty = k[:0]
+    out = torch.ops.kvscope.decode_attention(q, empty, empty, kc, vc, slots[:0], tables, seq_lens, 0.2)
+    ref = torch_ops.decode_attention_ref(q, empty, empty, kc, vc, slots[:0], tables, seq_lens, 0.2)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("lens", [[700], [600, 3], [1030, 257, 40]])
+def test_long_contexts_split_over_threads(lens):
+    """With more threads than sequences a long context splits into ranges whose partial softmaxes merge (a range
+    may be empty for a short sequence of the batch)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        q, k, v, kc, vc, slots, tables, seq_lens = make_case(len(lens), 3, 3, 64, lens, torch.float32, torch.float32, 5)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        ref = torch_ops.decode_attention_ref(q, k, v, kc_ref, vc_ref, slots, tables, seq_lens, 0.125)
+        out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_rejects_slots_and_lengths_beyond_the_pool():
+    """A slot past the pool or a length past the block table raises instead of writing or reading outside."""
+    q, k, v, kc, vc, slots, tables, seq_lens = make_case(2, 1, 2, 16, [5, 20], torch.float32, torch.float32, 2)
+    bad = slots.clone()
+    bad[1] = kc.shape[0] * kc.shape[1]
+    with pytest.raises(RuntimeError, match="slot"):
+        torch.ops.kvscope.decode_attention(q, k, v, kc, vc, bad, tables, seq_lens, 1.0)
+    long = seq_lens.clone()
+    long[0] = tables.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, long, 1.0)
+
+
+FALLBACK = """
+import logging, torch
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from engine.kernels import torch_ops
+from tests.test_cpu_attention import make_case
+assert not torch_ops.cpu_kernel_ready()
+q, k, v, kc, vc, slots, tables, lens = make_case(2, 1, 3, 16, [5, 20], torch.float32, torch.float32, 1)
+kc2, vc2 = kc.clone(), vc.clone()
+out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
+ref = torch_ops.decode_attention_ref(q, k, v, kc2, vc2, slots, tables, lens, 0.25)
+assert torch.equal(out, ref) and torch.equal(kc, kc2)
+torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
+print("ok")
+"""
+
+
+def test_falls_back_to_torch_without_a_toolchain(tmp_path):
+    """No ninja or compiler on PATH: the op runs its torch implementation, and one warning says so."""
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = subprocess.run([sys.executable, "-c", FALLBACK], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr.count("using the torch implementation") == 1, out.stderr
