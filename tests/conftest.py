@@ -23,6 +23,13 @@ def pytest_configure(config):
                    "memory must not start side by side)")
 
 
+def pytest_sessionstart(session):
+    """The C++ CPU decode attention built (once per machine) and loaded before any engine starts: every test's
+    engine then runs the same kernel, whenever a build would have finished in the background."""
+    from engine.kernels import cpu_attention
+    cpu_attention.load()
+
+
 def pytest_collection_modifyitems(config, items):
     if getattr(config.option, "dist", "no") != "loadgroup":
         return

@@ -1,6 +1,10 @@
 """The CPU kernel of `kvscope::decode_attention` (torch_ops.py defines the op): the KV store and the paged decode
-attention in one C++ function, built on first use with torch.utils.cpp_extension.load_inline and registered for
-the CPU dispatch key, so the compiled decode graph and the eager path call it through the dispatcher.
+attention in one C++ function, built with torch.utils.cpp_extension and registered for the CPU
+dispatch key, so the compiled decode graph and the eager path call it through the dispatcher.
+
+The build takes about half a minute, once per machine, and never holds up a request: an engine on the CPU loads the
+built kernel at start (`prepare`) or, where it is not built yet, builds it in a background process and runs the
+torch implementation until the build is done (`poll`, once a step). `load` builds in the calling process.
 
 One build per machine kind: the build directory (~/.cache/kvscope/torch_extensions unless TORCH_EXTENSIONS_DIR is
 set) is keyed on the torch version and the vector ISA the build targets (AVX2 + FMA + F16C where torch reports
@@ -9,8 +13,11 @@ op keeps its torch implementation and one line says why.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +25,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -420,7 +429,7 @@ TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
 """
 
 _NAME = "kvscope_cpu_attention"
-_state: dict[str, object] = {}
+_state: dict[str, object] = {}          # "module": the loaded extension (None: unavailable); "build": a build process
 
 
 def _isa() -> tuple[str, list[str]]:
@@ -433,9 +442,12 @@ def _isa() -> tuple[str, list[str]]:
 
 
 def build_directory() -> Path:
+    """Keyed on the torch version, the ISA and the source: a changed kernel builds afresh (in the background)
+    instead of being rebuilt in place by the first engine that loads it."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "kvscope" / "torch_extensions")
-    isa = _isa()[0]
-    return Path(root) / f"{_NAME}_torch{torch.__version__.replace('+', '_')}_{isa}"
+    isa, flags = _isa()
+    src = hashlib.sha1((_SOURCE + " ".join(flags)).encode()).hexdigest()[:10]
+    return Path(root) / f"{_NAME}_torch{torch.__version__.replace('+', '_')}_{isa}_{src}"
 
 
 def load():
@@ -445,15 +457,61 @@ def load():
         return _state["module"]
     _state["module"] = None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load as load_extension
         isa, flags = _isa()
         d = build_directory()
         d.mkdir(parents=True, exist_ok=True)
-        _state["module"] = load_inline(
-            name=f"{_NAME}_{isa}", cpp_sources=[_SOURCE], build_directory=str(d),
+        # a source file rather than load_inline, which prepends torch/extension.h: 70 s a build here against 30
+        src = d / "decode_attention.cpp"
+        if not src.exists() or src.read_text() != _SOURCE:
+            tmp = d / f".decode_attention.{os.getpid()}.cpp"
+            tmp.write_text(_SOURCE)
+            os.replace(tmp, src)
+        _state["module"] = load_extension(
+            name=f"{_NAME}_{isa}", sources=[str(src)], build_directory=str(d),
             extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], is_python_module=False,
             verbose=False)
     except Exception as e:   # no compiler, no ninja, a failed build: the torch implementation stays
         log.warning("kvscope::decode_attention: C++ CPU kernel unavailable (%s), using the torch implementation",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
     return _state["module"]
+
+
+def loaded() -> bool:
+    """Whether the C++ kernel serves kvscope::decode_attention on CPU tensors in this process."""
+    return _state.get("module") is not None
+
+
+def is_built() -> bool:
+    return (build_directory() / f"{_NAME}_{_isa()[0]}.so").exists()
+
+
+def prepare() -> None:
+    """At an engine's start on the CPU: load the kernel if it is built, else start building it in a background
+    process (at low priority) and keep the torch implementation until `poll` finds the build done."""
+    if "module" in _state or "build" in _state:
+        return
+    if is_built():
+        load()
+        return
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    code = "import os; os.nice(10); from engine.kernels.cpu_attention import load; raise SystemExit(load() is None)"
+    _state["build"] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+    log.info("building the C++ CPU decode-attention kernel in the background (once per machine, about half a "
+             "minute); the torch implementation serves until it is done")
+
+
+def poll() -> None:
+    """Once a step: load the kernel when its background build has finished."""
+    proc = _state.get("build")
+    if proc is None or "module" in _state or proc.poll() is None:
+        return
+    if proc.returncode == 0:
+        load()
+        log.info("the C++ CPU decode-attention kernel is built and serves from now on")
+    else:
+        _state["module"] = None
+        log.warning("kvscope::decode_attention: the C++ CPU kernel's build failed (exit %d), using the torch "
+                    "implementation", proc.returncode)

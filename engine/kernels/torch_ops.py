@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_attention
 from engine.kernels.metadata import AttentionMetadata
 
 
@@ -165,7 +166,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             tok_idx = md.cu_seqlens_q[:-1].long()[sel]
             bt, lens = md.block_tables[sel], md.seq_lens[sel]
         qd = q if tok_idx is None else q[tok_idx]                  # [Bd, H, D]
-        if q.device.type == "cpu" and cpu_kernel_ready():         # the C++ kernel, with nothing to store
+        if q.device.type == "cpu" and cpu_attention.loaded():     # the C++ kernel, with nothing to store
             none = qd.new_empty((0, Hk, D))
             o = torch.ops.kvscope.decode_attention.default(qd, none, none, k_cache, v_cache, _NO_SLOTS, bt, lens,
                                                            scale)
@@ -215,8 +216,8 @@ def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # KV cache outside the graph: the caches are views of one pool, and a mutation the graph sees would make the
 # compiler copy the whole pool each step. Nothing in the graph reads the caches, and the output orders the op.
 # Registered on a plain torch.library.Library (torch.library.custom_op's wrapper costs ~40 us a call, 30 a token).
-# The CPU kernel is C++ (cpu_attention.py, registered for the CPU key when first built or loaded); the torch
-# implementation below serves every other device and a machine where the C++ cannot be built.
+# The CPU kernel is C++ (cpu_attention.py, registered for the CPU key once loaded); the torch implementation below
+# serves every other device, a machine where the C++ cannot be built, and the CPU until the kernel is loaded.
 _LIB = torch.library.Library("kvscope", "DEF")
 _LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, "
             "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
@@ -229,24 +230,13 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, 
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
-_cpu_kernel: list[bool] = []
 
 
 def cpu_kernel_ready() -> bool:
-    """Whether kvscope::decode_attention runs its C++ CPU kernel (built or loaded here on the first ask)."""
-    if not _cpu_kernel:
-        from engine.kernels import cpu_attention
-        _cpu_kernel.append(cpu_attention.load() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "kvscope::decode_attention", "CPU"))
-    return _cpu_kernel[0]
+    """Whether kvscope::decode_attention runs its C++ CPU kernel, building it here if needed (tests, benchmarks;
+    an engine uses cpu_attention.prepare and poll, which never wait for a build)."""
+    return cpu_attention.load() is not None
 
 
-def _decode_attention_op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale):
-    if q.device.type == "cpu" and cpu_kernel_ready():     # the first CPU call: the C++ kernel now takes the CPU key
-        return torch.ops.kvscope.decode_attention.default(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
-                                                          seq_lens, scale)
-    return decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
-
-
-_LIB.impl("decode_attention", _decode_attention_op, "CompositeExplicitAutograd")
+_LIB.impl("decode_attention", decode_attention_ref, "CompositeExplicitAutograd")   # C++ takes the CPU key once loaded
 _LIB.impl("decode_attention", lambda q, *args: torch.empty_like(q), "Meta")
