@@ -186,7 +186,11 @@ def check_paged_attention():
                       DOT_PREC="tf32"))
     compile_sm90(decode_attention._decode_kernel,
                  dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,
-                      DOT_PREC="tf32", USE_PDL=True))
+                      DOT_PREC="tf32", F16_DOT=False, USE_PDL=True))
+    compile_sm90(decode_attention._decode_kernel,                  # an fp8 cache, products in fp16
+                 dict(G=4, BLOCK_M=16, BLOCK_N=128, BLOCK_SIZE=16, D=128, BD=128, NUM_SPLITS=1, VARLEN=False,
+                      DOT_PREC="tf32", F16_DOT=True, USE_PDL=False),
+                 {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}, num_warps=4, num_stages=2)
 
 
 CHECKS = [(check_quant_gemv, a) for a in itertools.product(["int8", "fp8", "int4"], [1, 4])] + \
