@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from engine import LLMEngine, SamplingParams
 from engine.quant import formats
-from engine.quant.linear import QuantLinear, set_cpu_int4
+from engine.quant.linear import QuantLinear, RescoredLMHead, set_cpu_int4
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
                                 reason="no aten._weight_int4pack_mm_for_cpu")
@@ -27,10 +27,31 @@ def test_cpu_int4_matches_dequantized_reference(M, G):
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("V,K,T", [(4096, 64, 3), (1040, 96, 1), (48, 32, 2)])
+def test_rescored_lm_head_gives_float_logits_to_its_top_candidates(V, K, T):
+    """The int4 head's top 8 of each row carry the float head's logits (found through chunk maxima where the
+    vocabulary is large, a plain top-k where it is small); the rest stay the int4 head's."""
+    g = torch.Generator().manual_seed(V)
+    w = torch.randn(V, K, generator=g)
+    q = QuantLinear("int4", K, V, None, "cpu", formats.quantize(w, "int4", 32))
+    set_cpu_int4(q)
+    head = RescoredLMHead(q, w)
+    x = torch.randn(T, K, generator=g)
+    approx, out, exact = q(x), head(x), x @ w.T
+    changed = out != approx                                               # [T, V]
+    assert changed.sum(-1).tolist() == [min(8, V)] * T
+    torch.testing.assert_close(out[changed], exact[changed], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[~changed], approx[~changed])
+    # the rescored are the int4 head's best (up to ties of its bf16-rounded logits)
+    assert (approx[changed].view(T, -1).min(-1).values >= approx.topk(min(8, V), -1).values[:, -1]).all()
+
+
 def test_int4_engine_on_cpu_runs_projections_and_lm_head_on_the_int4_gemm(one_thread):
     eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32, num_kv_blocks=32)
     model = eng.model
-    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.cpu_int4 is not None
+    head = model.lm_head
+    assert isinstance(head, RescoredLMHead) and head.q.cpu_int4 is not None
+    assert head.weight is model.model.embed_tokens.weight                 # tied: no second float table
     assert all(lin.cpu_int4 is not None for layer in model.model.layers
                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj))
