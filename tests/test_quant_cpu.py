@@ -56,6 +56,8 @@ def test_int4_engine_on_cpu_runs_projections_and_lm_head_on_the_int4_gemm(one_th
                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj))
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)      # lookups stay on the float table
+    assert eng.weights_description == "int4 (groups of 32)"               # what the app's header says
+    assert eng.kernels_description == "torch kernels, C++ decode attention"   # the test session built the kernel
     free = eng.block_manager.num_free_blocks
     eng.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=6, min_tokens=6))
     outs = []

@@ -182,8 +182,8 @@ class EngineHost:
         eng = loop.engine
         return (f"{getattr(eng, 'model_name', self.config.model_config.model)} · {getattr(eng, 'device', '?')} · "
                 f"{str(getattr(eng, 'dtype', '')).replace('torch.', '')} · "
-                f"{getattr(eng, 'quantization', None) or 'unquantized'} weights · "
-                f"{getattr(eng, 'kernels', '')} kernels · "
+                f"{getattr(eng, 'weights_description', None) or 'unquantized'} weights · "
+                f"{getattr(eng, 'kernels_description', '')} · "
                 f"{eng.num_blocks} KV blocks × {eng.block_size} tokens · max_model_len "
                 f"{getattr(eng, 'max_model_len', '?')} · {getattr(eng, 'parallel_layout', 'single device')}")
 

@@ -28,6 +28,7 @@ from engine.distributed.launch import env_launch
 from engine.distributed.start import parallel_layout, start_workers
 from engine.distributed.worker import serve_if_worker
 from engine.runtime.input_processor import InputProcessor
+from engine.kernels import cpu_attention
 from engine.kernels.ops import get_ops, pdl_supported
 from engine.worker.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from engine.models.config import ModelArchConfig
@@ -708,6 +709,25 @@ class LLMEngine:
             return None
         ahead = self.multi_step.inflight
         return self.executor.collect_timings(keep=ahead.K if ahead is not None else 0)
+
+    @property
+    def weights_description(self) -> str:
+        """The weights' format, for headers: "unquantized", "fp8", "int4 (groups of 32)", ..."""
+        q = self.quantization
+        if q == "int4":
+            return f"int4 (groups of {self.config.model_config.int4_group_size})"
+        return q or "unquantized"
+
+    @property
+    def kernels_description(self) -> str:
+        """What runs the forward, for headers: the kernel family and, on the CPU, the compiled decode steps and
+        which decode attention serves (the C++ kernel once built and loaded, else torch)."""
+        parts = [f"{self.kernels} kernels"]
+        if self.device.type == "cpu":
+            if self.runner.compiled is not None:
+                parts.append("compiled decode steps")
+            parts.append(f"{'C++' if cpu_attention.loaded() else 'torch'} decode attention")
+        return ", ".join(parts)
 
     def profile_step(self) -> None:
         """Run the next step under torch.profiler; its per-kernel table lands in `last_profile`."""
