@@ -26,9 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import gradio as gr  # noqa: E402
-import torch  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.runtime.llm_engine import resolve_device  # noqa: E402
 from engine.entrypoints.openai.api_server import (SERVER_ENGINE_DEFAULTS, CliParser, add_http_args,  # noqa: E402
                                                   bind_socket, cli_error, http_limits_from_args, port_number)
 from engine.entrypoints.openai.auth import check_exposure  # noqa: E402
@@ -148,8 +148,7 @@ def config_from_args(args) -> EngineConfig:
                           "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]}
     # on a CPU the app runs int4 weights in the GGUF's groups of 32: twice fp32's decode rate, and on the bundled
     # SmolLM2 fp32's greedy tokens (docs/quantization.md); --set quantization=none gives fp32
-    if args.tensor_parallel_size == 1 and (args.device == "cpu" or
-                                           (args.device == "auto" and not torch.cuda.is_available())):
+    if args.tensor_parallel_size == 1 and args.device in ("auto", "cpu") and resolve_device(args.device).type == "cpu":
         kw.update(quantization="int4", int4_group_size=32)
     sets: dict[str, str] = {}
     for item in args.set:

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_cpu_llamacpp import commit  # noqa: E402
 from benchmarks.common import device_name, print_table, write_json  # noqa: E402
-from engine.kernels import torch_ops  # noqa: E402
+from engine.kernels import cpu_attention, torch_ops  # noqa: E402
 
 H, HK, D, BS = 9, 3, 64, 16
 
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--engine-repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not torch_ops.cpu_kernel_ready():
+    if cpu_attention.load() is None:
         sys.exit("the C++ CPU kernel could not be built")
     dtype = getattr(torch, args.dtype)
     load_before = os.getloadavg()

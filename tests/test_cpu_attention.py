@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import torch_ops
+from engine.kernels import cpu_attention, torch_ops
 
-needs_kernel = pytest.mark.skipif(not torch_ops.cpu_kernel_ready(), reason="the C++ CPU kernel could not be built")
+needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="the C++ CPU kernel could not be built")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -125,9 +125,9 @@ def test_rejects_slots_and_lengths_beyond_the_pool():
 FALLBACK = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from engine.kernels import torch_ops
+from engine.kernels import cpu_attention, torch_ops
 from tests.test_cpu_attention import make_case
-assert not torch_ops.cpu_kernel_ready()
+assert cpu_attention.load() is None
 q, k, v, kc, vc, slots, tables, lens = make_case(2, 1, 3, 16, [5, 20], torch.float32, torch.float32, 1)
 kc2, vc2 = kc.clone(), vc.clone()
 out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)

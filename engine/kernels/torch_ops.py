@@ -232,11 +232,5 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
-def cpu_kernel_ready() -> bool:
-    """Whether kvscope::decode_attention runs its C++ CPU kernel, building it here if needed (tests, benchmarks;
-    an engine uses cpu_attention.prepare and poll, which never wait for a build)."""
-    return cpu_attention.load() is not None
-
-
 _LIB.impl("decode_attention", decode_attention_ref, "CompositeExplicitAutograd")   # C++ takes the CPU key once loaded
 _LIB.impl("decode_attention", lambda q, *args: torch.empty_like(q), "Meta")
