@@ -128,18 +128,23 @@ DECODE_MIN_SPLIT_TOKENS = 128
 
 def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device, splits: int = 1,
                    cache_dtype: torch.dtype | None = None) -> dict:
-    """Decode tiles. An fp8 cache read by bf16 queries takes its products in fp16 (f16_dot): e4m3 codes convert
-    to fp16 in one instruction and to bf16 in several, and the conversion, not the bytes, bounded the kernel
-    (H200, 8B shape, 256 sequences of 2-4.6k tokens: 840 -> 547 us, sweep_decode_attention.py --kv-cache-dtype fp8)."""
+    """Decode tiles, and f16_dot: an fp8 cache read by bf16 queries takes its products in fp16, since e4m3 codes
+    convert to fp16 in one instruction and to bf16 in several, and the conversion, not the bytes, bounded the
+    kernel (H200, 8B shape, 256 sequences of 2-4.6k tokens: 840 -> 547 us, sweep_decode_attention.py
+    --kv-cache-dtype fp8)."""
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    f16_dot = fp8 and dtype == torch.bfloat16
     if device.type != "cuda":
-        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
-    if dtype == torch.float32 or d > 128:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    if cache_dtype == torch.float8_e4m3fn and d == 128 and splits == 1:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
-    if d == 128 and splits == 1:    # H200 (sweep_decode_attention.py): ragged batches 2-6% faster, uniform ones equal
-        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=2, num_stages=3)
+        tiles = dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    elif dtype == torch.float32 or d > 128:
+        tiles = dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    elif fp8 and d == 128 and splits == 1:
+        tiles = dict(BLOCK_N=128, num_warps=4, num_stages=2)
+    elif d == 128 and splits == 1:  # H200 (sweep_decode_attention.py): ragged batches 2-6% faster, uniform ones equal
+        tiles = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    else:
+        tiles = dict(BLOCK_N=64, num_warps=2, num_stages=3)
+    return dict(tiles, f16_dot=f16_dot)
 
 
 # ---------------------------------------------------------------- launchers
@@ -167,7 +172,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
         NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype), USE_PDL=pdl,
-        F16_DOT=cfg.get("f16_dot", True) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        F16_DOT=cfg.get("f16_dot", False) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     if S > 1:
         _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),
