@@ -3,8 +3,9 @@
 Ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul.
 Shapes: Llama-3.2-1B attention (32 q heads, 8 kv heads, head_dim 64; --shape takes another preset's), hidden 2048,
 intermediate 8192, bf16.
-Usage: python benchmarks/bench_kernels.py [--sweep] [--shape llama-3.1-8b]   (prints a table last; writes
-benchmarks/results/kernels_<device>[_<shape>].json)
+Usage: python benchmarks/bench_kernels.py [--sweep] [--shape llama-3.1-8b] [--sections prefill] [--kv-cache-dtype fp8]
+(prints a table last; writes benchmarks/results/kernels_<device>[_<shape>][_fp8].json). With an fp8 cache the
+attention rows read e4m3 codes, and the prefill rows also time the products in bf16 instead of fp16.
 """
 from __future__ import annotations
 
@@ -228,7 +229,7 @@ def bench_decode(ceil, sweep):
         del q, kc, vc, md
 
 
-def bench_prefill(ceil, sweep):
+def bench_prefill(ceil, sweep, fp8=False):
     scale = D ** -0.5
     L, nd = SIZES["prefill"], SIZES["mixed_decodes"]
     sweeps = {"prefill": ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3)),
@@ -238,15 +239,20 @@ def bench_prefill(ceil, sweep):
                                     ([L // 4] + [1] * nd, [L] * (nd + 1), f"mixed {L // 4}-chunk+{nd} dec"),
                                     ([4] * (nd + 1), [L] * (nd + 1), f"verify {nd + 1}x(4 of {L})")):
         q, kc, vc, md = make_batch(q_lens, seq_lens)
+        if fp8:
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
         flops = sum(4 * H * D * (ql * (sl - ql) + ql * (ql + 1) // 2) for ql, sl in zip(q_lens, seq_lens))
-        nbytes = sum(2 * sl * HK * D * 2 for sl in seq_lens) + 2 * q.numel() * 2
+        nbytes = sum(2 * sl * HK * D * kc.element_size() for sl in seq_lens) + 2 * q.numel() * 2
         tri = lambda: tk.paged_attention(q, kc, vc, md, scale)  # noqa: E731
         ref_out = torch_ops.paged_attention(q, kc, vc, md, scale)
         err = rel_err(tri(), ref_out)
         main = row("paged_prefill", f"{label} H={H}/{HK} D={D}", bench(tri),
                    bench(lambda: torch_ops.paged_attention(q, kc, vc, md, scale), rep=50),
                    nbytes=nbytes, flops=flops, err=err, ceil=ceil, bound="flop")
-        if label.startswith("prefill"):                      # flash SDPA on contiguous, unpaged q/k/v
+        if fp8 and q.dtype == torch.bfloat16:                # the codes converted to bf16 for the products
+            main["bf16_products_us"] = bench(
+                lambda: tk.paged_attention(q, kc, vc, md, scale, config=dict(f16_dot=False))) * 1e3
+        if label.startswith("prefill") and not fp8:          # flash SDPA on contiguous, unpaged q/k/v
             k, v = contiguous_kv(kc, vc, md)
             qq = q.view(len(q_lens), -1, H, D).transpose(1, 2)
             main["sdpa_flash_contiguous_us"] = bench(
@@ -282,6 +288,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time a grid of attention launch configs")
     ap.add_argument("--shape", default="llama-3.2-1b", help="a preset whose attention heads / head_dim to use")
+    ap.add_argument("--sections", default="elementwise,decode,prefill")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: the prefill rows read "
+                    "e4m3 codes")
     args = ap.parse_args()
     global H, HK, D
     pc = preset_config(args.shape)
@@ -293,13 +302,19 @@ def main():
     torch.manual_seed(0)
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
-    bench_elementwise(ceil)
-    bench_decode(ceil, args.sweep)
-    bench_prefill(ceil, args.sweep)
+    sections = args.sections.split(",")
+    if "elementwise" in sections:
+        bench_elementwise(ceil)
+    if "decode" in sections:
+        bench_decode(ceil, args.sweep)
+    if "prefill" in sections:
+        bench_prefill(ceil, args.sweep, fp8=args.kv_cache_dtype == "fp8")
 
     result = dict(device=name, torch=torch.__version__, triton=triton.__version__, ceilings=ceil, rows=ROWS,
                   seconds=time.time() - t0)
     tag = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ("" if args.shape == "llama-3.2-1b" else f"_{args.shape}")
+    tag += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    tag += "" if args.sections == "elementwise,decode,prefill" else "_" + args.sections.replace(",", "-")
     path = f"/tmp/kernels_{tag}.json (not written)" if SMOKE else write_json(f"kernels_{tag}", result)
     print(f"\n{name}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"{'kernel':26s} {'shape':40s} {'triton us':>10s} {'torch us':>10s} {'x':>6s} {'GB/s':>7s} {'TF/s':>7s} {'%ceil':>6s}  err")
@@ -310,7 +325,8 @@ def main():
               + (f"  graph {r['graph_replay_us']:.1f}us {r['graph_pct_of_copy']:.0f}% S={r['splits']}"
                  if "graph_replay_us" in r else "")
               + (f"  decodes-in-prefill {r['decodes_in_prefill_kernel_us']:.1f}us"
-                 if "decodes_in_prefill_kernel_us" in r else ""))
+                 if "decodes_in_prefill_kernel_us" in r else "")
+              + (f"  bf16 products {r['bf16_products_us']:.1f}us" if "bf16_products_us" in r else ""))
     print(f"total {time.time() - t0:.0f} s; json: {path}")
 
 

@@ -2,7 +2,8 @@
 
   capacity     pool blocks at the same memory budget, model-dtype KV vs fp8 (kv_cache_dtype="fp8")
   multi-turn   users whose conversations (their prefixes) end at ~4x the device pool after --turns rounds, each
-               turn resending the whole conversation; mean TTFT with and without the host tier (kv_offload_gib)
+               turn resending the whole conversation; mean TTFT with and without the host tier (kv_offload_gib),
+               a round's turns sent at once (queueing behind one another) and one turn at a time
   burst        an oversubscribed burst of long prompts with long outputs: preemption_mode recompute vs swap
                vs auto (the cost model's choice); mean TTFT, output tok/s, swaps / preemptions
 
@@ -37,24 +38,28 @@ def drive(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
                 wall_s=wall, preemptions=eng.scheduler.num_preemptions, swaps=eng.scheduler.num_swaps)
 
 
-def multi_turn(eng: LLMEngine, users: int, turns: int, turn_len: int, answer: int, seed: int) -> dict:
-    """Each round every user sends its next turn (the whole conversation so far + new text); mean TTFT."""
+def multi_turn(eng: LLMEngine, users: int, turns: int, turn_len: int, answer: int, seed: int,
+               together: bool = True) -> dict:
+    """Each round every user sends its next turn (the whole conversation so far + new text); mean TTFT.
+    together: a round's turns arrive at once (they queue behind one another); else one at a time, round robin,
+    so that a turn's TTFT is its own prefill (or copy back) alone."""
     rng = random.Random(seed)
     vocab = eng.arch_config.vocab_size
     convs = [[rng.randrange(vocab) for _ in range(turn_len)] for _ in range(users)]
+    sp = SamplingParams(temperature=0, max_tokens=answer, ignore_eos=True)
     ttft, t0 = [], time.perf_counter()
     for _ in range(turns):
-        outs = {}
-        ids = {eng.add_request(c, SamplingParams(temperature=0, max_tokens=answer, ignore_eos=True)): u
-               for u, c in enumerate(convs)}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    outs[o.request_id] = o
-        for rid, u in ids.items():
-            o = outs[rid]
-            ttft.append(o.metrics.first_token_time - o.metrics.arrival_time)
-            convs[u] = convs[u] + o.token_ids + [rng.randrange(vocab) for _ in range(turn_len)]
+        for group in ([range(users)] if together else [[u] for u in range(users)]):
+            ids = {eng.add_request(convs[u], sp): u for u in group}
+            outs = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        outs[o.request_id] = o
+            for rid, u in ids.items():
+                o = outs[rid]
+                ttft.append(o.metrics.first_token_time - o.metrics.arrival_time)
+                convs[u] = convs[u] + o.token_ids + [rng.randrange(vocab) for _ in range(turn_len)]
     st = eng.stats()
     return dict(ttft_mean_s=sum(ttft) / len(ttft), wall_s=time.perf_counter() - t0,
                 prefix_hit_pct=100.0 * st["prefix_cache_hits"] / max(1, st["prefix_cache_queries"]),
@@ -102,16 +107,18 @@ def main(argv=None) -> dict:
     max_len = min(nb * 16 - 16, 4096)                # one sequence fits the pool
     turn_len = max(16, min(nb * 16 * 4 // users, max_len - 1) // args.turns - answer)   # a conversation fits max_len
     configs = [("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))]
-    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
-    for rep in range(args.repeats):                  # alternating order: neither configuration always goes first
-        for name, extra in (configs if rep % 2 == 0 else configs[::-1]):
-            eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=max_len, **extra)
-            runs[name].append(multi_turn(eng, users, args.turns, turn_len, answer, seed=0))
-            eng.close()
-    for name, _ in configs:
-        r = median_run(runs[name], "ttft_mean_s")
-        res[f"multi_turn_{name}"] = r
-        rows.append(dict(workload="multi-turn", config=name, **r))
+    for arrival, together in (("a round at once", True), ("one turn at a time", False)):
+        runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+        for rep in range(args.repeats):              # alternating order: neither configuration always goes first
+            for name, extra in (configs if rep % 2 == 0 else configs[::-1]):
+                eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=max_len, **extra)
+                runs[name].append(multi_turn(eng, users, args.turns, turn_len, answer, seed=0, together=together))
+                eng.close()
+        key = "multi_turn" if together else "multi_turn_serial"
+        for name, _ in configs:
+            r = median_run(runs[name], "ttft_mean_s")
+            res[f"{key}_{name}"] = r
+            rows.append(dict(workload=f"multi-turn, {arrival}", config=name, **r))
 
     # burst: oversubscribed, swap vs recompute vs the cost model; the same prompts for each, the modes in
     # rotating order, the run of median throughput reported

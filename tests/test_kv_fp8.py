@@ -101,6 +101,16 @@ def test_paged_attention_fp8_cache(dtype, case):
     assert rel_err(torch_ops.paged_attention(q, kc, vc, md, scale), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("case", ["mixed", "chunk", "prefill"])
+def test_paged_attention_fp8_cache_f16_dot(case):
+    """bf16 queries against fp8 codes, the prefill kernel's products in fp16 (its default for an fp8 cache)."""
+    q, kc, vc, md = _fp8_batch(*FP8_CASES[case], torch.bfloat16)
+    scale = q.shape[-1] ** -0.5
+    out = tk.paged_attention(q, kc, vc, md, scale, config={"f16_dot": True})
+    ref = paged_attention_ref(q.double(), kc, vc, md, scale)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("splits, dtype, f16_dot", [(1, torch.float32, False), (4, torch.float32, False),
                                                     (1, torch.bfloat16, True), (4, torch.bfloat16, True)])
 def test_paged_attention_decode_fp8_cache(splits, dtype, f16_dot):

@@ -28,7 +28,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    SKIP_DECODES: tl.constexpr, DOT_PREC: tl.constexpr):
+                    SKIP_DECODES: tl.constexpr, DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # sequence i owns programs [cu_q[i] // BQ + i, cu_q[i+1] // BQ + i + 1): at least cdiv(q_len, BQ)
@@ -61,6 +61,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
     io_mask = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)                     # [M, BD]
+    if F16_DOT:                                              # fp8 codes -> fp16 is one conversion, -> bf16 two
+        q = q.to(tl.float16)
 
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
@@ -83,13 +85,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
 
 # ---------------------------------------------------------------- launch configuration
 
-def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: torch.device) -> dict:
+def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: torch.device,
+                    cache_dtype: torch.dtype | None = None) -> dict:
+    """Prefill tiles, and f16_dot as in _decode_config: an fp8 cache read by bf16 queries takes its products in
+    fp16 (one conversion per code instead of several)."""
+    f16_dot = cache_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16
     if device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    if dtype == torch.float32 or d > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    bm = min(128, max(16, triton.next_power_of_2(max_q) * gp))   # short queries (spec verify): smaller tiles
-    return dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if bm >= 128 else 4, num_stages=3)
+        tiles = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    elif dtype == torch.float32 or d > 128:
+        tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    else:
+        bm = min(128, max(16, triton.next_power_of_2(max_q) * gp))   # short queries (spec verify): smaller tiles
+        tiles = dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if bm >= 128 else 4, num_stages=3)
+    return dict(tiles, f16_dot=f16_dot)
 
 
 # ---------------------------------------------------------------- launchers
@@ -108,6 +116,7 @@ def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes):
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, GP=GP, BQ=BQ, BLOCK_M=max(16, BQ * GP), BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
         BD=triton.next_power_of_2(D), SKIP_DECODES=skip_decodes, DOT_PREC=_dot_prec(q.dtype),
+        F16_DOT=pcfg.get("f16_dot", False) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
 
 
@@ -138,7 +147,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     n_dec = sum(1 for n in md.q_lens if n == 1) if apart else 0
     max_q = max((n for n in md.q_lens if n != 1 or not n_dec), default=1)
     if n_dec < B:
-        pcfg = dict(_prefill_config(triton.next_power_of_2(G), D, max_q, q.dtype, q.device), **cfg)
+        pcfg = dict(_prefill_config(triton.next_power_of_2(G), D, max_q, q.dtype, q.device, k_cache.dtype), **cfg)
         _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes=n_dec > 0)
     if n_dec:
         S = dec_splits or decode_num_splits(n_dec, Hk, md.max_seqlen_k, q.device)
@@ -158,7 +167,7 @@ def _paged_attention_graphed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert H % Hk == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    pcfg = _prefill_config(triton.next_power_of_2(G), D, T, q.dtype, q.device)
+    pcfg = _prefill_config(triton.next_power_of_2(G), D, T, q.dtype, q.device, k_cache.dtype)
     _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes=True)
     _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, md.mixed_splits,
                    _decode_config(G, D, q.dtype, q.device, md.mixed_splits, k_cache.dtype), out)
