@@ -4,8 +4,9 @@
             [--workload nano|prefill|longctx] [--kv-cache-dtype fp8]
         a whole offline run's GPU time per kernel class and top kernels, kvscope or vLLM on the same workload
         (PYTHONPATH=$HOME/vsite for vLLM)                               -> kernels_profile_<engine>_<device>_...
-    python benchmarks/profiler.py decode [--shape llama-3.1-8b] [--steps 8] [--pdl 0] [--gemv-table T.json]
-        one batch-1 decode step's kernels per iteration, against the HBM floor    -> profile_decode_<device>_<shape>
+    python benchmarks/profiler.py decode [--shape llama-3.1-8b] [--steps 8] [--pdl 0] [--gemv-table T.json] [--tp 2]
+        one batch-1 decode step's kernels per iteration (rank 0's with --tp), against the HBM floor and the
+        unprofiled wall time per iteration                          -> profile_decode_<device>_<shape>[_tp2]
     python benchmarks/profiler.py steps [--configs default,nochunk] [--model dummy:llama-3.1-8b]
         the engine's own step events of a throughput run, by step kind           -> profile_steps_<device>
     python benchmarks/profiler.py structured [--batch 32] [--mask-threads 0 2 4] [--feed seq par] [--pin 0 1]
@@ -195,7 +196,9 @@ def cmd_kernels(args) -> None:
 
 def cmd_decode(args) -> None:
     """A dummy preset's shape, bf16, one 128-token prompt: one (multi-)step of its decode under torch.profiler,
-    kernels per decode iteration, against the HBM floor (weight + KV bytes / measured copy bandwidth)."""
+    kernels per decode iteration, against the HBM floor (weight + KV bytes / measured copy bandwidth, a rank's
+    share with --tp) and the wall time of unprofiled iterations. Device time well under the wall time: the host
+    (or, with --tp, waiting on the other ranks' hosts) bounds the step."""
     from engine import LLM, SamplingParams
     from engine.models.presets import preset_config
     if args.gemv_table:
@@ -203,26 +206,34 @@ def cmd_decode(args) -> None:
     bw = copy_bandwidth()
     weights, kv = model_bytes(preset_config(args.shape))
     llm = LLM(f"dummy:{args.shape}", max_model_len=4096, max_num_seqs=8, num_scheduler_steps=args.steps,
-              gemv_max_tokens=args.gemv, enable_pdl=bool(args.pdl))
+              gemv_max_tokens=args.gemv, enable_pdl=bool(args.pdl), tensor_parallel_size=args.tp)
     eng = llm.engine
-    eng.add_request(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    eng.add_request(list(range(1000, 1128)), SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True))
     for _ in range(6):
         eng.step()
+    sync()
+    t0, n0 = time.perf_counter(), eng.scheduler.running[0].num_output_tokens
+    for _ in range(8):
+        eng.step()
+    sync()
+    wall_us = (time.perf_counter() - t0) * 1e6 / (eng.scheduler.running[0].num_output_tokens - n0)
     eng.profile_step()
     eng.step()
     iters = args.steps
-    floor_us = (weights + kv * 200) / bw * 1e6
+    floor_us = (weights + kv * 200) / args.tp / bw * 1e6
     rows = [dict(kernel=r["name"][:100], us=r["device_time_ms"] * 1e3 / iters, calls=r["count"] // iters)
             for r in eng.last_profile if r["device_time_ms"] and not r["name"].startswith(NOT_KERNELS)]
     total = sum(r["us"] for r in rows)
     eng.close()
     dev = device_name()
-    print(f"{dev}: HBM floor per token {floor_us:.0f} us (copy {bw / 1e9:.0f} GB/s); per decode iteration "
-          f"(profiled step / {iters}): device total {total:.0f} us ({100 * floor_us / total:.0f}% of the floor)")
+    print(f"{dev}: TP={args.tp}, HBM floor per token {floor_us:.0f} us (copy {bw / 1e9:.0f} GB/s); per decode "
+          f"iteration: wall {wall_us:.0f} us unprofiled, device total {total:.0f} us (profiled step / {iters}, "
+          f"{100 * floor_us / total:.0f}% of the floor)")
     print_table(rows, ["us", "calls", "kernel"])
-    write_json(f"profile_decode_{slug(dev)}_{args.shape}", dict(
-        device=dev, shape=args.shape, steps=iters, gemv_max_tokens=args.gemv, enable_pdl=bool(args.pdl),
-        gemv_table=args.gemv_table or None, copy_GBps=bw / 1e9, floor_us=floor_us, total_us=total, rows=rows))
+    write_json(f"profile_decode_{slug(dev)}_{args.shape}" + (f"_tp{args.tp}" if args.tp > 1 else ""), dict(
+        device=dev, shape=args.shape, steps=iters, tp=args.tp, gemv_max_tokens=args.gemv, enable_pdl=bool(args.pdl),
+        gemv_table=args.gemv_table or None, copy_GBps=bw / 1e9, floor_us=floor_us, wall_us=wall_us, total_us=total,
+        rows=rows))
 
 
 # ---- steps: a throughput run's steps by kind --------------------------------------------------------------
@@ -777,6 +788,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gemv", type=int, default=None, help="gemv_max_tokens (default: the engine's)")
     p.add_argument("--pdl", type=int, default=1, help="enable_pdl (0: kernel times not stretched by early starts)")
     p.add_argument("--gemv-table", default="", help="a sweep_gemv.py --table-out JSON merged into the tuned tables")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (rank 0's kernels are profiled)")
     p.set_defaults(fn=cmd_decode)
 
     p = sub.add_parser("steps", help="a throughput run's steps by kind, from the engine's step events")
