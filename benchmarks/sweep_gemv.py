@@ -5,9 +5,9 @@ default), cuBLAS (F.linear) and the unfused kernels it replaces, as % of copy ba
 
 Each timing is a CUDA-graph replay of calls that cycle through enough weight copies (>= 256 MB) that L2 never
 holds the weight, as in a real decode step. Configs compile in parallel worker processes first.
-Usage: python benchmarks/sweep_gemv.py [--quick] [--shape llama-3.1-8b[,llama-3.2-1b]] [--ms 1,2,4,8]
+Usage: python benchmarks/sweep_gemv.py [--quick] [--shape llama-3.1-8b[,llama-3.2-1b]] [--ms 1,2,4,8] [--tp 2]
        [--table-out winners.json]   (bench_gpu.py / profiler.py decode --gemv-table winners.json use them)
-(table last; JSON to benchmarks/results/gemv_<device>_<shape>.json)
+(table last; JSON to benchmarks/results/gemv_<device>_<shape>[_tp<N>].json)
 """
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ from engine.models.presets import preset_config  # noqa: E402
 
 
 
-def shapes_for(preset: str) -> dict[str, tuple]:
-    """name -> (N, K, prologue, residual): a preset's four decode-step linears."""
+def shapes_for(preset: str, tp: int = 1) -> dict[str, tuple]:
+    """name -> (N, K, prologue, residual): a preset's four decode-step linears, as one of tp ranks holds them
+    (q/k/v and gate/up split by rows, o and down by columns)."""
     c = preset_config(preset)
     h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    H, Hk = c["num_attention_heads"], c["num_key_value_heads"]
+    H, Hk = c["num_attention_heads"] // tp, c["num_key_value_heads"] // tp
     return {"qkv": ((H + 2 * Hk) * d, h, "rms_norm", False), "o": (h, H * d, None, True),
-            "gate_up": (2 * i, h, "rms_norm", False), "down": (h, i, "silu_mul", True)}
+            "gate_up": (2 * i // tp, h, "rms_norm", False), "down": (h, i // tp, "silu_mul", True)}
 
 
 def configs(quick: bool, K: int = 4096):
@@ -83,9 +84,9 @@ def qkv_configs():
             if 2 * P * bk <= 16384 and 64 * w <= 2 * P * bk]
 
 
-def make_qkv(preset, copies=1):
+def make_qkv(preset, copies=1, tp=1):
     c = preset_config(preset)
-    h, d, H, Hk = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    h, d, H, Hk = c["hidden_size"], c["head_dim"], c["num_attention_heads"] // tp, c["num_key_value_heads"] // tp
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, h, device="cuda", generator=g).bfloat16()
     ws = [(torch.randn((H + 2 * Hk) * d, h, device="cuda", generator=g) / h ** 0.5).bfloat16() for _ in range(copies)]
@@ -103,9 +104,9 @@ def call_qkv(t, w, cfg):
 
 
 def _compile_qkv(job):
-    preset, cfg = job
+    preset, cfg, tp = job
     try:
-        t = make_qkv(preset)
+        t = make_qkv(preset, tp=tp)
         call_qkv(t, t["ws"][0], cfg)
         torch.cuda.synchronize()
         return None
@@ -113,15 +114,15 @@ def _compile_qkv(job):
         return f"{type(e).__name__}: {str(e)[:80]}"
 
 
-def sweep_qkv(preset, bw, rep, pool):
+def sweep_qkv(preset, bw, rep, pool, tp=1):
     """The q/k/v-RoPE-store kernel's configs at M = 1 -> (table key, best config, rows)."""
     cfgs = qkv_configs()
-    errors = dict(zip(cfgs, pool.map(_compile_qkv, [(preset, c) for c in cfgs])))
-    t = make_qkv(preset)
+    errors = dict(zip(cfgs, pool.map(_compile_qkv, [(preset, c, tp) for c in cfgs])))
+    t = make_qkv(preset, tp=tp)
     N, K = t["ws"][0].shape
     D = N // (t["H"] + 2 * t["Hk"])
     copies = max(2, -(-256 * 2 ** 20 // (N * K * 2)))
-    t = make_qkv(preset, copies)
+    t = make_qkv(preset, copies, tp)
     rows = []
     q_ref = call_qkv(t, t["ws"][0], None).float()
     for c in [None] + [c for c in cfgs if errors[c] is None]:
@@ -173,10 +174,11 @@ def main():
     ap.add_argument("--table-out", default="", help="write the winners as {\"N,K\": config} (--gemv-table of bench_gpu.py)")
     ap.add_argument("--rep", type=int, default=40, help="ms of timed replays per config")
     ap.add_argument("--qkv-rope", action="store_true", help="also sweep the q/k/v-RoPE-store kernel (M = 1)")
+    ap.add_argument("--tp", type=int, default=1, help="the shapes one of this many tensor-parallel ranks holds")
     args = ap.parse_args()
     shapes = {}
     for preset in args.shape.split(","):
-        for name, spec in shapes_for(preset).items():
+        for name, spec in shapes_for(preset, args.tp).items():
             if spec not in shapes.values():
                 shapes[name if len(args.shape.split(",")) == 1 else f"{preset}:{name}"] = spec
     t0 = time.time()
@@ -189,7 +191,7 @@ def main():
     with ProcessPoolExecutor(max_workers=min(14, os.cpu_count() or 2), mp_context=ctx) as pool:
         errors = dict(zip(jobs, pool.map(_compile, jobs)))
         if args.qkv_rope:
-            qkv = [sweep_qkv(preset, bw, args.rep, pool) for preset in args.shape.split(",")]
+            qkv = [sweep_qkv(preset, bw, args.rep, pool, args.tp) for preset in args.shape.split(",")]
     print(f"compiled {len(jobs)} configs in {time.time() - t0:.0f} s ({sum(e is not None for e in errors.values())} failed)",
           flush=True)
     rows, best = [], {}
@@ -246,7 +248,7 @@ def main():
             json.dump(table, f)
     print("GEMV_CONFIGS = {" + ", ".join(f"({k}): {tuple(v)!r}" for k, v in table.items() if ":" not in k) + "}")
     print("QKV_ROPE_CONFIGS = {" + ", ".join(f"({k[4:]}): {tuple(v)!r}" for k, v in table.items() if ":" in k) + "}")
-    write_json(f"gemv_{slug(dev)}_{args.shape.replace(',', '+')}", out)
+    write_json(f"gemv_{slug(dev)}_{args.shape.replace(',', '+')}" + (f"_tp{args.tp}" if args.tp > 1 else ""), out)
     print(f"\n{dev}: copy {bw:.0f} GB/s; per call us (% of copy bandwidth), weights streamed from HBM")
     print(f"{'shape':8s} {'M':>2s} {'MB':>6s} {'fused best':>16s} {'tiled rule':>16s} {'table':>16s} {'cuBLAS':>16s} "
           f"{'unfused':>16s}  best cfg")
