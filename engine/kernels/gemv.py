@@ -178,6 +178,12 @@ GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
     (4096, 14336): ("tiled", 8, 2048, 4, 0),
     # Llama-3.2-1B down (sweep: 12.2 us, 65% [13.2, 60%]); batch 1 with PDL on: 0.92 ms/token vs 0.94 tiled
     (2048, 8192): ("persistent", 1, 8, 2, 1),
+    # Llama-3.1-8B as one of two tensor-parallel ranks holds it (sweep_gemv.py --tp 2): qkv 9.9 us, 60% [13.2, 45%];
+    # o 7.2 us, 55% [7.5, 53%]; gate_up 32.5 us, 86% [40.7, 68%]; down 19.6 us, 71% [22.1, 63%]
+    (3072, 4096): ("persistent", 2, 4, 3, 1),
+    (4096, 2048): ("tiled", 4, 1024, 4, 0),
+    (14336, 4096): ("persistent", 2, 4, 3, 1),
+    (4096, 7168): ("tiled", 4, 1024, 4, 0),
 }
 # persistent table entries measured faster with PDL on than off (1B down: 0.92 vs 0.96 ms/token on an H200):
 # they leave enable_pdl=None's PDL on (persistent_linears skips them)
