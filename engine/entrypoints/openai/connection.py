@@ -14,6 +14,10 @@ arrival.py) plus what production servers do:
   connections; when none is idle, the newcomer gets 503 and is closed. One warning line a minute says so.
 - malformed HTTP (`Content-Length: abc`, a garbage request line, headers over `max_header_bytes`) gets an
   OpenAI-style JSON 400 (431 for headers too large) instead of uvicorn's plain text.
+- request buffering, as nginx does: a request's headers and a body of up to `hold_body_bytes` are read whole
+  before uvicorn parses them, so a client that stalls inside them costs a buffer and a timer, never a request
+  in the app (where a connection flood's partial bodies would otherwise spend the event loop's time). One
+  that times out or goes away is handed on then, and answered and counted as before (408, 499).
 - a client that half-closes its side after a complete request still gets its response (then the
   connection closes); uvicorn would treat the half-close as a disconnect and answer nothing. A client that
   closed fully is told apart by the reset its kernel sends back to a `102 Processing` probe.
@@ -74,6 +78,7 @@ class HttpLimits:
     keep_alive_s: float = 5.0
     max_connections: int | None = None        # None: the open-file limit less an eighth, read at start
     max_header_bytes: int = 64 << 10
+    hold_body_bytes: int = 1 << 20            # larger bodies stream into the app as they arrive
 
     def __post_init__(self):
         for name in ("header_timeout_s", "body_timeout_s"):
@@ -87,11 +92,30 @@ class HttpLimits:
             raise ValueError(f"max_connections: must be None or an int >= 1 (got {self.max_connections!r})")
         if not (isinstance(self.max_header_bytes, int) and self.max_header_bytes >= 1024):
             raise ValueError(f"max_header_bytes: must be an int >= 1024 (got {self.max_header_bytes!r})")
+        if not (isinstance(self.hold_body_bytes, int) and self.hold_body_bytes >= 0):
+            raise ValueError(f"hold_body_bytes: must be an int >= 0 (got {self.hold_body_bytes!r})")
 
     def uvicorn_kwargs(self) -> dict:
         """uvicorn.Config / uvicorn.run keyword arguments: this guard's protocol and uvicorn's own limits."""
         return dict(http=guarded_protocol(self), timeout_keep_alive=self.keep_alive_s,
                     h11_max_incomplete_event_size=self.max_header_bytes)
+
+
+def held_body_length(head: bytes) -> int | None:
+    """The Content-Length of a request head whose body may be held back; None where uvicorn should see the
+    request at once: no length, chunked, `Expect: 100-continue` (the client waits for an answer first), a
+    malformed or repeated length (h11 refuses it)."""
+    length = None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip()
+        if name in (b"transfer-encoding", b"expect"):
+            return None
+        if name == b"content-length":
+            if length is not None or not value.isdigit():
+                return None
+            length = int(value)
+    return length
 
 
 def raw_error(status: int, message: str, type_: str, code: str) -> bytes:
@@ -140,6 +164,8 @@ class GuardedProtocol(ArrivalProtocol):
         self._half_closed = False
         self._probe_timer = None
         self._checked = None             # the request cycle whose header size was checked
+        self._held: bytearray | None = None   # a next request's bytes, until its headers and body are complete
+        self._held_t = 0.0               # when its first byte came
         next_event = self.conn.next_event
 
         def next_event_noting_errors():  # keep h11's reason and status hint for send_400_response
@@ -221,6 +247,51 @@ class GuardedProtocol(ArrivalProtocol):
         self._arm(self.limits.header_timeout_s, self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self._held is not None or not self._in_request():
+            data = self._hold(data)
+            if data is None:
+                return
+        self._pass_on(data)
+
+    def _hold(self, data: bytes) -> bytes | None:
+        """Keep a next request's bytes until its headers and (up to hold_body_bytes) body are complete; -> the
+        bytes to hand on now, or None while held. A held body's reads are timed by the body timeout."""
+        if self._held is None:
+            self._held, self._held_t = bytearray(), time.perf_counter()
+        self._held += data
+        buf = self._held
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) <= self.limits.max_header_bytes:
+                self._got_bytes = True           # the header timeout answers 408, not silence
+                return None
+            return self._release()               # h11 refuses the headers
+        length = held_body_length(bytes(buf[:end]))
+        if length is None or length > self.limits.hold_body_bytes or len(buf) >= end + 4 + length:
+            return self._release()
+        self._set_idle(False)                    # a request in progress: never shed as idle
+        self._arm(self.limits.body_timeout_s, self._held_body_timeout)
+        return None
+
+    def _release(self) -> bytes:
+        data, self._held = bytes(self._held), None
+        if self._kvscope_t is None:              # a kept-alive connection's request arrived with its first byte
+            self._kvscope_t = self._held_t
+        return data
+
+    def _held_body_timeout(self) -> None:
+        """A held body stalled: hand what came to the app as it is, so that the request is answered 408 and
+        counted as any body timeout is."""
+        self._timer = None
+        if self._held is None or self.transport.is_closing():
+            return
+        self._pass_on(self._release())
+        if self._in_request():
+            self._body_timeout()
+        else:
+            self._close_quietly()
+
+    def _pass_on(self, data: bytes) -> None:
         was_in_request = self._in_request()
         super().data_received(data)
         if self.transport.is_closing():
@@ -268,6 +339,8 @@ class GuardedProtocol(ArrivalProtocol):
         self._probe_timer = self.loop.call_later(delay, self._probe, delay)
 
     def connection_lost(self, exc) -> None:
+        if self._held is not None and self._held.find(b"\r\n\r\n") >= 0:
+            super().data_received(self._release())   # an abandoned upload: the app sees it go (499)
         self._set_idle(False)
         self._arm(None, None)
         if self._probe_timer is not None:
