@@ -8,7 +8,8 @@
   70b         the Llama-3.1-70B shape at TP=2 serving the same workload (141 GB of weights: one H200 cannot)
 
     python benchmarks/bench_tp.py [--sections latency,throughput,vllm,70b] [--requests 256] [--requests-70b 256]
-Prints a table last; writes benchmarks/results/tp_<device>.json.
+        [--tag _70b]
+Prints a table last; writes benchmarks/results/tp_<device>[<tag>].json.
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--requests-70b", type=int, default=256)
     ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
+    ap.add_argument("--tag", default="", help="suffix of the JSON's name (benchmarks/results/tp_<device><tag>.json)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     dev = device_name()
@@ -135,7 +137,7 @@ def main():
     out = dict(device=dev, num_gpus=torch.cuda.device_count(), dtype="bfloat16", rows=rows, summary=summary,
                env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                      "NVSHMEM_DISABLE_NVLS")})
-    path = write_json(f"tp_{slug(dev)}", out)
+    path = write_json(f"tp_{slug(dev)}{args.tag}", out)
     print(f"\ndevice: {dev} x{torch.cuda.device_count()}; bf16; json: {path}")
     print_table(rows, ["bench", "model", "tp", "config", "ms_per_token", "decode_step_ms", "seconds", "tok_s",
                        "all_reduce_ms_per_step", "rank1_all_reduce_ms_per_step", "forward_ms_per_step", "start_s"])
