@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLMEngine, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 from engine.quant import formats
 from engine.quant.linear import QuantLinear, RescoredLMHead, set_cpu_int4
 
@@ -58,7 +58,7 @@ def test_int4_engine_on_cpu_runs_projections_and_lm_head_on_the_int4_gemm(one_th
                            layer.mlp.down_proj))
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)      # lookups stay on the float table
     assert eng.weights_description == "int4 (groups of 32)"               # what the app's header says
-    attention = "C++" if cpu_attention.loaded() else "torch"          # C++ wherever the session could build it
+    attention = "C++" if cpu_kernels.loaded() else "torch"          # C++ wherever the session could build it
     assert eng.kernels_description == f"torch kernels, {attention} decode attention"
     free = eng.block_manager.num_free_blocks
     eng.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=6, min_tokens=6))

@@ -1,5 +1,6 @@
-"""The C++ CPU kernel of kvscope::decode_attention (engine/kernels/cpu_attention.py) against its torch
-implementation (torch_ops.decode_attention_ref): odd lengths, scattered blocks, GQA, skipped slots, cache dtypes."""
+"""The C++ CPU kernels (engine/kernels/cpu_kernels.py) against their torch implementations: kvscope::decode_attention
+(torch_ops.decode_attention_ref) at odd lengths, scattered blocks, GQA, skipped slots, cache dtypes; kvscope::int4_linear
+(torch_ops.int4_linear_ref) at odd sizes."""
 import os
 import subprocess
 import sys
@@ -8,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import cpu_attention, torch_ops
+from engine.kernels import cpu_kernels, torch_ops
 
-needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="the C++ CPU kernel could not be built")
+needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ CPU kernel could not be built")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -125,9 +126,9 @@ def test_rejects_slots_and_lengths_beyond_the_pool():
 FALLBACK = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from engine.kernels import cpu_attention, torch_ops
-from tests.test_cpu_attention import make_case
-assert cpu_attention.load() is None
+from engine.kernels import cpu_kernels, torch_ops
+from tests.test_cpu_kernels import make_case
+assert cpu_kernels.load() is None
 q, k, v, kc, vc, slots, tables, lens = make_case(2, 1, 3, 16, [5, 20], torch.float32, torch.float32, 1)
 kc2, vc2 = kc.clone(), vc.clone()
 out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
@@ -151,14 +152,14 @@ BACKGROUND = """
 import logging, torch
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 llm = LLM("dummy:tiny", device="cpu", cpu_kv_cache_gib=0.01, max_model_len=64)
-build = cpu_attention._state["build"]          # not built here: the engine started a background build
+build = cpu_kernels._state["build"]          # not built here: the engine started a background build
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 first = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
 assert build.wait(timeout=300) != 0             # no toolchain on PATH: the build fails
 again = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids   # the next step's poll finds it
-assert not cpu_attention.loaded() and "module" in cpu_attention._state and first == again, (first, again)
+assert not cpu_kernels.loaded() and "module" in cpu_kernels._state and first == again, (first, again)
 print("ok")
 """
 
