@@ -123,6 +123,53 @@ def test_rejects_slots_and_lengths_beyond_the_pool():
         torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, long, 1.0)
 
 
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> the values kvscope::int4_linear multiplies: each 32-block rounded (to nearest even) to
+    int8 codes of d = max|x| / 127, times d."""
+    M, K = x.shape
+    g = x.float().view(M, K // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)     # true division (127 / t: a reciprocal)
+    return (torch.round(g * inv) * (amax / 127)).view(M, K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_int4_linear_against_the_dequantized_weight(M, dtype, G):
+    """x @ w.T for w dequantized from kvscope's int4 format (N = 75: not a multiple of the kernel's row tiles).
+    With x replaced by its int8-rounded values the product is the same up to fp32 summation order; against x
+    itself the error is bounded by the rounding, |x - d q| <= d / 2 a value: sum_k |w_k| d_k / 2."""
+    from engine.quant import formats
+    gen = torch.Generator().manual_seed(M * G)
+    N, K = 75, 384
+    t = formats.quantize(torch.randn(N, K, generator=gen), "int4", G)
+    x = (torch.randn(M, K, generator=gen) * torch.rand(M, K, generator=gen) * 4).to(dtype)
+    x[0, :32] = 0                                                           # a block of zeros: d = 0
+    out = torch.ops.kvscope.int4_linear(x, t["qweight"], t["scales"], t["mins"], G)
+    assert out.dtype == dtype and out.shape == (M, N)
+    w = formats.dequantize("int4", t, (N, K))                               # [N, K] fp32
+    xf = x.float()
+    ref, ref_q = xf @ w.T, int8_activations(xf) @ w.T
+    out_slack = 2 ** -8 * ref_q.abs() if dtype == torch.bfloat16 else 0     # the bf16 output's rounding
+    assert ((out.float() - ref_q).abs() <= 1e-5 * (xf.abs() @ w.abs().T) + out_slack + 1e-6).all()
+    d = xf.view(M, K // 32, 32).abs().amax(-1) / 127                        # [M, blocks]
+    bound = (d.repeat_interleave(32, 1) / 2) @ w.abs().T                    # [M, N]
+    assert ((out.float() - ref).abs() <= bound * 1.001 + out_slack + 1e-4).all()
+    assert torch.equal(torch_ops.int4_linear_ref(x, t["qweight"], t["scales"], t["mins"], G), (xf @ w.T).to(dtype))
+
+
+@needs_kernel
+def test_int4_linear_rejects_mismatched_shapes():
+    from engine.quant import formats
+    t = formats.quantize(torch.randn(16, 64), "int4", 32)
+    with pytest.raises(RuntimeError, match="qweight"):
+        torch.ops.kvscope.int4_linear(torch.randn(2, 96), t["qweight"], t["scales"], t["mins"], 32)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.kvscope.int4_linear(torch.randn(2, 64), t["qweight"], t["scales"], t["mins"], 64)
+
 FALLBACK = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -135,6 +182,11 @@ out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0
 ref = torch_ops.decode_attention_ref(q, k, v, kc2, vc2, slots, tables, lens, 0.25)
 assert torch.equal(out, ref) and torch.equal(kc, kc2)
 torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
+from engine.quant import formats
+t = formats.quantize(torch.randn(24, 64), "int4", 32)
+x = torch.randn(3, 64)
+out = torch.ops.kvscope.int4_linear(x, t["qweight"], t["scales"], t["mins"], 32)
+assert torch.equal(out, torch_ops.int4_linear_ref(x, t["qweight"], t["scales"], t["mins"], 32))
 print("ok")
 """
 
