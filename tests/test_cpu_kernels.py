@@ -125,13 +125,16 @@ def test_rejects_slots_and_lengths_beyond_the_pool():
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> the values kvscope::int4_linear multiplies: each 32-block rounded (to nearest even) to
-    int8 codes of d = max|x| / 127, times d."""
+    """x [M, K] -> the values kvscope::int4_linear multiplies: each 32-block rounded (to nearest even) to int8
+    codes q1 of d = max|x| / 127, and the remainder to int8 codes q2 of d / 256: d q1 + d / 256 q2."""
     M, K = x.shape
     g = x.float().view(M, K // 32, 32)
     amax = g.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)     # true division (127 / t: a reciprocal)
-    return (torch.round(g * inv) * (amax / 127)).view(M, K)
+    d = amax / torch.full_like(amax, 127)
+    q1 = torch.round(g * inv)
+    q2 = torch.round(((g - d * q1) * (inv * 256)).clamp(-127, 127))
+    return (d * q1 + d / 256 * q2).view(M, K)
 
 
 @needs_kernel
@@ -140,8 +143,8 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_int4_linear_against_the_dequantized_weight(M, dtype, G):
     """x @ w.T for w dequantized from kvscope's int4 format (N = 75: not a multiple of the kernel's row tiles).
-    With x replaced by its int8-rounded values the product is the same up to fp32 summation order; against x
-    itself the error is bounded by the rounding, |x - d q| <= d / 2 a value: sum_k |w_k| d_k / 2."""
+    With x replaced by its rounded values the product is the same up to fp32 summation order; against x itself
+    the error is bounded by the rounding, |x - (d q1 + d / 256 q2)| <= d / 256 a value: sum_k |w_k| d_k / 256."""
     from engine.quant import formats
     gen = torch.Generator().manual_seed(M * G)
     N, K = 75, 384
@@ -156,7 +159,7 @@ def test_int4_linear_against_the_dequantized_weight(M, dtype, G):
     out_slack = 2 ** -8 * ref_q.abs() if dtype == torch.bfloat16 else 0     # the bf16 output's rounding
     assert ((out.float() - ref_q).abs() <= 1e-5 * (xf.abs() @ w.abs().T) + out_slack + 1e-6).all()
     d = xf.view(M, K // 32, 32).abs().amax(-1) / 127                        # [M, blocks]
-    bound = (d.repeat_interleave(32, 1) / 2) @ w.abs().T                    # [M, N]
+    bound = (d.repeat_interleave(32, 1) / 256) @ w.abs().T                  # [M, N]
     assert ((out.float() - ref).abs() <= bound * 1.001 + out_slack + 1e-4).all()
     assert torch.equal(torch_ops.int4_linear_ref(x, t["qweight"], t["scales"], t["mins"], G), (xf @ w.T).to(dtype))
 

@@ -90,8 +90,8 @@ def _md(n: int, bs: int = 16):
 @torch.inference_mode()
 def test_int4_engine_logits_with_the_cpp_linear_match_the_dequantized_weights(one_thread):
     """dummy:tiny's int4 model with every projection and the LM head on kvscope::int4_linear against the same
-    model on its dequantized weights (F.linear): the only difference is the activations' int8 rounding (<= 1/254
-    of a block's max a value), so the logits agree to ~1% of their range rather than token for token."""
+    model on its dequantized weights (F.linear): the only difference is the activations' rounding (two int8 codes,
+    <= 1/32512 of a block's max a value), so the logits agree closely but not bit for bit."""
     eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32, num_kv_blocks=32)
     model = eng.model
     lins = [lin for layer in model.model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -104,5 +104,5 @@ def test_int4_engine_logits_with_the_cpp_linear_match_the_dequantized_weights(on
     ref = model.compute_logits(model(ids, _md(len(ids))))
     assert logits.shape == ref.shape == (len(ids), model.cfg.vocab_size)
     spread = float(ref.max() - ref.min())
-    assert float((logits - ref).abs().max()) <= 0.02 * spread
+    assert float((logits - ref).abs().max()) <= 1e-3 * spread
     assert not torch.equal(logits, ref)                                     # the C++ path did run

@@ -4,8 +4,8 @@ dispatcher:
 
 - `kvscope::decode_attention`: the KV store and the paged decode attention in one function.
 - `kvscope::int4_linear`: int4 weights (kvscope's byte layout, w = q * scale + min per group) times activations
-  quantized to int8 per 32 values inside the kernel, llama.cpp's Q4_1 x Q8_1 dot (AVX2 maddubs / madd, one FMA a
-  block); a scalar build does the same integer math.
+  quantized inside the kernel per 32-block to int8 and the remainder to a second int8 code, llama.cpp's Q4_1 x Q8_1
+  dot twice (AVX2 maddubs / madd, one FMA a block); a scalar build does the same integer math.
 
 The build takes about half a minute, once per machine, and never holds up a request: an engine on the CPU loads the
 built kernels at start (`prepare`) or, where they are not built yet, builds them in a background process and runs the
@@ -384,9 +384,17 @@ constexpr int64_t kQB = 32;                // activation block: one int8 scale a
 constexpr int64_t kRowsM = 4;              // activation rows a pass over a weight row (accumulators in registers)
 constexpr int64_t kRowsN = 8;              // weight rows a tile (their nibbles and the activation rows stay in L1)
 
-// An activation row [K] -> int8 codes xq [K], and per 32-block d = max|x| / 127 and ds = d * sum(xq)
-// (round to nearest even, as llama.cpp's quantize_row_q8_1).
-template <typename T>
+// Activations in int8 per 32-block, as llama.cpp's Q8_1, plus (L = 2) a second int8 code for the rounding's remainder:
+// x ~ d (256 q1 + q2) / 256 with d = max|x| / 127, ~16 bits a value where one int8 keeps ~7 (bf16: 8). One level
+// changed fp32's greedy tokens on 4 of 6 held-out chat prompts of the bundled SmolLM2 (benchmarks/check_cpu_quant.py:
+// 2 of 6 identical, against 6 of 6 for torch's bf16 path); two keep 6 of 6 at the same speed at batch 1 (a decode
+// step's int4 GEMMs are memory-bound on the weights) and ~12% slower at batch 8.
+constexpr int kLevels = 2;
+
+// An activation row [K] -> codes xq [K / 32, L, 32] (q1 rounded to nearest even, as llama.cpp's quantize_row_q8_1;
+// q2 = the remainder in steps of d / 256), and per 32-block the step dx (d, or d / 256 for two levels) and
+// ds = dx * the block's sum of codes (256 q1 + q2).
+template <int L, typename T>
 void quantize_row_q8(const T* x, int64_t K, int8_t* xq, float* d, float* ds) {
   float buf[kQB];
   for (int64_t b = 0; b < K / kQB; ++b) {
@@ -404,13 +412,24 @@ void quantize_row_q8(const T* x, int64_t K, int8_t* xq, float* d, float* ds) {
     float r[kQB];
     for (int64_t i = 0; i < kQB; i += kV) (Vec::loadu(xb + i) * Vec(id)).round().store(r + i);
     int32_t sum = 0;
+    int8_t* q1 = xq + b * kQB * L;
     for (int64_t i = 0; i < kQB; ++i) {
-      const int32_t q = static_cast<int32_t>(r[i]);
-      xq[b * kQB + i] = static_cast<int8_t>(q);
-      sum += q;
+      q1[i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
+      sum += q1[i];
     }
-    d[b] = db;
-    ds[b] = db * static_cast<float>(sum);
+    if (L == 2) {                          // the rounding's remainder, |x - d q1| <= d / 2, in steps of d / 256
+      const Vec vd(db), vid(id * 256.f), lo(-127.f), hi(127.f);
+      for (int64_t i = 0; i < kQB; i += kV)
+        at::vec::clamp((Vec::loadu(xb + i) - vd * Vec::loadu(r + i)) * vid, lo, hi).round().store(r + i);
+      sum *= 256;
+      for (int64_t i = 0; i < kQB; ++i) {
+        q1[kQB + i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
+        sum += q1[kQB + i];
+      }
+    }
+    // the min term over the same rounded values as the codes' term: their errors cancel where w = q s + m is small
+    d[b] = L == 2 ? db / 256.f : db;
+    ds[b] = d[b] * static_cast<float>(sum);
   }
 }
 
@@ -445,7 +464,7 @@ inline __m256i block_codes(const uint8_t* p, int shift) {   // 32 codes, u8 in 0
 // out[j][r] = sum_k w_j[k] x_r[k] for NR weight rows (ld bytes apart) and R activation rows, w = q * sw + mw per
 // G-group: the sum over blocks of sw * d_r * (q . xq_r) + mw * d_r * sum(xq_r). NR x R independent accumulators
 // (one FMA chain each would wait on its own latency), each activation block loaded once for the NR rows.
-template <int64_t G, int NR, int R>
+template <int L, int64_t G, int NR, int R>
 inline void row_dots(const uint8_t* row, int64_t ld, const float* sw, const float* mw, const int8_t* xq,
                      const float* dx, const float* dsx, int64_t K, float (*out)[R]) {
   const int64_t nb = K / kQB, ng = K / G;
@@ -459,7 +478,7 @@ inline void row_dots(const uint8_t* row, int64_t ld, const float* sw, const floa
   __m256 acc[NR][R];
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
   for (int64_t a = 0; a < nb; ++a) {
     int shift;
     const uint8_t* bytes = block_bytes<G>(row, a, shift);
@@ -470,10 +489,17 @@ inline void row_dots(const uint8_t* row, int64_t ld, const float* sw, const floa
       s[j] = sw[j * ng + a * kQB / G];
     }
     for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + a * kQB));
+      const int8_t* xr = xq + (r * K + a * kQB) * L;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+      const __m256i xv2 = L == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + kQB)) : xv;
       const float d = dx[r * nb + a];
       for (int j = 0; j < NR; ++j) {
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), ones);     // 8 x int32
+        __m256i p;                                                                      // 8 x int32
+        if constexpr (L == 2)
+          p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), c256),
+                               _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv2), ones));
+        else
+          p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), ones);
         acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(s[j] * d), _mm256_cvtepi32_ps(p), acc[j][r]);
       }
     }
@@ -499,9 +525,14 @@ inline void row_dots(const uint8_t* row, int64_t ld, const float* sw, const floa
       }
       const float s = sw[j * ng + a * kQB / G];
       for (int r = 0; r < R; ++r) {
-        const int8_t* xv = xq + r * K + a * kQB;
+        const int8_t* xv = xq + (r * K + a * kQB) * L;
         int32_t isum = 0;
         for (int64_t i = 0; i < kQB; ++i) isum += static_cast<int32_t>(w[i]) * xv[i];
+        if (L == 2) {
+          int32_t isum2 = 0;
+          for (int64_t i = 0; i < kQB; ++i) isum2 += static_cast<int32_t>(w[i]) * xv[kQB + i];
+          isum = isum * 256 + isum2;
+        }
         acc[j][r] += s * dx[r * nb + a] * static_cast<float>(isum);
       }
     }
@@ -512,33 +543,33 @@ inline void row_dots(const uint8_t* row, int64_t ld, const float* sw, const floa
 }
 
 // Weight rows [n0, n1) against R activation rows: NR rows a pass, the tail one at a time.
-template <int64_t G, int NR, int R>
+template <int L, int64_t G, int NR, int R>
 void rows_tile(const uint8_t* qw, const float* sw, const float* mw, int64_t n0, int64_t n1, const int8_t* xq,
                const float* dx, const float* dsx, int64_t K, int64_t N, float* y) {
   const int64_t ng = K / G, ld = K / 2;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     float o[NR][R];
-    row_dots<G, NR, R>(qw + n * ld, ld, sw + (n - n0) * ng, mw + (n - n0) * ng, xq, dx, dsx, K, o);
+    row_dots<L, G, NR, R>(qw + n * ld, ld, sw + (n - n0) * ng, mw + (n - n0) * ng, xq, dx, dsx, K, o);
     for (int j = 0; j < NR; ++j)
       for (int r = 0; r < R; ++r) y[r * N + n + j] = o[j][r];
   }
   for (; n < n1; ++n) {
     float o[1][R];
-    row_dots<G, 1, R>(qw + n * ld, ld, sw + (n - n0) * ng, mw + (n - n0) * ng, xq, dx, dsx, K, o);
+    row_dots<L, G, 1, R>(qw + n * ld, ld, sw + (n - n0) * ng, mw + (n - n0) * ng, xq, dx, dsx, K, o);
     for (int r = 0; r < R; ++r) y[r * N + n] = o[0][r];
   }
 }
 
 // register tiles (weight rows x activation rows): 4 x 1, 4 x 2, 2 x 3, 2 x 4 (at most 8 accumulators)
-template <int64_t G>
+template <int L, int64_t G>
 void tile(int R, const uint8_t* qw, const float* sw, const float* mw, int64_t n0, int64_t n1, const int8_t* xq,
           const float* dx, const float* dsx, int64_t K, int64_t N, float* y) {
   switch (R) {
-    case 1: return rows_tile<G, 4, 1>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
-    case 2: return rows_tile<G, 4, 2>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
-    case 3: return rows_tile<G, 2, 3>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
-    default: return rows_tile<G, 2, 4>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+    case 1: return rows_tile<L, G, 4, 1>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+    case 2: return rows_tile<L, G, 4, 2>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+    case 3: return rows_tile<L, G, 2, 3>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+    default: return rows_tile<L, G, 2, 4>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
   }
 }
 
@@ -552,7 +583,7 @@ inline void to_float(const S* src, float* dst, int64_t n) {
 }
 
 // y [M, N] float = x [M, K] (quantized here) @ w.T; w rows [N, K / 2] bytes, scales and mins [N, K / G].
-template <int64_t G, typename S>
+template <int L, int64_t G, typename S>
 void int4_gemm(const int8_t* xq, const float* dx, const float* dsx, int64_t M, const uint8_t* qw, const S* scales,
                const S* mins, int64_t N, int64_t K, float* y) {
   const int64_t ng = K / G, nb = K / kQB;
@@ -566,19 +597,19 @@ void int4_gemm(const int8_t* xq, const float* dx, const float* dsx, int64_t M, c
       to_float(mins + n0 * ng, mw.data(), (n1 - n0) * ng);
       for (int64_t m0 = 0; m0 < M; m0 += kRowsM) {
         const int R = static_cast<int>(std::min(kRowsM, M - m0));
-        tile<G>(R, qw, sw.data(), mw.data(), n0, n1, xq + m0 * K, dx + m0 * nb, dsx + m0 * nb, K, N, y + m0 * N);
+        tile<L, G>(R, qw, sw.data(), mw.data(), n0, n1, xq + m0 * K * L, dx + m0 * nb, dsx + m0 * nb, K, N, y + m0 * N);
       }
     }
   });
 }
 
-template <typename S>
+template <int L, typename S>
 void int4_gemm_g(int64_t G, const int8_t* xq, const float* dx, const float* dsx, int64_t M, const uint8_t* qw,
                  const S* scales, const S* mins, int64_t N, int64_t K, float* y) {
   switch (G) {
-    case 32: return int4_gemm<32>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
-    case 64: return int4_gemm<64>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
-    default: return int4_gemm<128>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
+    case 32: return int4_gemm<L, 32>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
+    case 64: return int4_gemm<L, 64>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
+    default: return int4_gemm<L, 128>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
   }
 }
 
@@ -602,22 +633,23 @@ at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& qweight, const at
   const at::Tensor x = x_.contiguous(), qw = qweight.contiguous(), scales = scales_.contiguous(),
                    mins = mins_.contiguous();
   const int64_t nb = K / kQB;
-  std::vector<int8_t> xq(M * K);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  constexpr int L = kLevels;
+  std::vector<int8_t> xq(M * K * L);
   std::vector<float> dx(M * nb), dsx(M * nb);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kvscope_int4_quantize", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     for (int64_t m = 0; m < M; ++m)
-      quantize_row_q8(xp + m * K, K, xq.data() + m * K, dx.data() + m * nb, dsx.data() + m * nb);
+      quantize_row_q8<L>(xp + m * K, K, xq.data() + m * K * L, dx.data() + m * nb, dsx.data() + m * nb);
   });
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0 && N > 0) {
     const uint8_t* qp = qw.data_ptr<uint8_t>();
     if (scales.scalar_type() == at::kFloat)
-      int4_gemm_g(group, xq.data(), dx.data(), dsx.data(), M, qp, scales.data_ptr<float>(), mins.data_ptr<float>(),
-                  N, K, y.data_ptr<float>());
+      int4_gemm_g<L>(group, xq.data(), dx.data(), dsx.data(), M, qp, scales.data_ptr<float>(),
+                     mins.data_ptr<float>(), N, K, y.data_ptr<float>());
     else
-      int4_gemm_g(group, xq.data(), dx.data(), dsx.data(), M, qp, scales.data_ptr<at::Half>(),
-                  mins.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
+      int4_gemm_g<L>(group, xq.data(), dx.data(), dsx.data(), M, qp, scales.data_ptr<at::Half>(),
+                     mins.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

@@ -242,7 +242,7 @@ def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     """The torch implementation of kvscope::int4_linear: x [M, K] @ w.T -> [M, N] in x's dtype, w dequantized from
     kvscope's int4 byte layout (qweight uint8 [N, K / 2]: byte i of a group holds k = i in its low nibble and
     k = group / 2 + i in its high one; w = q * scale + min per group) and the product in fp32. The C++ kernel
-    rounds the activations to int8 per 32 values; this reference does not."""
+    rounds the activations to two int8 codes a value per 32-block (~16 bits); this reference does not."""
     N = qweight.shape[0]
     p = qweight.view(N, -1, group // 2)                                      # [N, groups, G / 2]
     codes = torch.cat((p & 15, p >> 4), dim=2).float()                       # [N, groups, G]

@@ -60,7 +60,7 @@ class QuantLinear(nn.Module):
         return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, group_dots=self.group_dots)
 
     def _cpu_int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N]: kvscope::int4_linear (the C++ kernel, activations rounded to int8 per 32 values) on
+        """x [T, K] -> [T, N]: kvscope::int4_linear (the C++ kernel, activations as two int8 codes per 32-block) on
         the layer's own tensors where the C++ kernels are loaded, else torch's CPU int4 GEMM (bf16 activations and
         scales; its fp32 variant is not vectorized). K must be the weight's (no group padding)."""
         if self.cpu_int4_pack is None or cpu_kernels.loaded():
