@@ -1,4 +1,4 @@
-"""kvscope::decode_attention on CPU: the C++ kernel (engine/kernels/cpu_attention.py) against the torch
+"""kvscope::decode_attention on CPU: the C++ kernel (engine/kernels/cpu_kernels.py) against the torch
 implementation it replaced (torch_ops.decode_attention_ref), microseconds per call at the bundled SmolLM2's shape
 (9 query heads, 3 KV heads, head size 64, 16-token blocks, fp32 caches), every sequence at the same context.
 
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_cpu_llamacpp import commit  # noqa: E402
 from benchmarks.common import device_name, print_table, write_json  # noqa: E402
-from engine.kernels import cpu_attention, torch_ops  # noqa: E402
+from engine.kernels import cpu_kernels, torch_ops  # noqa: E402
 
 H, HK, D, BS = 9, 3, 64, 16
 
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--engine-repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu_attention.load() is None:
+    if cpu_kernels.load() is None:
         sys.exit("the C++ CPU kernel could not be built")
     dtype = getattr(torch, args.dtype)
     load_before = os.getloadavg()

@@ -13,7 +13,7 @@
         a constrained decode iteration's host phases and GPU busy time           -> profile_structured_<device>
     python benchmarks/profiler.py launch [--batch 32]
         host cost of a grammar iteration's launches and copies, GPU idle vs busy -> probe_launch_cost_<device>
-    python benchmarks/profiler.py cpu-compile [--context 256] [--threads 2]
+    python benchmarks/profiler.py cpu-compile [--context 256] [--threads 2] [--gemm auto|kvscope|torch]
         on the CPU: a batch-1 int4 decode step eager, as one TorchInductor graph, and its GEMMs alone
                                                                                  -> cpu_compile_probe_<device>
     python benchmarks/profiler.py spec-steps [--methods none,ngram] [--cost-ratio 2]
@@ -689,14 +689,23 @@ def cmd_spec_times(args) -> None:
 
 def cmd_cpu_compile(args) -> None:
     """A batch-1 decode step of the bundled SmolLM2-135M's shape (30 layers, hidden 576, 9 / 3 heads of 64,
-    MLP 1,536, vocabulary 49,152) with random int4 weights through torch's CPU int4 GEMM, as the engine's int4
-    path runs it: eager, as one TorchInductor graph, and the int4 GEMMs alone (the floor either can reach)."""
+    MLP 1,536, vocabulary 49,152) with random int4 weights through the int4 GEMM the engine's int4 path runs
+    (kvscope::int4_linear's C++ kernel where it builds, else torch's CPU int4 GEMM; --gemm picks one): eager, as
+    one TorchInductor graph, and the int4 GEMMs alone (the floor either can reach)."""
     import torch.nn.functional as F
+    from engine.kernels import cpu_kernels
+    gemm = args.gemm if args.gemm != "auto" else ("kvscope" if cpu_kernels.load() is not None else "torch")
+    if gemm == "kvscope" and cpu_kernels.load() is None:
+        raise SystemExit("--gemm kvscope: the C++ CPU kernels could not be built")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     H, HK, D, HID, I, L, V, G, CTX = 9, 3, 64, 576, 1536, 30, 49152, args.group, args.context
 
     def pack(out_f, in_f):
+        if gemm == "kvscope":                                         # kvscope's int4 bytes, fp16 scales and mins
+            return (torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8),
+                    torch.rand(out_f, in_f // G, dtype=torch.float16) * 0.01,
+                    torch.rand(out_f, in_f // G, dtype=torch.float16) * -0.08)
         codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
         return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8),
                 torch.rand(in_f // G, out_f, 2, dtype=torch.bfloat16) * 0.01)          # [groups, out, (scale, zero)]
@@ -706,7 +715,9 @@ def cmd_cpu_compile(args) -> None:
               for _ in range(L)]
     lm_head, cos, sin, final_norm = pack(V, HID), torch.randn(1, D // 2), torch.randn(1, D // 2), torch.ones(HID)
 
-    def mm(x, w):                                                     # [1, in] -> [1, out], bf16 in, fp32 out
+    def mm(x, w):                                                     # [1, in] -> [1, out], fp32 out
+        if gemm == "kvscope":                                         # activations to int8 inside the kernel
+            return torch.ops.kvscope.int4_linear(x, w[0], w[1], w[2], G)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w[0], G, w[1]).float()
 
     def rms(x, w):
@@ -754,8 +765,9 @@ def cmd_cpu_compile(args) -> None:
         rows.append(dict(path="the int4 GEMMs alone", ms_per_token=ms_per_token(gemms)))
     for r in rows:
         r["tok_s"] = 1e3 / r["ms_per_token"]
+        r["gemm"] = gemm
     dev = device_name("cpu")
-    print_table(rows, ["path", "ms_per_token", "tok_s", "compile_s"])
+    print_table(rows, ["path", "gemm", "ms_per_token", "tok_s", "compile_s"])
     write_json(f"cpu_compile_probe_{slug(dev)}", dict(device=dev, args=vars(args), rows=rows))
 
 
@@ -818,6 +830,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=32, help="int4 group size")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per path")
+    p.add_argument("--gemm", default="auto", choices=["auto", "kvscope", "torch"],
+                   help="the int4 GEMM: kvscope::int4_linear's C++ kernel, torch's, or auto (the engine's choice)")
     p.set_defaults(fn=cmd_cpu_compile)
 
     p = sub.add_parser("spec-steps", help="CPU: the kinds of steps a speculative engine takes")

@@ -24,10 +24,10 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
-    """The C++ CPU decode attention built (once per machine) and loaded before any engine starts: every test's
-    engine then runs the same kernel, whenever a build would have finished in the background."""
-    from engine.kernels import cpu_attention
-    cpu_attention.load()
+    """The C++ CPU kernels built (once per machine) and loaded before any engine starts: every test's
+    engine then runs the same kernels, whenever a build would have finished in the background."""
+    from engine.kernels import cpu_kernels
+    cpu_kernels.load()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,12 +1,13 @@
-"""int4 weights on CPU through torch's CPU int4 GEMM (quant/linear.py set_cpu_int4): the kernel against the
-dequantized reference, and an engine whose decoder projections and LM head run on it (accuracy on the bundled
-model against fp32: benchmarks/check_cpu_quant.py)."""
+"""int4 weights on the CPU int4 path (quant/linear.py set_cpu_int4): kvscope::int4_linear's C++ kernel where the
+session built it (tests/test_cpu_kernels.py checks the op itself), torch's CPU int4 GEMM where asked for or unbuilt,
+against the dequantized reference, and an engine whose decoder projections and LM head run on it (accuracy on the
+bundled model against fp32: benchmarks/check_cpu_quant.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import LLMEngine, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 from engine.quant import formats
 from engine.quant.linear import QuantLinear, RescoredLMHead, set_cpu_int4
 
@@ -14,17 +15,19 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm
                                 reason="no aten._weight_int4pack_mm_for_cpu")
 
 
+@pytest.mark.parametrize("torch_gemm", [False, True])
 @pytest.mark.parametrize("M,G", [(1, 32), (5, 32), (3, 64)])
-def test_cpu_int4_matches_dequantized_reference(M, G):
+def test_cpu_int4_matches_dequantized_reference(M, G, torch_gemm):
     g = torch.Generator().manual_seed(M)
     w = torch.randn(96, 128, generator=g)
     lin = QuantLinear("int4", 128, 96, torch.randn(96, generator=g), "cpu", formats.quantize(w, "int4", G))
     x = torch.randn(M, 128, generator=g)
     ref = F.linear(x, lin.dequantize(torch.float32), lin.bias)
-    set_cpu_int4(lin)
+    set_cpu_int4(lin, torch_gemm=torch_gemm and not cpu_kernels.loaded())
+    assert lin.cpu_int4 == G and (lin.cpu_int4_pack is None) == (not torch_gemm or cpu_kernels.loaded())
     out = lin(x)
     assert out.dtype == x.dtype and out.shape == (M, 96)
-    # bf16 activations, scales and zero points: ~3 significant digits
+    # int8 activations (C++) or bf16 activations, scales and zero points (torch): ~3 significant digits
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
@@ -51,14 +54,18 @@ def test_int4_engine_on_cpu_runs_projections_and_lm_head_on_the_int4_gemm(one_th
     eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32, num_kv_blocks=32)
     model = eng.model
     head = model.lm_head
-    assert isinstance(head, RescoredLMHead) and head.q.cpu_int4 is not None
+    assert isinstance(head, RescoredLMHead) and head.q.cpu_int4 == 32
     assert head.weight is model.model.embed_tokens.weight                 # tied: no second float table
-    assert all(lin.cpu_int4 is not None for layer in model.model.layers
+    packs = [lin.cpu_int4_pack for layer in model.model.layers
+             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                         layer.mlp.down_proj)] + [head.q.cpu_int4_pack]
+    assert all((p is None) == cpu_kernels.loaded() for p in packs)        # torch's copy only without the C++ op
+    assert all(lin.cpu_int4 == 32 for layer in model.model.layers
                for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj))
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)      # lookups stay on the float table
     assert eng.weights_description == "int4 (groups of 32)"               # what the app's header says
-    attention = "C++" if cpu_attention.loaded() else "torch"          # C++ wherever the session could build it
+    attention = "C++" if cpu_kernels.loaded() else "torch"            # C++ wherever the session could build it
     assert eng.kernels_description == f"torch kernels, {attention} decode attention"
     free = eng.block_manager.num_free_blocks
     eng.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=6, min_tokens=6))
@@ -66,3 +73,36 @@ def test_int4_engine_on_cpu_runs_projections_and_lm_head_on_the_int4_gemm(one_th
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
     assert len(outs[0].token_ids) == 6 and eng.block_manager.num_free_blocks == free
+
+
+def _md(n: int, bs: int = 16):
+    """A prompt of n tokens in blocks 1, 2, ..., logits for every position."""
+    from engine.kernels.metadata import AttentionMetadata
+    return AttentionMetadata(positions=torch.arange(n), slot_mapping=torch.arange(bs, bs + n),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             block_tables=torch.arange(1, -(-n // bs) + 1, dtype=torch.int32)[None],
+                             logits_indices=torch.arange(n), q_lens=[n], seq_lens_cpu=[n], max_seqlen_q=n,
+                             max_seqlen_k=n, block_size=bs)
+
+
+@pytest.mark.skipif(not cpu_kernels.loaded(), reason="the C++ CPU kernels could not be built")
+@torch.inference_mode()
+def test_int4_engine_logits_with_the_cpp_linear_match_the_dequantized_weights(one_thread):
+    """dummy:tiny's int4 model with every projection and the LM head on kvscope::int4_linear against the same
+    model on its dequantized weights (F.linear): the only difference is the activations' rounding (two int8 codes,
+    <= 1/32512 of a block's max a value), so the logits agree closely but not bit for bit."""
+    eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32, num_kv_blocks=32)
+    model = eng.model
+    lins = [lin for layer in model.model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    lins.append(model.lm_head.q)
+    ids = torch.tensor([5, 17, 3, 99, 42, 7, 7, 250, 11, 64, 2, 31, 8])
+    logits = model.compute_logits(model(ids, _md(len(ids))))               # [T, V]
+    for lin in lins:
+        lin.cpu_int4 = 0                                                    # QuantLinear's dequantize + F.linear
+    ref = model.compute_logits(model(ids, _md(len(ids))))
+    assert logits.shape == ref.shape == (len(ids), model.cfg.vocab_size)
+    spread = float(ref.max() - ref.min())
+    assert float((logits - ref).abs().max()) <= 1e-3 * spread
+    assert not torch.equal(logits, ref)                                     # the C++ path did run

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 from engine.kernels.metadata import AttentionMetadata
 
 
@@ -166,7 +166,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             tok_idx = md.cu_seqlens_q[:-1].long()[sel]
             bt, lens = md.block_tables[sel], md.seq_lens[sel]
         qd = q if tok_idx is None else q[tok_idx]                  # [Bd, H, D]
-        if q.device.type == "cpu" and cpu_attention.loaded():     # the C++ kernel, with nothing to store
+        if q.device.type == "cpu" and cpu_kernels.loaded():     # the C++ kernel, with nothing to store
             none = qd.new_empty((0, Hk, D))
             o = torch.ops.kvscope.decode_attention.default(qd, none, none, k_cache, v_cache, _NO_SLOTS, bt, lens,
                                                            scale)
@@ -216,11 +216,12 @@ def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # KV cache outside the graph: the caches are views of one pool, and a mutation the graph sees would make the
 # compiler copy the whole pool each step. Nothing in the graph reads the caches, and the output orders the op.
 # Registered on a plain torch.library.Library (torch.library.custom_op's wrapper costs ~40 us a call, 30 a token).
-# The CPU kernel is C++ (cpu_attention.py, registered for the CPU key once loaded); the torch implementation below
-# serves every other device, a machine where the C++ cannot be built, and the CPU until the kernel is loaded.
+# The CPU kernels are C++ (cpu_kernels.py, registered for the CPU key once loaded); the torch implementations below
+# serve every other device, a machine where the C++ cannot be built, and the CPU until the kernels are loaded.
 _LIB = torch.library.Library("kvscope", "DEF")
 _LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, "
             "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
+_LIB.define("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group) -> Tensor")
 
 
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale):
@@ -234,3 +235,20 @@ _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 _LIB.impl("decode_attention", decode_attention_ref, "CompositeExplicitAutograd")   # C++ takes the CPU key once loaded
 _LIB.impl("decode_attention", lambda q, *args: torch.empty_like(q), "Meta")
+
+
+def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    """The torch implementation of kvscope::int4_linear: x [M, K] @ w.T -> [M, N] in x's dtype, w dequantized from
+    kvscope's int4 byte layout (qweight uint8 [N, K / 2]: byte i of a group holds k = i in its low nibble and
+    k = group / 2 + i in its high one; w = q * scale + min per group) and the product in fp32. The C++ kernel
+    rounds the activations to two int8 codes a value per 32-block (~16 bits); this reference does not."""
+    N = qweight.shape[0]
+    p = qweight.view(N, -1, group // 2)                                      # [N, groups, G / 2]
+    codes = torch.cat((p & 15, p >> 4), dim=2).float()                       # [N, groups, G]
+    w = (codes * scales.float()[..., None] + mins.float()[..., None]).view(N, -1)   # [N, K]
+    return F.linear(x.float(), w).to(x.dtype)
+
+
+_LIB.impl("int4_linear", int4_linear_ref, "CompositeExplicitAutograd")     # C++ takes the CPU key once loaded
+_LIB.impl("int4_linear", lambda x, qweight, *args: x.new_empty((x.shape[0], qweight.shape[0])), "Meta")

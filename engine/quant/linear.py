@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu_kernels
 from engine.quant import formats
 
 # the projections a decoder layer quantizes (module paths inside model.model.layers[i])
@@ -28,7 +29,8 @@ class QuantLinear(nn.Module):
         self.tensor_cores = False        # fused GEMVs: kernels/quant_gemv_tc.py (EngineConfig.quant_gemv_tensor_cores)
         self.packed = False              # fused GEMVs: kernels/quant_gemv_packed.py (EngineConfig.quant_gemv_packed)
         self.group_dots = False          # int4 words GEMM: 8 dots a group (EngineConfig.quant_gemm_group_dots)
-        self.cpu_int4: tuple[torch.Tensor, torch.Tensor, int] | None = None   # (packed, scale_zeros, G): set_cpu_int4
+        self.cpu_int4 = 0                # the CPU int4 path's group (0: off): kvscope::int4_linear or torch's int4 GEMM
+        self.cpu_int4_pack: tuple[torch.Tensor, torch.Tensor, int] | None = None   # torch's: (packed, scale_zeros, G)
         tensors = tensors if tensors is not None else formats.empty(fmt, out_features, in_features, device)
         for name, t in tensors.items():
             self.register_parameter(name, nn.Parameter(t, requires_grad=False))
@@ -47,7 +49,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         """x [T, K] -> [T, N]."""
-        if self.cpu_int4 is not None:
+        if self.cpu_int4:
             return self._cpu_int4_mm(x)
         if self.kernels != "triton":
             return F.linear(x, self.dequantize(x.dtype), self.bias)
@@ -58,10 +60,14 @@ class QuantLinear(nn.Module):
         return quant_matmul(x, self.fmt, self.tensors(), self.shape, self.bias, group_dots=self.group_dots)
 
     def _cpu_int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N] on torch's CPU int4 GEMM (bf16 activations and scales; its fp32 variant is not
-        vectorized). K must be the weight's (no group padding)."""
-        packed, sz, G = self.cpu_int4
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, G, sz).to(x.dtype)
+        """x [T, K] -> [T, N]: kvscope::int4_linear (the C++ kernel, activations as two int8 codes per 32-block) on
+        the layer's own tensors where the C++ kernels are loaded, else torch's CPU int4 GEMM (bf16 activations and
+        scales; its fp32 variant is not vectorized). K must be the weight's (no group padding)."""
+        if self.cpu_int4_pack is None or cpu_kernels.loaded():
+            y = torch.ops.kvscope.int4_linear(x, self.qweight, self.scales, self.mins, self.cpu_int4)
+        else:
+            packed, sz, G = self.cpu_int4_pack
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, G, sz).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def fused(self, x: torch.Tensor, *, prologue: str | None = None, norm_weight: torch.Tensor | None = None,
@@ -156,20 +162,28 @@ def cpu_int4_supported(lin) -> bool:
 
 
 @torch.no_grad()
-def set_cpu_int4(lin: QuantLinear) -> None:
-    """Repack an int4 layer for torch's CPU int4 GEMM: codes [N, K] -> its packed layout, and (scale, zero)
+def set_cpu_int4(lin: QuantLinear, torch_gemm: bool | None = None) -> None:
+    """Put an int4 layer on the CPU int4 path: kvscope::int4_linear reads the layer's own tensors (nothing to
+    pack); torch's CPU int4 GEMM, the path until the C++ kernels are loaded, needs its own copy (torch_gemm;
+    None: only where the C++ kernels are not loaded now): codes [N, K] -> its packed layout, and (scale, zero)
     [K / G, N, 2] bf16 with w = (q - 8) * scale + zero, i.e. zero = min + 8 * scale."""
+    lin.cpu_int4 = formats.int4_group(lin.tensors())
+    if torch_gemm is None:
+        torch_gemm = not cpu_kernels.loaded()
+    if not torch_gemm:
+        lin.cpu_int4_pack = None
+        return
     t = lin.tensors()
     G = formats.int4_group(t)
     codes = formats.int4_codes(t).to(torch.int32)                                   # [N, K]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
     scale, mn = t["scales"].float(), t["mins"].float()                              # [N, K / G]
     sz = torch.stack((scale, mn + 8 * scale), dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
-    lin.cpu_int4 = (packed, sz, G)
+    lin.cpu_int4_pack = (packed, sz, G)
 
 
 class RescoredLMHead(nn.Module):
-    """An int4 LM head on torch's CPU int4 GEMM whose top candidates are rescored against the float weight: the
+    """An int4 LM head on the CPU int4 path (QuantLinear.cpu_int4) whose top candidates are rescored against the float weight: the
     logits that decide greedy decoding (and the head of a sampled distribution) are the float head's, the tail's
     the int4 head's. The int4 head alone changed fp32's greedy tokens on 5 of 6 held-out chat prompts of the
     bundled model (mean per-token KL 0.044); rescored, 6 of 6 stay identical (benchmarks/check_cpu_quant.py)."""
@@ -293,6 +307,8 @@ def quantize_model(model, fmt: str, kernels: str, act_fp8: bool = False, group: 
         del lin
     _set_kernels(model, kernels, act_fp8)
     if kernels == "torch" and fmt == "int4":
+        if next(model.parameters()).device.type == "cpu":
+            cpu_kernels.prepare()           # loaded where built: no copy for torch's int4 GEMM (set_cpu_int4)
         for _, _, lin in _layer_linears(model):
             if cpu_int4_supported(lin):
                 set_cpu_int4(lin)

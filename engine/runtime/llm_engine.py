@@ -28,7 +28,7 @@ from engine.distributed.launch import env_launch
 from engine.distributed.start import parallel_layout, start_workers
 from engine.distributed.worker import serve_if_worker
 from engine.runtime.input_processor import InputProcessor
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 from engine.kernels.ops import get_ops, pdl_supported
 from engine.worker.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from engine.models.config import ModelArchConfig
@@ -726,7 +726,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             if self.runner.compiled is not None:
                 parts.append("compiled decode steps")
-            parts.append(f"{'C++' if cpu_attention.loaded() else 'torch'} decode attention")
+            parts.append(f"{'C++' if cpu_kernels.loaded() else 'torch'} decode attention")
         return ", ".join(parts)
 
     def profile_step(self) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 from engine.kernels.metadata import AttentionMetadata
 from engine.models.config import ModelArchConfig
 from engine.core.scheduler import SchedulerOutput
@@ -56,7 +56,7 @@ class ModelRunner:
         self._sampling = False          # this step runs its graph-eligible forwards eagerly, timed
         self._sampled = False           # ... and did so since the last pop_timing_sampled()
         if device.type == "cpu":
-            cpu_attention.prepare()     # the C++ decode attention: loaded, or built in the background
+            cpu_kernels.prepare()     # the C++ decode attention: loaded, or built in the background
 
     def set_timer(self, timer) -> None:
         """At the start of each step: the timer its regions go to."""
@@ -225,7 +225,7 @@ class ModelRunner:
         forward replays a graph and tells the other ranks: every rank must run the same collectives (a graph's
         are on padded rows)."""
         if self.device.type == "cpu":
-            cpu_attention.poll()
+            cpu_kernels.poll()
         if self.compiled is not None and self.compiled.can_run(md) \
                 and not self._timed_eagerly():
             return self.compiled.run(input_ids, md)

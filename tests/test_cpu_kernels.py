@@ -1,5 +1,6 @@
-"""The C++ CPU kernel of kvscope::decode_attention (engine/kernels/cpu_attention.py) against its torch
-implementation (torch_ops.decode_attention_ref): odd lengths, scattered blocks, GQA, skipped slots, cache dtypes."""
+"""The C++ CPU kernels (engine/kernels/cpu_kernels.py) against their torch implementations: kvscope::decode_attention
+(torch_ops.decode_attention_ref) at odd lengths, scattered blocks, GQA, skipped slots, cache dtypes; kvscope::int4_linear
+(torch_ops.int4_linear_ref) at odd sizes."""
 import os
 import subprocess
 import sys
@@ -8,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import cpu_attention, torch_ops
+from engine.kernels import cpu_kernels, torch_ops
 
-needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="the C++ CPU kernel could not be built")
+needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="the C++ CPU kernel could not be built")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -122,18 +123,73 @@ def test_rejects_slots_and_lengths_beyond_the_pool():
         torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, long, 1.0)
 
 
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> the values kvscope::int4_linear multiplies: each 32-block rounded (to nearest even) to int8
+    codes q1 of d = max|x| / 127, and the remainder to int8 codes q2 of d / 256: d q1 + d / 256 q2."""
+    M, K = x.shape
+    g = x.float().view(M, K // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)     # true division (127 / t: a reciprocal)
+    d = amax / torch.full_like(amax, 127)
+    q1 = torch.round(g * inv)
+    q2 = torch.round(((g - d * q1) * (inv * 256)).clamp(-127, 127))
+    return (d * q1 + d / 256 * q2).view(M, K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_int4_linear_against_the_dequantized_weight(M, dtype, G):
+    """x @ w.T for w dequantized from kvscope's int4 format (N = 75: not a multiple of the kernel's row tiles).
+    With x replaced by its rounded values the product is the same up to fp32 summation order; against x itself
+    the error is bounded by the rounding, |x - (d q1 + d / 256 q2)| <= d / 256 a value: sum_k |w_k| d_k / 256."""
+    from engine.quant import formats
+    gen = torch.Generator().manual_seed(M * G)
+    N, K = 75, 384
+    t = formats.quantize(torch.randn(N, K, generator=gen), "int4", G)
+    x = (torch.randn(M, K, generator=gen) * torch.rand(M, K, generator=gen) * 4).to(dtype)
+    x[0, :32] = 0                                                           # a block of zeros: d = 0
+    out = torch.ops.kvscope.int4_linear(x, t["qweight"], t["scales"], t["mins"], G)
+    assert out.dtype == dtype and out.shape == (M, N)
+    w = formats.dequantize("int4", t, (N, K))                               # [N, K] fp32
+    xf = x.float()
+    ref, ref_q = xf @ w.T, int8_activations(xf) @ w.T
+    out_slack = 2 ** -8 * ref_q.abs() if dtype == torch.bfloat16 else 0     # the bf16 output's rounding
+    assert ((out.float() - ref_q).abs() <= 1e-5 * (xf.abs() @ w.abs().T) + out_slack + 1e-6).all()
+    d = xf.view(M, K // 32, 32).abs().amax(-1) / 127                        # [M, blocks]
+    bound = (d.repeat_interleave(32, 1) / 256) @ w.abs().T                  # [M, N]
+    assert ((out.float() - ref).abs() <= bound * 1.001 + out_slack + 1e-4).all()
+    assert torch.equal(torch_ops.int4_linear_ref(x, t["qweight"], t["scales"], t["mins"], G), (xf @ w.T).to(dtype))
+
+
+@needs_kernel
+def test_int4_linear_rejects_mismatched_shapes():
+    from engine.quant import formats
+    t = formats.quantize(torch.randn(16, 64), "int4", 32)
+    with pytest.raises(RuntimeError, match="qweight"):
+        torch.ops.kvscope.int4_linear(torch.randn(2, 96), t["qweight"], t["scales"], t["mins"], 32)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.kvscope.int4_linear(torch.randn(2, 64), t["qweight"], t["scales"], t["mins"], 64)
+
 FALLBACK = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from engine.kernels import cpu_attention, torch_ops
-from tests.test_cpu_attention import make_case
-assert cpu_attention.load() is None
+from engine.kernels import cpu_kernels, torch_ops
+from tests.test_cpu_kernels import make_case
+assert cpu_kernels.load() is None
 q, k, v, kc, vc, slots, tables, lens = make_case(2, 1, 3, 16, [5, 20], torch.float32, torch.float32, 1)
 kc2, vc2 = kc.clone(), vc.clone()
 out = torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
 ref = torch_ops.decode_attention_ref(q, k, v, kc2, vc2, slots, tables, lens, 0.25)
 assert torch.equal(out, ref) and torch.equal(kc, kc2)
 torch.ops.kvscope.decode_attention(q, k, v, kc, vc, slots, tables, lens, 0.25)
+from engine.quant import formats
+t = formats.quantize(torch.randn(24, 64), "int4", 32)
+x = torch.randn(3, 64)
+out = torch.ops.kvscope.int4_linear(x, t["qweight"], t["scales"], t["mins"], 32)
+assert torch.equal(out, torch_ops.int4_linear_ref(x, t["qweight"], t["scales"], t["mins"], 32))
 print("ok")
 """
 
@@ -151,14 +207,14 @@ BACKGROUND = """
 import logging, torch
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from engine import LLM, SamplingParams
-from engine.kernels import cpu_attention
+from engine.kernels import cpu_kernels
 llm = LLM("dummy:tiny", device="cpu", cpu_kv_cache_gib=0.01, max_model_len=64)
-build = cpu_attention._state["build"]          # not built here: the engine started a background build
+build = cpu_kernels._state["build"]          # not built here: the engine started a background build
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 first = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
 assert build.wait(timeout=300) != 0             # no toolchain on PATH: the build fails
 again = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids   # the next step's poll finds it
-assert not cpu_attention.loaded() and "module" in cpu_attention._state and first == again, (first, again)
+assert not cpu_kernels.loaded() and "module" in cpu_kernels._state and first == again, (first, again)
 print("ok")
 """
 

@@ -1,15 +1,20 @@
-"""The CPU kernel of `kvscope::decode_attention` (torch_ops.py defines the op): the KV store and the paged decode
-attention in one C++ function, built with torch.utils.cpp_extension and registered for the CPU
-dispatch key, so the compiled decode graph and the eager path call it through the dispatcher.
+"""kvscope's C++ CPU kernels (torch_ops.py defines the ops), one extension built with torch.utils.cpp_extension
+and registered for the CPU dispatch key, so the compiled decode graph and the eager path call them through the
+dispatcher:
+
+- `kvscope::decode_attention`: the KV store and the paged decode attention in one function.
+- `kvscope::int4_linear`: int4 weights (kvscope's byte layout, w = q * scale + min per group) times activations
+  quantized inside the kernel per 32-block to int8 and the remainder to a second int8 code, llama.cpp's Q4_1 x Q8_1
+  dot twice (AVX2 maddubs / madd, one FMA a block); a scalar build does the same integer math.
 
 The build takes about half a minute, once per machine, and never holds up a request: an engine on the CPU loads the
-built kernel at start (`prepare`) or, where it is not built yet, builds it in a background process and runs the
-torch implementation until the build is done (`poll`, once a step). `load` builds in the calling process.
+built kernels at start (`prepare`) or, where they are not built yet, builds them in a background process and runs the
+torch implementations until the build is done (`poll`, once a step). `load` builds in the calling process.
 
 One build per machine kind: the build directory (~/.cache/kvscope/torch_extensions unless TORCH_EXTENSIONS_DIR is
 set) is keyed on the torch version and the vector ISA the build targets (AVX2 + FMA + F16C where torch reports
 AVX2 or AVX-512, else the compiler's portable default), never on -march=native. Without a compiler or ninja the
-op keeps its torch implementation and one line says why.
+ops keep their torch implementations and one line says why.
 """
 from __future__ import annotations
 
@@ -373,7 +378,281 @@ void check_dense_rows(const at::Tensor& t, const char* name, int64_t rank) {
   TORCH_CHECK(t.stride(-1) == 1, "kvscope::decode_attention: ", name, "'s last dimension must be dense");
 }
 
+// ---- kvscope::int4_linear: int4 weights x int8 activations (llama.cpp's Q4_1 x Q8_1 dot) ----------------------
+
+constexpr int64_t kQB = 32;                // activation block: one int8 scale a 32 values
+constexpr int64_t kRowsM = 4;              // activation rows a pass over a weight row (accumulators in registers)
+constexpr int64_t kRowsN = 8;              // weight rows a tile (their nibbles and the activation rows stay in L1)
+
+// Activations in int8 per 32-block, as llama.cpp's Q8_1, plus (L = 2) a second int8 code for the rounding's remainder:
+// x ~ d (256 q1 + q2) / 256 with d = max|x| / 127, ~16 bits a value where one int8 keeps ~7 (bf16: 8). One level
+// changed fp32's greedy tokens on 4 of 6 held-out chat prompts of the bundled SmolLM2 (benchmarks/check_cpu_quant.py:
+// 2 of 6 identical, against 6 of 6 for torch's bf16 path); two keep 6 of 6 at the same speed at batch 1 (a decode
+// step's int4 GEMMs are memory-bound on the weights) and ~12% slower at batch 8.
+constexpr int kLevels = 2;
+
+// An activation row [K] -> codes xq [K / 32, L, 32] (q1 rounded to nearest even, as llama.cpp's quantize_row_q8_1;
+// q2 = the remainder in steps of d / 256), and per 32-block the step dx (d, or d / 256 for two levels) and
+// ds = dx * the block's sum of codes (256 q1 + q2).
+template <int L, typename T>
+void quantize_row_q8(const T* x, int64_t K, int8_t* xq, float* d, float* ds) {
+  float buf[kQB];
+  for (int64_t b = 0; b < K / kQB; ++b) {
+    const float* xb;
+    if constexpr (std::is_same_v<T, float>) {
+      xb = x + b * kQB;
+    } else {
+      for (int64_t i = 0; i < kQB; ++i) buf[i] = static_cast<float>(x[b * kQB + i]);
+      xb = buf;
+    }
+    Vec amax(0.f);
+    for (int64_t i = 0; i < kQB; i += kV) amax = at::vec::maximum(amax, Vec::loadu(xb + i).abs());
+    const float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); }, amax);
+    const float db = mx / 127.f, id = mx > 0.f ? 127.f / mx : 0.f;
+    float r[kQB];
+    for (int64_t i = 0; i < kQB; i += kV) (Vec::loadu(xb + i) * Vec(id)).round().store(r + i);
+    int32_t sum = 0;
+    int8_t* q1 = xq + b * kQB * L;
+    for (int64_t i = 0; i < kQB; ++i) {
+      q1[i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
+      sum += q1[i];
+    }
+    if (L == 2) {                          // the rounding's remainder, |x - d q1| <= d / 2, in steps of d / 256
+      const Vec vd(db), vid(id * 256.f), lo(-127.f), hi(127.f);
+      for (int64_t i = 0; i < kQB; i += kV)
+        at::vec::clamp((Vec::loadu(xb + i) - vd * Vec::loadu(r + i)) * vid, lo, hi).round().store(r + i);
+      sum *= 256;
+      for (int64_t i = 0; i < kQB; ++i) {
+        q1[kQB + i] = static_cast<int8_t>(static_cast<int32_t>(r[i]));
+        sum += q1[kQB + i];
+      }
+    }
+    // the min term over the same rounded values as the codes' term: their errors cancel where w = q s + m is small
+    d[b] = L == 2 ? db / 256.f : db;
+    ds[b] = d[b] * static_cast<float>(sum);
+  }
+}
+
+// The 32 codes of activation block a of a weight row (k order) in G-groups of G / 2 bytes: byte i of a group
+// holds k = i in its low nibble and k = G / 2 + i in its high one.
+template <int64_t G>
+inline const uint8_t* block_bytes(const uint8_t* row, int64_t a, int& shift) {
+  const int64_t k = a * kQB, g = k / G, o = k % G;
+  if constexpr (G == kQB) {
+    shift = 0;
+    return row + g * (G / 2);
+  } else {
+    shift = o >= G / 2 ? 4 : 0;
+    return row + g * (G / 2) + o % (G / 2);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+template <int64_t G>
+inline __m256i block_codes(const uint8_t* p, int shift) {   // 32 codes, u8 in 0..15
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  if constexpr (G == kQB) {                 // 16 bytes: low nibbles are k 0..15, high ones k 16..31
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), mask);
+  } else {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_and_si256(shift ? _mm256_srli_epi16(t, 4) : t, mask);
+  }
+}
+#endif
+
+// out[j][r] = sum_k w_j[k] x_r[k] for NR weight rows (ld bytes apart) and R activation rows, w = q * sw + mw per
+// G-group: the sum over blocks of sw * d_r * (q . xq_r) + mw * d_r * sum(xq_r). NR x R independent accumulators
+// (one FMA chain each would wait on its own latency), each activation block loaded once for the NR rows.
+template <int L, int64_t G, int NR, int R>
+inline void row_dots(const uint8_t* row, int64_t ld, const float* sw, const float* mw, const int8_t* xq,
+                     const float* dx, const float* dsx, int64_t K, float (*out)[R]) {
+  const int64_t nb = K / kQB, ng = K / G;
+  float mins[NR][R] = {};
+  for (int64_t a = 0; a < nb; ++a)
+    for (int j = 0; j < NR; ++j) {
+      const float m = mw[j * ng + a * kQB / G];
+      for (int r = 0; r < R; ++r) mins[j][r] += m * dsx[r * nb + a];
+    }
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 acc[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
+  for (int64_t a = 0; a < nb; ++a) {
+    int shift;
+    const uint8_t* bytes = block_bytes<G>(row, a, shift);
+    __m256i w[NR];
+    float s[NR];
+    for (int j = 0; j < NR; ++j) {
+      w[j] = block_codes<G>(bytes + j * ld, shift);
+      s[j] = sw[j * ng + a * kQB / G];
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xq + (r * K + a * kQB) * L;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+      const __m256i xv2 = L == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + kQB)) : xv;
+      const float d = dx[r * nb + a];
+      for (int j = 0; j < NR; ++j) {
+        __m256i p;                                                                      // 8 x int32
+        if constexpr (L == 2)
+          p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), c256),
+                               _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv2), ones));
+        else
+          p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), ones);
+        acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(s[j] * d), _mm256_cvtepi32_ps(p), acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[j][r]), _mm256_extractf128_ps(acc[j][r], 1));
+      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      out[j][r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2))) + mins[j][r];
+    }
+#else
+  float acc[NR][R] = {};
+  for (int64_t a = 0; a < nb; ++a) {
+    int shift;
+    const uint8_t* bytes = block_bytes<G>(row, a, shift);
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* p = bytes + j * ld;
+      int8_t w[kQB];
+      if constexpr (G == kQB) {
+        for (int64_t i = 0; i < kQB / 2; ++i) { w[i] = p[i] & 15; w[i + kQB / 2] = p[i] >> 4; }
+      } else {
+        for (int64_t i = 0; i < kQB; ++i) w[i] = (p[i] >> shift) & 15;
+      }
+      const float s = sw[j * ng + a * kQB / G];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xv = xq + (r * K + a * kQB) * L;
+        int32_t isum = 0;
+        for (int64_t i = 0; i < kQB; ++i) isum += static_cast<int32_t>(w[i]) * xv[i];
+        if (L == 2) {
+          int32_t isum2 = 0;
+          for (int64_t i = 0; i < kQB; ++i) isum2 += static_cast<int32_t>(w[i]) * xv[kQB + i];
+          isum = isum * 256 + isum2;
+        }
+        acc[j][r] += s * dx[r * nb + a] * static_cast<float>(isum);
+      }
+    }
+  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) out[j][r] = acc[j][r] + mins[j][r];
+#endif
+}
+
+// Weight rows [n0, n1) against R activation rows: NR rows a pass, the tail one at a time.
+template <int L, int64_t G, int NR, int R>
+void rows_tile(const uint8_t* qw, const float* sw, const float* mw, int64_t n0, int64_t n1, const int8_t* xq,
+               const float* dx, const float* dsx, int64_t K, int64_t N, float* y) {
+  const int64_t ng = K / G, ld = K / 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    float o[NR][R];
+    row_dots<L, G, NR, R>(qw + n * ld, ld, sw + (n - n0) * ng, mw + (n - n0) * ng, xq, dx, dsx, K, o);
+    for (int j = 0; j < NR; ++j)
+      for (int r = 0; r < R; ++r) y[r * N + n + j] = o[j][r];
+  }
+  for (; n < n1; ++n) {
+    float o[1][R];
+    row_dots<L, G, 1, R>(qw + n * ld, ld, sw + (n - n0) * ng, mw + (n - n0) * ng, xq, dx, dsx, K, o);
+    for (int r = 0; r < R; ++r) y[r * N + n] = o[0][r];
+  }
+}
+
+// register tiles (weight rows x activation rows): 4 x 1, 4 x 2, 2 x 3, 2 x 4 (at most 8 accumulators)
+template <int L, int64_t G>
+void tile(int R, const uint8_t* qw, const float* sw, const float* mw, int64_t n0, int64_t n1, const int8_t* xq,
+          const float* dx, const float* dsx, int64_t K, int64_t N, float* y) {
+  switch (R) {
+    case 1: return rows_tile<L, G, 4, 1>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+    case 2: return rows_tile<L, G, 4, 2>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+    case 3: return rows_tile<L, G, 2, 3>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+    default: return rows_tile<L, G, 2, 4>(qw, sw, mw, n0, n1, xq, dx, dsx, K, N, y);
+  }
+}
+
+template <typename S>
+inline void to_float(const S* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// y [M, N] float = x [M, K] (quantized here) @ w.T; w rows [N, K / 2] bytes, scales and mins [N, K / G].
+template <int L, int64_t G, typename S>
+void int4_gemm(const int8_t* xq, const float* dx, const float* dsx, int64_t M, const uint8_t* qw, const S* scales,
+               const S* mins, int64_t N, int64_t K, float* y) {
+  const int64_t ng = K / G, nb = K / kQB;
+  // a weight row is K / 2 bytes: at least ~32k of them a thread, or the calling thread alone
+  const int64_t grain = std::max<int64_t>(kRowsN, (int64_t{1} << 15) / std::max<int64_t>(1, K / 2 * M));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> sw(kRowsN * ng), mw(kRowsN * ng);
+    for (int64_t n0 = begin; n0 < end; n0 += kRowsN) {
+      const int64_t n1 = std::min(end, n0 + kRowsN);
+      to_float(scales + n0 * ng, sw.data(), (n1 - n0) * ng);
+      to_float(mins + n0 * ng, mw.data(), (n1 - n0) * ng);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsM) {
+        const int R = static_cast<int>(std::min(kRowsM, M - m0));
+        tile<L, G>(R, qw, sw.data(), mw.data(), n0, n1, xq + m0 * K * L, dx + m0 * nb, dsx + m0 * nb, K, N, y + m0 * N);
+      }
+    }
+  });
+}
+
+template <int L, typename S>
+void int4_gemm_g(int64_t G, const int8_t* xq, const float* dx, const float* dsx, int64_t M, const uint8_t* qw,
+                 const S* scales, const S* mins, int64_t N, int64_t K, float* y) {
+  switch (G) {
+    case 32: return int4_gemm<L, 32>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
+    case 64: return int4_gemm<L, 64>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
+    default: return int4_gemm<L, 128>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
+  }
+}
+
 }  // namespace
+
+// x [M, K] float/bf16/half, qweight uint8 [N, K / 2] (kvscope's int4 byte layout), scales and mins [N, K / G]
+// float/half (w = q * scale + min) -> [M, N] in x's dtype.
+at::Tensor int4_linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scales_,
+                       const at::Tensor& mins_, int64_t group) {
+  TORCH_CHECK(x_.device().is_cpu() && x_.dim() == 2, "kvscope::int4_linear: x must be a CPU tensor [M, K]");
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "kvscope::int4_linear: group must be 32, 64 or 128, got ",
+              group);
+  const int64_t M = x_.size(0), K = x_.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.size(1) * 2 == K,
+              "kvscope::int4_linear: qweight must be uint8 [N, K / 2] for x's K = ", K);
+  TORCH_CHECK(K % group == 0, "kvscope::int4_linear: K = ", K, " is not a multiple of the group ", group);
+  TORCH_CHECK(scales_.scalar_type() == mins_.scalar_type() &&
+              (scales_.scalar_type() == at::kFloat || scales_.scalar_type() == at::kHalf) &&
+              scales_.sizes() == mins_.sizes() && scales_.dim() == 2 && scales_.size(0) == N &&
+              scales_.size(1) * group == K, "kvscope::int4_linear: scales and mins must be float/half [N, K / group]");
+  const at::Tensor x = x_.contiguous(), qw = qweight.contiguous(), scales = scales_.contiguous(),
+                   mins = mins_.contiguous();
+  const int64_t nb = K / kQB;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  constexpr int L = kLevels;
+  std::vector<int8_t> xq(M * K * L);
+  std::vector<float> dx(M * nb), dsx(M * nb);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kvscope_int4_quantize", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m)
+      quantize_row_q8<L>(xp + m * K, K, xq.data() + m * K * L, dx.data() + m * nb, dsx.data() + m * nb);
+  });
+  if (M > 0 && N > 0) {
+    const uint8_t* qp = qw.data_ptr<uint8_t>();
+    if (scales.scalar_type() == at::kFloat)
+      int4_gemm_g<L>(group, xq.data(), dx.data(), dsx.data(), M, qp, scales.data_ptr<float>(),
+                     mins.data_ptr<float>(), N, K, y.data_ptr<float>());
+    else
+      int4_gemm_g<L>(group, xq.data(), dx.data(), dsx.data(), M, qp, scales.data_ptr<at::Half>(),
+                     mins.data_ptr<at::Half>(), N, K, y.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -425,10 +704,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("int4_linear", &int4_linear);
 }
 """
 
-_NAME = "kvscope_cpu_attention"
+_NAME = "kvscope_cpu_kernels"
 _state: dict[str, object] = {}          # "module": the loaded extension (None: unavailable); "build": a build process
 
 
@@ -451,8 +731,8 @@ def build_directory() -> Path:
 
 
 def load():
-    """The built extension (its CPU kernel registered for kvscope::decode_attention), or None where it cannot
-    be built; tried once per process."""
+    """The built extension (its CPU kernels registered for kvscope::decode_attention and kvscope::int4_linear), or
+    None where it cannot be built; tried once per process."""
     if "module" in _state:
         return _state["module"]
     _state["module"] = None
@@ -462,9 +742,9 @@ def load():
         d = build_directory()
         d.mkdir(parents=True, exist_ok=True)
         # a source file rather than load_inline, which prepends torch/extension.h: 70 s a build here against 30
-        src = d / "decode_attention.cpp"
+        src = d / "cpu_kernels.cpp"
         if not src.exists() or src.read_text() != _SOURCE:
-            tmp = d / f".decode_attention.{os.getpid()}.cpp"
+            tmp = d / f".cpu_kernels.{os.getpid()}.cpp"
             tmp.write_text(_SOURCE)
             os.replace(tmp, src)
         _state["module"] = load_extension(
@@ -472,13 +752,14 @@ def load():
             extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], is_python_module=False,
             verbose=False)
     except Exception as e:   # no compiler, no ninja, a failed build: the torch implementation stays
-        log.warning("kvscope::decode_attention: C++ CPU kernel unavailable (%s), using the torch implementation",
+        log.warning("kvscope's C++ CPU kernels unavailable (%s), using the torch implementations",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
     return _state["module"]
 
 
 def loaded() -> bool:
-    """Whether the C++ kernel serves kvscope::decode_attention on CPU tensors in this process."""
+    """Whether the C++ kernels serve kvscope::decode_attention and kvscope::int4_linear on CPU tensors in this
+    process."""
     return _state.get("module") is not None
 
 
@@ -487,8 +768,8 @@ def is_built() -> bool:
 
 
 def prepare() -> None:
-    """At an engine's start on the CPU: load the kernel if it is built, else start building it in a background
-    process (at low priority) and keep the torch implementation until `poll` finds the build done."""
+    """At an engine's start on the CPU: load the kernels if they are built, else start building them in a background
+    process (at low priority) and keep the torch implementations until `poll` finds the build done."""
     if "module" in _state or "build" in _state:
         return
     if is_built():
@@ -496,22 +777,22 @@ def prepare() -> None:
         return
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
-    code = "import os; os.nice(10); from engine.kernels.cpu_attention import load; raise SystemExit(load() is None)"
+    code = "import os; os.nice(10); from engine.kernels.cpu_kernels import load; raise SystemExit(load() is None)"
     _state["build"] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, start_new_session=True)
-    log.info("building the C++ CPU decode-attention kernel in the background (once per machine, about half a "
-             "minute); the torch implementation serves until it is done")
+    log.info("building the C++ CPU kernels in the background (once per machine, about half a minute); the torch "
+             "implementations serve until it is done")
 
 
 def poll() -> None:
-    """Once a step: load the kernel when its background build has finished."""
+    """Once a step: load the kernels when their background build has finished."""
     proc = _state.get("build")
     if proc is None or "module" in _state or proc.poll() is None:
         return
     if proc.returncode == 0:
         load()
-        log.info("the C++ CPU decode-attention kernel is built and serves from now on")
+        log.info("the C++ CPU kernels are built and serve from now on")
     else:
         _state["module"] = None
-        log.warning("kvscope::decode_attention: the C++ CPU kernel's build failed (exit %d), using the torch "
-                    "implementation", proc.returncode)
+        log.warning("kvscope's C++ CPU kernels: the build failed (exit %d), using the torch implementations",
+                    proc.returncode)
