@@ -13,7 +13,6 @@ import pytest
 
 from engine import EngineConfig
 from engine.entrypoints.openai.api_server import ServerThread, build_app
-from engine.entrypoints.openai.auth import COOKIE, check_exposure
 from engine.entrypoints.openai.connection import HttpLimits
 from engine.runtime.async_engine import EngineLoop
 from helpers import metric_sum, scrape_metrics, wait_idle

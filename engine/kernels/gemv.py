@@ -16,7 +16,6 @@ tiles). GEMV_CONFIGS holds the swept winner per (N, K) at M = 1.
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
