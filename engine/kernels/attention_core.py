@@ -50,5 +50,11 @@ def _attn_range(acc, m_i, l_i, q, k_base, v_base, bt_ptr, lo, hi, seq_len, row_p
     return acc, m_i, l_i
 
 
+def f16_dot_applies(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Products in fp16 for an fp8 cache read by bf16 queries: e4m3 codes convert to fp16 in one instruction and
+    to bf16 in several (fp16 holds every code exactly)."""
+    return cache_dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16
+
+
 def _dot_prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"

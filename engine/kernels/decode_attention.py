@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec
+from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec, f16_dot_applies
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -133,7 +133,7 @@ def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device, sp
     kernel (H200, 8B shape, 256 sequences of 2-4.6k tokens: 840 -> 547 us, sweep_decode_attention.py
     --kv-cache-dtype fp8)."""
     fp8 = cache_dtype == torch.float8_e4m3fn
-    f16_dot = fp8 and dtype == torch.bfloat16
+    f16_dot = f16_dot_applies(dtype, cache_dtype)
     if device.type != "cuda":
         tiles = dict(BLOCK_N=32, num_warps=4, num_stages=1)
     elif dtype == torch.float32 or d > 128:
@@ -172,7 +172,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, cu_q, scale, B, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, BLOCK_M=max(16, triton.next_power_of_2(G)), BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, D=D, BD=BD,
         NUM_SPLITS=S, VARLEN=varlen, DOT_PREC=_dot_prec(q.dtype), USE_PDL=pdl,
-        F16_DOT=cfg.get("f16_dot", False) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        F16_DOT=cfg.get("f16_dot", False) and f16_dot_applies(q.dtype, k_cache.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     if S > 1:
         _reduce_kernel[(B, H)](part, lse, out, cu_q, out.stride(0), out.stride(1),

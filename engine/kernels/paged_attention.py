@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec
+from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec, f16_dot_applies
 from engine.kernels.decode_attention import _decode_config, _launch_decode, decode_num_splits, paged_attention_decode
 from engine.kernels.metadata import AttentionMetadata
 
@@ -87,9 +87,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
 
 def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: torch.device,
                     cache_dtype: torch.dtype | None = None) -> dict:
-    """Prefill tiles, and f16_dot as in _decode_config: an fp8 cache read by bf16 queries takes its products in
-    fp16 (one conversion per code instead of several)."""
-    f16_dot = cache_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16
+    """Prefill tiles, and f16_dot (attention_core.f16_dot_applies) as in _decode_config."""
+    f16_dot = f16_dot_applies(dtype, cache_dtype)
     if device.type != "cuda":
         tiles = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     elif dtype == torch.float32 or d > 128:
@@ -116,7 +115,7 @@ def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes):
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, GP=GP, BQ=BQ, BLOCK_M=max(16, BQ * GP), BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
         BD=triton.next_power_of_2(D), SKIP_DECODES=skip_decodes, DOT_PREC=_dot_prec(q.dtype),
-        F16_DOT=pcfg.get("f16_dot", False) and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        F16_DOT=pcfg.get("f16_dot", False) and f16_dot_applies(q.dtype, k_cache.dtype),
         num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
 
 
