@@ -166,6 +166,7 @@ class GuardedProtocol(ArrivalProtocol):
         self._checked = None             # the request cycle whose header size was checked
         self._held: bytearray | None = None   # a next request's bytes, until its headers and body are complete
         self._held_t = 0.0               # when its first byte came
+        self._held_need = -1             # the held request's whole size once its headers are in (-1: not yet)
         next_event = self.conn.next_event
 
         def next_event_noting_errors():  # keep h11's reason and status hint for send_400_response
@@ -257,19 +258,24 @@ class GuardedProtocol(ArrivalProtocol):
         """Keep a next request's bytes until its headers and (up to hold_body_bytes) body are complete; -> the
         bytes to hand on now, or None while held. A held body's reads are timed by the body timeout."""
         if self._held is None:
-            self._held, self._held_t = bytearray(), time.perf_counter()
-        self._held += data
+            self._held, self._held_t, self._held_need = bytearray(), time.perf_counter(), -1
         buf = self._held
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) <= self.limits.max_header_bytes:
-                self._got_bytes = True           # the header timeout answers 408, not silence
-                return None
-            return self._release()               # h11 refuses the headers
-        length = held_body_length(bytes(buf[:end]))
-        if length is None or length > self.limits.hold_body_bytes or len(buf) >= end + 4 + length:
+        start = max(0, len(buf) - 3)             # a header end may straddle the previous read
+        buf += data
+        if self._held_need < 0:
+            end = buf.find(b"\r\n\r\n", start)
+            if end < 0:
+                if len(buf) <= self.limits.max_header_bytes:
+                    self._got_bytes = True       # the header timeout answers 408, not silence
+                    return None
+                return self._release()           # h11 refuses the headers
+            length = held_body_length(bytes(buf[:end]))
+            if length is None or length > self.limits.hold_body_bytes:
+                return self._release()
+            self._held_need = end + 4 + length
+            self._set_idle(False)                # a request in progress: never shed as idle
+        if len(buf) >= self._held_need:
             return self._release()
-        self._set_idle(False)                    # a request in progress: never shed as idle
         self._arm(self.limits.body_timeout_s, self._held_body_timeout)
         return None
 
@@ -339,7 +345,7 @@ class GuardedProtocol(ArrivalProtocol):
         self._probe_timer = self.loop.call_later(delay, self._probe, delay)
 
     def connection_lost(self, exc) -> None:
-        if self._held is not None and self._held.find(b"\r\n\r\n") >= 0:
+        if self._held is not None and self._held_need >= 0:
             super().data_received(self._release())   # an abandoned upload: the app sees it go (499)
         self._set_idle(False)
         self._arm(None, None)
