@@ -173,8 +173,7 @@ def set_cpu_int4(lin: QuantLinear, torch_gemm: bool | None = None) -> None:
     if not torch_gemm:
         lin.cpu_int4_pack = None
         return
-    t = lin.tensors()
-    G = formats.int4_group(t)
+    t, G = lin.tensors(), lin.cpu_int4
     codes = formats.int4_codes(t).to(torch.int32)                                   # [N, K]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
     scale, mn = t["scales"].float(), t["mins"].float()                              # [N, K / G]
