@@ -98,3 +98,43 @@ def test_outputs_of_several_choices_merge_per_choice_and_keep_their_order(loop):
     for i, out in got:
         assert out.finished and out.delta_token_ids == list(finals[i].token_ids)
         assert out.delta_text == finals[i].text
+
+
+def test_a_subscribed_stream_lets_go_of_each_output_once_handed_over(loop):
+    """A server follows a stream through a subscriber; the stream then holds no output but the final one, so a
+    burst's outputs die young instead of piling up for the garbage collector to walk. A stream nobody
+    subscribed to still replays everything to a reader that comes late."""
+    import gc
+    import weakref
+
+    class Sink:
+        def __init__(self):
+            self.refs, self.ended = [], asyncio.Event()
+
+        def put_nowait(self, item):
+            if isinstance(item, RequestOutput):
+                self.refs.append(weakref.ref(item))
+            else:
+                self.ended.set()
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def follow():
+        stream = loop.submit([1, 2, 3, 4, 5], params)
+        sink = Sink()
+        for item in stream.subscribe(asyncio.get_running_loop(), sink):
+            sink.put_nowait(item)
+        await asyncio.wait_for(sink.ended.wait(), 60)
+        return stream, sink.refs
+
+    stream, refs = asyncio.run(follow())
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert len(refs) >= 2 and alive == [stream.final]
+    with pytest.raises(RuntimeError, match="keeps no history"):
+        next(iter(stream))
+
+    late = loop.submit([1, 2, 3, 4, 5], params)
+    late.result(60)
+    replay = list(late)
+    assert replay[-1] is late.final and sum(len(o.delta_token_ids) for o in replay) == 24

@@ -38,7 +38,9 @@ class RequestStream:
         self.loop = loop
         self.request_id = request_id
         self._mu = threading.Condition(threading.Lock())
-        self._items: list = []                 # everything delivered so far (replayed to late readers)
+        self._items: list = []                 # what arrived so far, for readers that come later
+        self._keep = True                      # False once subscribed: items go to the subscribers alone
+        self._iterating = 0                    # sync iterators reading _items by index
         self._sinks: list[tuple[asyncio.AbstractEventLoop, object]] = []
         self.final: RequestOutput | None = None
         self.error: BaseException | None = None
@@ -53,8 +55,9 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.error = item
         with self._mu:
-            self._items.append(item)
-            self._mu.notify_all()
+            if self._keep:
+                self._items.append(item)
+                self._mu.notify_all()
             sinks = list(self._sinks)
         for aloop, sink in sinks:
             if batches is not None:
@@ -66,24 +69,42 @@ class RequestStream:
 
     def subscribe(self, aloop: asyncio.AbstractEventLoop, sink) -> list:
         """Follow this stream on `aloop`: returns what already arrived; later items go to
-        `sink.put_nowait(item)` on that loop (the end marker is an object that is not a RequestOutput)."""
+        `sink.put_nowait(item)` on that loop (the end marker is an object that is not a RequestOutput).
+
+        From then on the stream keeps no history (unless a sync iterator is reading it): a server's stream
+        would otherwise hold every output of its request until the request ends, hundreds of thousands of
+        objects in a burst, and each full garbage collection would walk them all while no stream is served.
+        A later subscriber gets only the items after it subscribed."""
         with self._mu:
             self._sinks.append((aloop, sink))
-            return list(self._items)
+            items = self._items
+            if not self._iterating:
+                self._keep = False
+                self._items = []
+            return list(items)
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        i = 0
-        while True:
+        with self._mu:
+            if not self._keep:
+                raise RuntimeError(f"request {self.request_id}: its stream is followed by a subscriber and keeps "
+                                   "no history to iterate")
+            self._iterating += 1
+        try:
+            i = 0
+            while True:
+                with self._mu:
+                    while i >= len(self._items):
+                        self._mu.wait()
+                    item = self._items[i]
+                i += 1
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
             with self._mu:
-                while i >= len(self._items):
-                    self._mu.wait()
-                item = self._items[i]
-            i += 1
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+                self._iterating -= 1
 
     async def __aiter__(self):
         aq: asyncio.Queue = asyncio.Queue()
