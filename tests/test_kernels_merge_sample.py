@@ -28,3 +28,17 @@ def test_gumbel_chunk_fills_the_chip():
     from engine.kernels.sampling import _chunk_for
     assert _chunk_for(1, 128256, DEV) == (512 if GPU else 8192)   # H200 (132 SMs): 251 programs
     assert _chunk_for(1, 3001, DEV) == 512 and _chunk_for(256, 128256, DEV) == 8192
+
+
+@pytest.mark.skipif(not GPU, reason="counts compiled Triton kernels")
+def test_gumbel_warmup_leaves_no_compile_for_serving():
+    """After the engine's warm-up, sampling any batch size up to the limit compiles nothing (a serving step
+    that compiles stalls every stream for ~0.3 s)."""
+    from engine.kernels.sampling import _gumbel_argmax_kernel, warmup_gumbel
+    V, limit = 128256, 300
+    assert warmup_gumbel(V, limit, torch.device(DEV)) > 1
+    compiled = _gumbel_argmax_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(compiled)
+    for b in (1, 2, 3, 5, 7, 9, 13, 17, 31, 64, 100, 257, limit):
+        gumbel_sample(rand(b, V), torch.rand(b, device=DEV), 7)
+    assert len(compiled) == before

@@ -82,10 +82,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, ch
     assert logits.stride(-1) == 1 and temperature.shape == (B,)
     if B == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    chunk = min(chunk or (_chunk_for(B, V, logits.device) if one_launch else 8192), triton.next_power_of_2(V))
-    block = min(1024, triton.next_power_of_2(chunk))
-    chunk = max(block, chunk // block * block)
-    n = triton.cdiv(V, chunk)
+    chunk, block, n = _grid(B, V, logits.device, chunk, one_launch)
     vals = torch.empty((B, n), dtype=torch.float32, device=logits.device)
     idx = torch.empty((B, n), dtype=torch.int32, device=logits.device)
     extra = {}
@@ -99,6 +96,26 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, ch
         return tok
     best = vals.argmax(1, keepdim=True)                           # first chunk wins a tie
     return idx.gather(1, best).squeeze(1).long()
+
+
+def _grid(B: int, V: int, device: torch.device, chunk: int | None, one_launch: bool) -> tuple[int, int, int]:
+    """-> (CHUNK, BLOCK, programs per row) of a launch over B rows."""
+    chunk = min(chunk or (_chunk_for(B, V, device) if one_launch else 8192), triton.next_power_of_2(V))
+    block = min(1024, triton.next_power_of_2(chunk))
+    chunk = max(block, chunk // block * block)
+    return chunk, block, triton.cdiv(V, chunk)
+
+
+def warmup_gumbel(V: int, max_batch: int, device: torch.device, one_launch: bool = True) -> int:
+    """Launch once per kernel variant that batches of 1..max_batch rows reach (CHUNK and NP follow the batch
+    size), so that no serving step compiles one: a compile takes ~0.3 s, during which every stream waits.
+    Returns the number of variants."""
+    variants: dict[tuple[int, int, int], int] = {}
+    for b in range(1, max_batch + 1):
+        variants.setdefault(_grid(b, V, device, None, one_launch), b)
+    for b in variants.values():
+        gumbel_sample(torch.zeros(b, V, device=device), torch.zeros(b, device=device), 0, one_launch=one_launch)
+    return len(variants)
 
 
 def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None = None

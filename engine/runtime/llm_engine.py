@@ -233,6 +233,10 @@ class LLMEngine:
             from engine.worker.cpu_compile import CompiledDecode
             self.runner.compiled = CompiledDecode(self.runner, config)
         self.runner.warmup()
+        if self.fused_sampling and self.device.type == "cuda":
+            from engine.kernels.sampling import warmup_gumbel
+            warmup_gumbel(mcfg.vocab_size, config.scheduler_config.max_num_seqs * spec_margin, self.device,
+                          one_launch=self.fused_sampling == "one_launch")
         if ex is not None:
             ex.send("warmup")
         self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.runner.kv_dtype)   # K and V of one token, all layers
