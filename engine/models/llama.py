@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.kernels import cpu_kernels
 from engine.kernels.metadata import AttentionMetadata
-from engine.quant.linear import fused_linear, fused_qkv_rope_store, qkv_rope_fusable
+from engine.quant.linear import QuantLinear, fused_linear, fused_qkv_rope_store, qkv_rope_fusable
 from engine.worker.timing import NullTimer
 from engine.models.config import ModelArchConfig
 
@@ -153,6 +154,9 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_max_tokens = 0           # steps of at most this many tokens take forward_small_batch
         self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
         self.gemv_variant = "auto"         # their launch (EngineConfig.gemv_variant)
+        self.cpu_decode_layer = False      # CPU decode steps run kvscope::decode_layer a layer (EngineConfig)
+        self._decode_layer_weights: list | None = None   # per layer: its int4 tensors ([] where not eligible)
+        self.decode_layer_steps = 0        # forwards run through kvscope::decode_layer
 
     def set_kernel_options(self, config) -> None:
         """EngineConfig.gemv_variant (a Triton launch option; the torch ops ignore it) and fused_qk_norm."""
@@ -166,6 +170,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [T] -> final hidden states [T, hidden]. num_layers < all: the first layers only (self-drafting)."""
         if input_ids.shape[0] <= self.gemv_max_tokens:
             return self.forward_small_batch(input_ids, md, num_layers)
+        if self.cpu_decode_layer and md.max_seqlen_q == 1 and not md.tensor_only and cpu_kernels.loaded() \
+                and input_ids.shape[0] == md.num_seqs and self.decode_layer_weights():
+            return self.forward_decode_layers(input_ids, md, num_layers)
         t, ops, m = self.timer, self.ops, self.model
         with t.region("embedding"):
             x = self.embed(input_ids)                          # [T, hidden]
@@ -212,6 +219,46 @@ class LlamaForCausalLM(nn.Module):
             h = self.all_reduce(h)
         with t.region("norms"):
             x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)
+        return x
+
+    def decode_layer_weights(self) -> list[list[torch.Tensor]]:
+        """Per layer, the (qweight, scales, mins) of qkv_proj, o_proj, gate_up_proj and down_proj that
+        kvscope::decode_layer takes; [] where a layer does not fit it (an fp32 model with every projection on the
+        CPU int4 path, no q/k norm, no bias but q/k/v's, one rank). Read once: the tensors stay the layers' own."""
+        if self._decode_layer_weights is None:
+            self._decode_layer_weights = []
+            layers = []
+            for layer in self.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                lins = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                norms = (layer.input_layernorm, layer.post_attention_layernorm)
+                if self.tp.size > 1 or self.model.embed_tokens.weight.dtype != torch.float32 or a.qk_norm or norms[0].eps != norms[1].eps or any(
+                        n.weight.dtype != torch.float32 for n in norms) or any(
+                        not isinstance(lin, QuantLinear) or not lin.cpu_int4 or lin.qweight.dtype != torch.uint8
+                        for lin in lins) or any(lin.bias is not None for lin in lins[1:]) or (
+                        lins[0].bias is not None and lins[0].bias.dtype != torch.float32):
+                    return []
+                layers.append([t for lin in lins for t in (lin.qweight, lin.scales, lin.mins)])
+            self._decode_layer_weights = layers
+        return self._decode_layer_weights
+
+    def forward_decode_layers(self, input_ids: torch.Tensor, md: AttentionMetadata,
+                              num_layers: int | None = None) -> torch.Tensor:
+        """forward() for a decode-only CPU step (one token a sequence): each decoder layer is one C++ call,
+        kvscope::decode_layer, on h, the residual stream [B, hidden]."""
+        t, m = self.timer, self.model
+        with t.region("embedding"):
+            h = self.embed(input_ids)                          # [B, hidden]
+        layer_op = torch.ops.kvscope.decode_layer.default
+        self.decode_layer_steps += 1
+        with t.region("layers"):
+            for layer, weights in zip(m.layers[:num_layers], self._decode_layer_weights):
+                a, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+                h = layer_op(h, weights, a.qkv_proj.bias, ln1.weight, ln2.weight, ln1.eps, self.cos_sin,
+                             md.positions, a.k_cache, a.v_cache, md.slot_mapping, md.block_tables, md.seq_lens,
+                             a.h, a.scale)
+        with t.region("norms"):
+            x, _ = self.ops.rms_norm(h, m.norm.weight, m.norm.eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
