@@ -577,12 +577,19 @@ void tile(int R, const uint8_t* qw, const float* sw, const float* mw, int64_t n0
   }
 }
 
+// fp16 scales and mins eight at a time (F16C): converted one by one they cost a batch-1 GEMM a quarter of its time
 template <typename S>
 inline void to_float(const S* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<S, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<S, at::Half>)
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
 
