@@ -128,7 +128,7 @@ def test_int4_decode_step_on_the_cpp_layer_matches_the_torch_ops(one_thread):
     kvscope::decode_layer call against the same step through the layer's torch ops, on the same caches."""
     eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32, num_kv_blocks=32)
     model = eng.model
-    assert model.cpu_decode_layer and len(model.decode_layer_weights()) == len(model.model.layers)
+    assert model.cpu_decode_layer and len(model.decode_layer_plan()) == len(model.model.layers)
     lens = [17, 33, 5]
     tables = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0]], dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)

@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
         self.gemv_variant = "auto"         # their launch (EngineConfig.gemv_variant)
         self.cpu_decode_layer = False      # CPU decode steps run kvscope::decode_layer a layer (EngineConfig)
-        self._decode_layer_weights: list | None = None   # per layer: its int4 tensors ([] where not eligible)
+        self._decode_layer_plan: list | None = None     # decode_layer_plan(), read once
         self.decode_layer_steps = 0        # forwards run through kvscope::decode_layer
 
     def set_kernel_options(self, config) -> None:
@@ -171,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.shape[0] <= self.gemv_max_tokens:
             return self.forward_small_batch(input_ids, md, num_layers)
         if self.cpu_decode_layer and md.max_seqlen_q == 1 and not md.tensor_only and cpu_kernels.loaded() \
-                and input_ids.shape[0] == md.num_seqs and self.decode_layer_weights():
+                and input_ids.shape[0] == md.num_seqs and self.decode_layer_plan():
             return self.forward_decode_layers(input_ids, md, num_layers)
         t, ops, m = self.timer, self.ops, self.model
         with t.region("embedding"):
@@ -221,26 +221,31 @@ class LlamaForCausalLM(nn.Module):
             x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)
         return x
 
-    def decode_layer_weights(self) -> list[list[torch.Tensor]]:
-        """Per layer, the (qweight, scales, mins) of qkv_proj, o_proj, gate_up_proj and down_proj that
-        kvscope::decode_layer takes; [] where a layer does not fit it (an fp32 model with every projection on the
-        CPU int4 path, no q/k norm, no bias but q/k/v's, one rank). Read once: the tensors stay the layers' own."""
-        if self._decode_layer_weights is None:
-            self._decode_layer_weights = []
-            layers = []
+    def decode_layer_plan(self) -> list[tuple]:
+        """Per layer, what kvscope::decode_layer takes of it: (attention module, [qweight, scales, mins of qkv_proj,
+        o_proj, gate_up_proj, down_proj], q/k/v bias, input norm weight, post-attention norm weight, eps); [] where
+        the model does not fit the op (an fp32 model with every projection on the CPU int4 path, no q/k norm, no
+        bias but q/k/v's, one rank). Read once: the tensors are the layers' own."""
+        if self._decode_layer_plan is None:
+            self._decode_layer_plan = []
+            plan = []
             for layer in self.model.layers:
                 a, mlp = layer.self_attn, layer.mlp
                 lins = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                norms = (layer.input_layernorm, layer.post_attention_layernorm)
-                if self.tp.size > 1 or self.model.embed_tokens.weight.dtype != torch.float32 or a.qk_norm or norms[0].eps != norms[1].eps or any(
-                        n.weight.dtype != torch.float32 for n in norms) or any(
-                        not isinstance(lin, QuantLinear) or not lin.cpu_int4 or lin.qweight.dtype != torch.uint8
-                        for lin in lins) or any(lin.bias is not None for lin in lins[1:]) or (
-                        lins[0].bias is not None and lins[0].bias.dtype != torch.float32):
+                ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+                fits = (self.tp.size == 1 and self.model.embed_tokens.weight.dtype == torch.float32
+                        and not a.qk_norm and ln1.eps == ln2.eps
+                        and ln1.weight.dtype == ln2.weight.dtype == torch.float32
+                        and all(isinstance(lin, QuantLinear) and lin.cpu_int4 and lin.qweight.dtype == torch.uint8
+                                for lin in lins)
+                        and all(lin.bias is None for lin in lins[1:])
+                        and (lins[0].bias is None or lins[0].bias.dtype == torch.float32))
+                if not fits:
                     return []
-                layers.append([t for lin in lins for t in (lin.qweight, lin.scales, lin.mins)])
-            self._decode_layer_weights = layers
-        return self._decode_layer_weights
+                weights = [t for lin in lins for t in (lin.qweight, lin.scales, lin.mins)]
+                plan.append((a, weights, lins[0].bias, ln1.weight, ln2.weight, ln1.eps))
+            self._decode_layer_plan = plan
+        return self._decode_layer_plan
 
     def forward_decode_layers(self, input_ids: torch.Tensor, md: AttentionMetadata,
                               num_layers: int | None = None) -> torch.Tensor:
@@ -250,12 +255,11 @@ class LlamaForCausalLM(nn.Module):
         with t.region("embedding"):
             h = self.embed(input_ids)                          # [B, hidden]
         layer_op = torch.ops.kvscope.decode_layer.default
+        cos_sin, pos, slots, tables, lens = self.cos_sin, md.positions, md.slot_mapping, md.block_tables, md.seq_lens
         self.decode_layer_steps += 1
         with t.region("layers"):
-            for layer, weights in zip(m.layers[:num_layers], self._decode_layer_weights):
-                a, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-                h = layer_op(h, weights, a.qkv_proj.bias, ln1.weight, ln2.weight, ln1.eps, self.cos_sin,
-                             md.positions, a.k_cache, a.v_cache, md.slot_mapping, md.block_tables, md.seq_lens,
+            for a, weights, bias, w1, w2, eps in self._decode_layer_plan[:num_layers]:
+                h = layer_op(h, weights, bias, w1, w2, eps, cos_sin, pos, a.k_cache, a.v_cache, slots, tables, lens,
                              a.h, a.scale)
         with t.region("norms"):
             x, _ = self.ops.rms_norm(h, m.norm.weight, m.norm.eps)
