@@ -3,7 +3,10 @@ SmolLM2: for 6 held-out chat prompts, whether 32 greedy tokens are identical, an
 KL(fp32 || quantized) of next-token distributions along fp32's greedy tokens (prompt prefilled, then one-token decode
 steps: the decode path the engine runs). Prints a table, writes benchmarks/results/cpu_quant_accuracy.json.
 
-    python benchmarks/check_cpu_quant.py [--tokens 32]
+    python benchmarks/check_cpu_quant.py [--tokens 32] [--decode-layer on|off]
+
+--decode-layer: the quantized model's decode steps on kvscope::decode_layer (one C++ call a layer, the engine's
+default) or on the layer's torch ops.
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--quantization", default="int4")
     ap.add_argument("--group", type=int, default=32, help="int4 group size")
+    ap.add_argument("--decode-layer", choices=["on", "off"], default="on",
+                    help="decode steps on kvscope::decode_layer (the engine's default) or the layer's torch ops")
     args = ap.parse_args()
     from engine.kernels.ops import get_ops
     from engine.models.loader import build_model, load_tokenizer, resolve
@@ -74,6 +79,7 @@ def main() -> None:
     ref = build_model(hf_cfg, folder, ops, cpu, torch.float32, max_pos=1024, seed=0)
     q = build_model(hf_cfg, folder, ops, cpu, torch.float32, max_pos=1024, seed=0, quantization=args.quantization,
                     int4_group_size=args.group)
+    q.cpu_decode_layer = args.decode_layer == "on"
     rows = []
     for text in PROMPTS:
         chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -90,10 +96,11 @@ def main() -> None:
     same = sum(r["identical"] for r in rows)
     mean_kl = sum(r["mean KL"] for r in rows) / len(rows)
     print(f"{args.quantization}: {same} of {len(rows)} prompts identical over {args.tokens} tokens; "
-          f"mean per-token KL {mean_kl:.5f}")
+          f"mean per-token KL {mean_kl:.5f}; decode steps on kvscope::decode_layer: {q.decode_layer_steps}")
     path = write_json("cpu_quant_accuracy", {"device": device_name("cpu"), "quantization": args.quantization, "group": args.group,
                                              "tokens": args.tokens, "identical": same, "mean_kl": mean_kl,
-                                             "rows": rows})
+                                             "decode_layer": args.decode_layer,
+                                             "decode_layer_steps": q.decode_layer_steps, "rows": rows})
     print(f"wrote {path}")
 
 

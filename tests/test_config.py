@@ -44,6 +44,7 @@ VALUES = {
     "kernels": ("torch", "torch"), "enable_cuda_graphs": ("false", False), "cuda_graph_max_batch": ("64", 64),
     "mixed_cuda_graphs": ("false", False), "mixed_cuda_graph_max_tokens": ("512", 512),
     "gemv_max_tokens": ("0", 0), "cpu_compile": ("true", True), "cpu_compile_max_batch": ("4", 4),
+    "cpu_decode_layer": ("false", False),
     "enable_pdl": ("true", True), "gemv_variant": ("persistent", "persistent"),
     "fused_qk_norm": ("false", False), "sampler_one_launch": ("false", False),
     "quant_gemv_tensor_cores": ("false", False), "quant_gemv_packed": ("true", True),

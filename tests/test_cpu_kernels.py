@@ -1,6 +1,6 @@
 """The C++ CPU kernels (engine/kernels/cpu_kernels.py) against their torch implementations: kvscope::decode_attention
 (torch_ops.decode_attention_ref) at odd lengths, scattered blocks, GQA, skipped slots, cache dtypes; kvscope::int4_linear
-(torch_ops.int4_linear_ref) at odd sizes."""
+(torch_ops.int4_linear_ref) at odd sizes; kvscope::decode_layer (torch_ops.decode_layer_ref) at odd sizes."""
 import os
 import subprocess
 import sys
@@ -173,6 +173,58 @@ def test_int4_linear_rejects_mismatched_shapes():
     with pytest.raises(RuntimeError, match="scales"):
         torch.ops.kvscope.int4_linear(torch.randn(2, 64), t["qweight"], t["scales"], t["mins"], 64)
 
+def make_layer_case(B: int, E: int, H: int, Hk: int, D: int, I: int, lens: list[int], G: int, scale_dtype,
+                    bias: bool, seed: int):
+    """kvscope::decode_layer's arguments: random int4 projections (scales and mins in scale_dtype), norms, rotary
+    table, caches and residual rows; this step's token of sequence b at position lens[b] - 1."""
+    from engine.quant import formats
+    gen = torch.Generator().manual_seed(seed)
+    weights = []
+    for N, K in (((H + 2 * Hk) * D, E), (E, H * D), (2 * I, E), (E, I)):
+        t = formats.quantize(torch.randn(N, K, generator=gen) / K ** 0.5, "int4", G)
+        weights += [t["qweight"], t["scales"].to(scale_dtype), t["mins"].to(scale_dtype)]
+    _, _, _, kc, vc, slots, tables, seq_lens = make_case(B, Hk, H // Hk, D, lens, torch.float32, torch.float32, seed)
+    qkv_bias = torch.randn((H + 2 * Hk) * D, generator=gen) if bias else None
+    norms = [torch.rand(E, generator=gen) + 0.5 for _ in range(2)]
+    cos_sin = torch.cat([torch.cos(a := torch.rand(400, D // 2, generator=gen) * 6), torch.sin(a)], dim=-1)
+    h = torch.randn(B, E, generator=gen) * 3
+    return (h, weights, qkv_bias, *norms, 1e-5, cos_sin, seq_lens.long() - 1, kc, vc, slots, tables, seq_lens, H,
+            D ** -0.5)
+
+
+LAYER_CASES = [  # B, hidden, H, Hk, D, intermediate, lens, group, scales' dtype, q/k/v bias
+    (1, 96, 6, 2, 32, 160, [37], 32, torch.float16, False),
+    (3, 128, 4, 1, 40, 192, [17, 1, 130], 32, torch.float32, True),
+    (3, 64, 3, 3, 64, 128, [16, 33, 250], 64, torch.float16, False),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,E,H,Hk,D,I,lens,G,scale_dtype,bias", LAYER_CASES)
+def test_decode_layer_matches_torch(B, E, H, Hk, D, I, lens, G, scale_dtype, bias):
+    """One decoder layer's decode step in C++ against its torch composition (the same int4 GEMM and attention
+    kernels, the norms, RoPE, SiLU-and-mul and residual adds in torch): the output rows and the K/V stored."""
+    args = make_layer_case(B, E, H, Hk, D, I, lens, G, scale_dtype, bias, seed=B * 10 + D)
+    kc, vc = args[8], args[9]                                               # written in place
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = torch_ops.decode_layer_ref(*args[:8], kc_ref, vc_ref, *args[10:])
+    out = torch.ops.kvscope.decode_layer(*args)
+    assert out.shape == ref.shape == (B, E) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-5)          # K rotated (RoPE), V as projected
+    torch.testing.assert_close(vc, vc_ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_decode_layer_rejects_mismatched_shapes():
+    args = list(make_layer_case(1, 96, 6, 2, 32, 160, [5], 32, torch.float16, False, seed=1))
+    with pytest.raises(RuntimeError, match="weights"):
+        torch.ops.kvscope.decode_layer(*args[:1], args[1][:9], *args[2:])
+    args[13] = 4                                                            # 4 heads: the weights are for 6
+    with pytest.raises(RuntimeError, match="o_proj"):
+        torch.ops.kvscope.decode_layer(*args)
+
+
 FALLBACK = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -190,6 +242,10 @@ t = formats.quantize(torch.randn(24, 64), "int4", 32)
 x = torch.randn(3, 64)
 out = torch.ops.kvscope.int4_linear(x, t["qweight"], t["scales"], t["mins"], 32)
 assert torch.equal(out, torch_ops.int4_linear_ref(x, t["qweight"], t["scales"], t["mins"], 32))
+from tests.test_cpu_kernels import make_layer_case
+args = make_layer_case(2, 64, 2, 1, 32, 64, [5, 20], 32, torch.float16, True, 2)
+ref = torch_ops.decode_layer_ref(*args[:8], args[8].clone(), args[9].clone(), *args[10:])
+assert torch.equal(torch.ops.kvscope.decode_layer(*args), ref)
 print("ok")
 """
 

@@ -106,3 +106,65 @@ def test_int4_engine_logits_with_the_cpp_linear_match_the_dequantized_weights(on
     spread = float(ref.max() - ref.min())
     assert float((logits - ref).abs().max()) <= 1e-3 * spread
     assert not torch.equal(logits, ref)                                     # the C++ path did run
+
+
+def _seq_md(starts: list[int], ends: list[int], tables: torch.Tensor, bs: int = 16):
+    """Sequence i computes positions [starts[i], ends[i]) in the blocks of tables[i]; logits for each last one."""
+    from engine.kernels.metadata import AttentionMetadata
+    pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
+    row = torch.cat([torch.full((e - s,), i) for i, (s, e) in enumerate(zip(starts, ends))])
+    q_lens = [e - s for s, e in zip(starts, ends)]
+    return AttentionMetadata(positions=pos, slot_mapping=tables[row, pos // bs].long() * bs + pos % bs,
+                             cu_seqlens_q=torch.tensor([0, *q_lens]).cumsum(0).int(),
+                             seq_lens=torch.tensor(ends, dtype=torch.int32), block_tables=tables,
+                             logits_indices=torch.tensor(q_lens).cumsum(0) - 1, q_lens=q_lens, seq_lens_cpu=ends,
+                             max_seqlen_q=max(q_lens), max_seqlen_k=max(ends), block_size=bs)
+
+
+@pytest.mark.skipif(not cpu_kernels.loaded(), reason="the C++ CPU kernels could not be built")
+@torch.inference_mode()
+def test_int4_decode_step_on_the_cpp_layer_matches_the_torch_ops(one_thread):
+    """A decode step of 3 sequences (contexts of 17, 33 and 5 tokens: one a block and a token) with each layer one
+    kvscope::decode_layer call against the same step through the layer's torch ops, on the same caches."""
+    eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32, num_kv_blocks=32)
+    model = eng.model
+    assert model.cpu_decode_layer and len(model.decode_layer_plan()) == len(model.model.layers)
+    lens = [17, 33, 5]
+    tables = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0]], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 1000, (sum(lens),), generator=gen)
+    model(ids, _seq_md([0] * 3, lens, tables))                            # the prompts' K/V into the caches
+    step = torch.randint(3, 1000, (3,), generator=gen)
+    md = _seq_md(lens, [n + 1 for n in lens], tables)
+    model.cpu_decode_layer = False
+    ref = model(step, md)
+    model.cpu_decode_layer = True
+    before = model.decode_layer_steps
+    out = model(step, md)
+    assert model.decode_layer_steps == before + 1
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.loaded(), reason="the C++ CPU kernels could not be built")
+def test_int4_engine_greedy_tokens_with_the_cpp_layer(one_thread):
+    """Greedy tokens with decode steps on kvscope::decode_layer (cpu_decode_layer, the default) equal the layer's
+    torch ops' (a batch of three, contexts crossing 16-token blocks, then one alone)."""
+    prompts = [[1, 2, 3], list(range(5, 40)), list(range(7, 25))]
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+
+    def greedy(on: bool) -> tuple[list[list[int]], int]:
+        eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32,
+                        num_kv_blocks=32, cpu_decode_layer=on)
+        out = []
+        for batch in (prompts, prompts[1:2]):
+            rids = [eng.add_request(p, params) for p in batch]
+            done = {}
+            while eng.has_unfinished_requests():
+                done.update((o.request_id, list(o.token_ids)) for o in eng.step() if o.finished)
+            out += [done[r] for r in rids]
+        return out, eng.model.decode_layer_steps
+
+    ref, ref_steps = greedy(False)
+    out, steps = greedy(True)
+    assert ref_steps == 0 and steps >= 2 * 15             # every decode step of the batch and alone
+    assert out == ref

@@ -223,6 +223,8 @@ FIELD_HELP.update({
     "cpu_compile": "CPU, torch kernels: decode-only steps run one TorchInductor graph per padded batch size "
                    "(faster decode; the first start compiles for minutes, later ones load a disk cache)",
     "cpu_compile_max_batch": "CPU compiled decode: the largest batch compiled (sizes 1, 2, 4, ... up to it)",
+    "cpu_decode_layer": "CPU, int4 weights, fp32: decode-only steps run each decoder layer as one C++ call "
+                        "(kvscope::decode_layer); off = the layer's torch ops",
     "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "
                             "GPUs, gloo on CPU); num_heads must split by KV-head groups",
     "data_parallel_size": "API server / LLM: engine replicas, each on its own GPUs, requests routed by load and "

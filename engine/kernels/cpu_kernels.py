@@ -6,6 +6,10 @@ dispatcher:
 - `kvscope::int4_linear`: int4 weights (kvscope's byte layout, w = q * scale + min per group) times activations
   quantized inside the kernel per 32-block to int8 and the remainder to a second int8 code, llama.cpp's Q4_1 x Q8_1
   dot twice (AVX2 maddubs / madd, one FMA a block); a scalar build does the same integer math.
+- `kvscope::decode_layer`: one Llama decoder layer's decode step for single-token sequences on fp32 rows with int4
+  projections: RMSNorm, q/k/v, RoPE, the KV store and the attention, o, the residual adds, RMSNorm, gate/up,
+  SiLU-and-mul, down, one call a layer (the two kernels above called as C++ functions, the elementwise work
+  between them in plain vector loops), so a decode step's layer costs no Python or dispatcher work in between.
 
 The build takes about half a minute, once per machine, and never holds up a request: an engine on the CPU loads the
 built kernels at start (`prepare`) or, where they are not built yet, builds them in a background process and runs the
@@ -573,12 +577,19 @@ void tile(int R, const uint8_t* qw, const float* sw, const float* mw, int64_t n0
   }
 }
 
+// fp16 scales and mins eight at a time (F16C): converted one by one they cost a batch-1 GEMM a quarter of its time
 template <typename S>
 inline void to_float(const S* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<S, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<S, at::Half>)
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
 
@@ -611,6 +622,102 @@ void int4_gemm_g(int64_t G, const int8_t* xq, const float* dx, const float* dsx,
     case 64: return int4_gemm<L, 64>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
     default: return int4_gemm<L, 128>(xq, dx, dsx, M, qw, scales, mins, N, K, y);
   }
+}
+
+// ---- kvscope::decode_layer: one Llama decoder layer's decode step on fp32 rows --------------------------------
+
+// out[E] = x * rsqrt(mean(x^2) + eps) * w (torch_ops.rms_norm's order: normalized, then weighted)
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t E, float* out) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kV <= E; i += kV) {
+    const Vec v = Vec::loadu(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < E; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(E) + eps);
+  const Vec vr(r);
+  for (i = 0; i + kV <= E; i += kV) (Vec::loadu(x + i) * vr * Vec::loadu(w + i)).store(out + i);
+  for (; i < E; ++i) out[i] = x[i] * r * w[i];
+}
+
+// x [D] in place, neox / Hugging Face style (the halves rotate): cs = cos | sin [D] of the token's position
+inline void rope_row(float* x, const float* cs, int64_t D) {
+  const int64_t half = D / 2;
+  const float *c = cs, *s = cs + half;
+  int64_t i = 0;
+  for (; i + kV <= half; i += kV) {
+    const Vec x1 = Vec::loadu(x + i), x2 = Vec::loadu(x + half + i), vc = Vec::loadu(c + i), vs = Vec::loadu(s + i);
+    (x1 * vc - x2 * vs).store(x + i);
+    (x2 * vc + x1 * vs).store(x + half + i);
+  }
+  for (; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[half + i] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+// out[I] = silu(gate) * up, silu(g) = g / (1 + exp(-g))
+inline void silu_mul_row(const float* gate, const float* up, int64_t I, float* out) {
+  const Vec one(1.f);
+  int64_t i = 0;
+  for (; i + kV <= I; i += kV) {
+    const Vec g = Vec::loadu(gate + i);
+    (g / (one + g.neg().exp_u20()) * Vec::loadu(up + i)).store(out + i);
+  }
+  for (; i < I; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// One projection's int4 tensors (kvscope's layout, as int4_linear takes them).
+struct Int4Weight {
+  const uint8_t* q;
+  const void* scales;
+  const void* mins;
+  bool half;
+  int64_t N, K, G;
+};
+
+Int4Weight int4_weight(const at::Tensor& qw, const at::Tensor& s, const at::Tensor& m, int64_t K, const char* name) {
+  TORCH_CHECK(qw.scalar_type() == at::kByte && qw.dim() == 2 && qw.is_contiguous() && qw.size(1) * 2 == K,
+              "kvscope::decode_layer: ", name, "'s qweight must be contiguous uint8 [N, ", K / 2, "]");
+  const int64_t N = qw.size(0);
+  TORCH_CHECK(s.scalar_type() == m.scalar_type() && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kHalf)
+              && s.dim() == 2 && s.sizes() == m.sizes() && s.size(0) == N && s.size(1) > 0 && K % s.size(1) == 0
+              && s.is_contiguous() && m.is_contiguous(),
+              "kvscope::decode_layer: ", name, "'s scales and mins must be contiguous float/half [N, K / group]");
+  const int64_t G = K / s.size(1);
+  TORCH_CHECK(G == 32 || G == 64 || G == 128, "kvscope::decode_layer: ", name, "'s group must be 32, 64 or 128, got ", G);
+  return {qw.data_ptr<uint8_t>(), s.data_ptr(), m.data_ptr(), s.scalar_type() == at::kHalf, N, K, G};
+}
+
+// Quantized activations of a projection's input rows (int4_linear's codes), reused from projection to projection.
+struct Int4Scratch {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, dsx;
+};
+
+// y [M, N] = x [M, K] @ w.T with x quantized as int4_linear quantizes it
+void int4_matmul(const Int4Weight& w, const float* x, int64_t M, float* y, Int4Scratch& t) {
+  constexpr int L = kLevels;
+  const int64_t K = w.K, nb = K / kQB;
+  t.xq.resize(M * K * L);
+  t.dx.resize(M * nb);
+  t.dsx.resize(M * nb);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row_q8<L>(x + m * K, K, t.xq.data() + m * K * L, t.dx.data() + m * nb, t.dsx.data() + m * nb);
+  if (w.half)
+    int4_gemm_g<L>(w.G, t.xq.data(), t.dx.data(), t.dsx.data(), M, w.q, static_cast<const at::Half*>(w.scales),
+                   static_cast<const at::Half*>(w.mins), w.N, K, y);
+  else
+    int4_gemm_g<L>(w.G, t.xq.data(), t.dx.data(), t.dsx.data(), M, w.q, static_cast<const float*>(w.scales),
+                   static_cast<const float*>(w.mins), w.N, K, y);
+}
+
+void check_float_vector(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n &&
+              t.is_contiguous(), "kvscope::decode_layer: ", name, " must be a contiguous float tensor [", n, "]");
 }
 
 }  // namespace
@@ -702,9 +809,84 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
+// h [B, E] float, the residual stream of B single-token sequences (the previous layer's output and its residual
+// summed) -> the same after this layer: h + o(attention(RoPE(qkv(RMSNorm(h))))) = h', then
+// h' + down(silu(gate) * up of gate_up(RMSNorm(h'))). weights: qweight, scales, mins of qkv_proj, o_proj,
+// gate_up_proj and down_proj, in that order; the KV store and the attention are decode_attention's.
+at::Tensor decode_layer(const at::Tensor& h_, at::TensorList weights, const std::optional<at::Tensor>& qkv_bias,
+                        const at::Tensor& input_norm, const at::Tensor& post_norm, double eps_,
+                        const at::Tensor& cos_sin, const at::Tensor& positions, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, int64_t num_heads, double scale) {
+  TORCH_CHECK(h_.device().is_cpu() && h_.dim() == 2 && h_.scalar_type() == at::kFloat,
+              "kvscope::decode_layer: h must be a float CPU tensor [B, hidden]");
+  TORCH_CHECK(weights.size() == 12, "kvscope::decode_layer: weights must be (qweight, scales, mins) of qkv_proj, "
+              "o_proj, gate_up_proj and down_proj, got ", weights.size(), " tensors");
+  TORCH_CHECK(k_cache.dim() == 4 && num_heads > 0 && num_heads % k_cache.size(2) == 0,
+              "kvscope::decode_layer: the caches must be [blocks, block_size, kv_heads, head_size] with num_heads a "
+              "multiple of kv_heads");
+  const at::Tensor h = h_.contiguous();
+  const int64_t B = h.size(0), E = h.size(1), Hk = k_cache.size(2), D = k_cache.size(3), H = num_heads;
+  const int64_t QD = H * D, KD = Hk * D, NQKV = QD + 2 * KD;
+  const Int4Weight wqkv = int4_weight(weights[0], weights[1], weights[2], E, "qkv_proj");
+  const Int4Weight wo = int4_weight(weights[3], weights[4], weights[5], QD, "o_proj");
+  const Int4Weight wgu = int4_weight(weights[6], weights[7], weights[8], E, "gate_up_proj");
+  const int64_t I = wgu.N / 2;
+  const Int4Weight wd = int4_weight(weights[9], weights[10], weights[11], I, "down_proj");
+  TORCH_CHECK(wqkv.N == NQKV && wo.N == E && wgu.N == 2 * I && wd.N == E,
+              "kvscope::decode_layer: projections of mismatched shapes (qkv_proj ", wqkv.N, " rows for ", NQKV,
+              ", o_proj ", wo.N, " and down_proj ", wd.N, " for hidden ", E, ", gate_up_proj ", wgu.N, ")");
+  check_float_vector(input_norm, E, "input_norm");
+  check_float_vector(post_norm, E, "post_norm");
+  if (qkv_bias.has_value()) check_float_vector(*qkv_bias, NQKV, "qkv_bias");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 2 && cos_sin.size(1) == D &&
+              cos_sin.is_contiguous(), "kvscope::decode_layer: cos_sin must be contiguous float [positions, ", D, "]");
+  TORCH_CHECK((positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt) && positions.dim() == 1 &&
+              positions.size(0) == B, "kvscope::decode_layer: positions must be int32/int64 [", B, "]");
+  const float eps = static_cast<float>(eps_);
+  at::Tensor qkv = at::empty({B, NQKV}, h.options());
+  at::Tensor out = at::empty({B, E}, h.options());
+  std::vector<float> a(B * std::max(E, I)), gu(B * std::max(2 * I, E));
+  Int4Scratch scratch;
+  const float* hp = h.data_ptr<float>();
+  float* qp = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* cs = cos_sin.data_ptr<float>();
+  const bool pos32 = positions.scalar_type() == at::kInt;
+  const void* pp = positions.data_ptr();
+  // attention: RMSNorm, q/k/v, RoPE on q and k, the KV store and the attention, o + the residual
+  for (int64_t b = 0; b < B; ++b) rms_norm_row(hp + b * E, input_norm.data_ptr<float>(), eps, E, a.data() + b * E);
+  int4_matmul(wqkv, a.data(), B, qp, scratch);
+  for (int64_t b = 0; b < B; ++b) {
+    float* row = qp + b * NQKV;
+    if (qkv_bias.has_value()) {
+      const float* bias = qkv_bias->data_ptr<float>();
+      for (int64_t n = 0; n < NQKV; ++n) row[n] += bias[n];
+    }
+    const int64_t pos = index_at(pp, pos32, b * positions.stride(0));
+    TORCH_CHECK(pos >= 0 && pos < cos_sin.size(0), "kvscope::decode_layer: position ", pos, " beyond cos_sin's ",
+                cos_sin.size(0));
+    for (int64_t hh = 0; hh < H + Hk; ++hh) rope_row(row + hh * D, cs + pos * D, D);
+  }
+  const at::Tensor q = qkv.as_strided({B, H, D}, {NQKV, D, 1}, 0);              // views of the qkv rows
+  const at::Tensor k = qkv.as_strided({B, Hk, D}, {NQKV, D, 1}, QD);
+  const at::Tensor v = qkv.as_strided({B, Hk, D}, {NQKV, D, 1}, QD + KD);
+  const at::Tensor attn = decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale);
+  int4_matmul(wo, attn.data_ptr<float>(), B, op, scratch);                      // attn [B, H, D] as [B, H * D]
+  for (int64_t i = 0; i < B * E; ++i) op[i] += hp[i];
+  // MLP: RMSNorm, gate | up, SiLU-and-mul, down + the residual
+  for (int64_t b = 0; b < B; ++b) rms_norm_row(op + b * E, post_norm.data_ptr<float>(), eps, E, a.data() + b * E);
+  int4_matmul(wgu, a.data(), B, gu.data(), scratch);
+  for (int64_t b = 0; b < B; ++b) silu_mul_row(gu.data() + b * 2 * I, gu.data() + b * 2 * I + I, I, a.data() + b * I);
+  int4_matmul(wd, a.data(), B, gu.data(), scratch);                              // gu's storage: [B, E] now
+  for (int64_t i = 0; i < B * E; ++i) op[i] += gu[i];
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(kvscope, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("int4_linear", &int4_linear);
+  m.impl("decode_layer", &decode_layer);
 }
 """
 
@@ -731,8 +913,8 @@ def build_directory() -> Path:
 
 
 def load():
-    """The built extension (its CPU kernels registered for kvscope::decode_attention and kvscope::int4_linear), or
-    None where it cannot be built; tried once per process."""
+    """The built extension (its CPU kernels registered for kvscope::decode_attention, kvscope::int4_linear and
+    kvscope::decode_layer), or None where it cannot be built; tried once per process."""
     if "module" in _state:
         return _state["module"]
     _state["module"] = None
@@ -758,8 +940,8 @@ def load():
 
 
 def loaded() -> bool:
-    """Whether the C++ kernels serve kvscope::decode_attention and kvscope::int4_linear on CPU tensors in this
-    process."""
+    """Whether the C++ kernels serve kvscope::decode_attention, kvscope::int4_linear and kvscope::decode_layer on
+    CPU tensors in this process."""
     return _state.get("module") is not None
 
 

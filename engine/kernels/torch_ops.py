@@ -222,6 +222,9 @@ _LIB = torch.library.Library("kvscope", "DEF")
 _LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, "
             "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor")
 _LIB.define("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group) -> Tensor")
+_LIB.define("decode_layer(Tensor h, Tensor[] weights, Tensor? qkv_bias, Tensor input_norm, Tensor post_norm, "
+            "float eps, Tensor cos_sin, Tensor positions, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, "
+            "Tensor block_tables, Tensor seq_lens, int num_heads, float scale) -> Tensor")
 
 
 def decode_attention_ref(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale):
@@ -252,3 +255,33 @@ def int4_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 _LIB.impl("int4_linear", int4_linear_ref, "CompositeExplicitAutograd")     # C++ takes the CPU key once loaded
 _LIB.impl("int4_linear", lambda x, qweight, *args: x.new_empty((x.shape[0], qweight.shape[0])), "Meta")
+
+
+def decode_layer_ref(h, weights, qkv_bias, input_norm, post_norm, eps, cos_sin, positions, k_cache, v_cache,
+                     slot_mapping, block_tables, seq_lens, num_heads, scale):
+    """The torch implementation of kvscope::decode_layer (and the C++ kernel's reference in the tests): one Llama
+    decoder layer's decode step, h [B, hidden] float (the residual stream of B single-token sequences) -> the
+    same after the layer. weights: (qweight, scales, mins) of qkv_proj, o_proj, gate_up_proj and down_proj in
+    kvscope's int4 layout. The projections and the attention are the ops the eager layer calls (kvscope::int4_linear,
+    kvscope::decode_attention: their C++ kernels where loaded), the rest the eager path's torch ops."""
+    B = h.shape[0]
+    Hk, D = k_cache.shape[2], k_cache.shape[3]
+
+    def linear(x: torch.Tensor, i: int) -> torch.Tensor:
+        qweight, scales, mins = weights[3 * i:3 * i + 3]
+        return torch.ops.kvscope.int4_linear(x, qweight, scales, mins, x.shape[1] // scales.shape[1])
+
+    qkv = linear(rms_norm(h, input_norm, eps)[0], 0)
+    if qkv_bias is not None:
+        qkv = qkv + qkv_bias
+    q, k, v = qkv.split([num_heads * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(B, num_heads, D), k.view(B, Hk, D), v.view(B, Hk, D)
+    apply_rope(q, k, positions, cos_sin)
+    o = torch.ops.kvscope.decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale)
+    h = linear(o.reshape(B, num_heads * D), 1) + h
+    gu = linear(rms_norm(h, post_norm, eps)[0], 2)                            # [B, 2I]
+    return linear(silu_and_mul(gu), 3) + h
+
+
+_LIB.impl("decode_layer", decode_layer_ref, "CompositeExplicitAutograd")   # C++ takes the CPU key once loaded
+_LIB.impl("decode_layer", lambda h, *args: torch.empty_like(h), "Meta")

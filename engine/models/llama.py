@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.kernels import cpu_kernels
 from engine.kernels.metadata import AttentionMetadata
-from engine.quant.linear import fused_linear, fused_qkv_rope_store, qkv_rope_fusable
+from engine.quant.linear import QuantLinear, fused_linear, fused_qkv_rope_store, qkv_rope_fusable
 from engine.worker.timing import NullTimer
 from engine.models.config import ModelArchConfig
 
@@ -153,6 +154,9 @@ class LlamaForCausalLM(nn.Module):
         self.gemv_max_tokens = 0           # steps of at most this many tokens take forward_small_batch
         self.gemv_pdl = False              # its linears launch as programmatic dependents (Hopper)
         self.gemv_variant = "auto"         # their launch (EngineConfig.gemv_variant)
+        self.cpu_decode_layer = False      # CPU decode steps run kvscope::decode_layer a layer (EngineConfig)
+        self._decode_layer_plan: list | None = None     # decode_layer_plan(), read once
+        self.decode_layer_steps = 0        # forwards run through kvscope::decode_layer
 
     def set_kernel_options(self, config) -> None:
         """EngineConfig.gemv_variant (a Triton launch option; the torch ops ignore it) and fused_qk_norm."""
@@ -166,6 +170,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [T] -> final hidden states [T, hidden]. num_layers < all: the first layers only (self-drafting)."""
         if input_ids.shape[0] <= self.gemv_max_tokens:
             return self.forward_small_batch(input_ids, md, num_layers)
+        if self.cpu_decode_layer and md.max_seqlen_q == 1 and not md.tensor_only and cpu_kernels.loaded() \
+                and input_ids.shape[0] == md.num_seqs and self.decode_layer_plan():
+            return self.forward_decode_layers(input_ids, md, num_layers)
         t, ops, m = self.timer, self.ops, self.model
         with t.region("embedding"):
             x = self.embed(input_ids)                          # [T, hidden]
@@ -212,6 +219,50 @@ class LlamaForCausalLM(nn.Module):
             h = self.all_reduce(h)
         with t.region("norms"):
             x, _ = ops.rms_norm(h, m.norm.weight, m.norm.eps)
+        return x
+
+    def decode_layer_plan(self) -> list[tuple]:
+        """Per layer, what kvscope::decode_layer takes of it: (attention module, [qweight, scales, mins of qkv_proj,
+        o_proj, gate_up_proj, down_proj], q/k/v bias, input norm weight, post-attention norm weight, eps); [] where
+        the model does not fit the op (an fp32 model with every projection on the CPU int4 path, no q/k norm, no
+        bias but q/k/v's, one rank). Read once: the tensors are the layers' own."""
+        if self._decode_layer_plan is None:
+            self._decode_layer_plan = []
+            plan = []
+            for layer in self.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                lins = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+                fits = (self.tp.size == 1 and self.model.embed_tokens.weight.dtype == torch.float32
+                        and not a.qk_norm and ln1.eps == ln2.eps
+                        and ln1.weight.dtype == ln2.weight.dtype == torch.float32
+                        and all(isinstance(lin, QuantLinear) and lin.cpu_int4 and lin.qweight.dtype == torch.uint8
+                                for lin in lins)
+                        and all(lin.bias is None for lin in lins[1:])
+                        and (lins[0].bias is None or lins[0].bias.dtype == torch.float32))
+                if not fits:
+                    return []
+                weights = [t for lin in lins for t in (lin.qweight, lin.scales, lin.mins)]
+                plan.append((a, weights, lins[0].bias, ln1.weight, ln2.weight, ln1.eps))
+            self._decode_layer_plan = plan
+        return self._decode_layer_plan
+
+    def forward_decode_layers(self, input_ids: torch.Tensor, md: AttentionMetadata,
+                              num_layers: int | None = None) -> torch.Tensor:
+        """forward() for a decode-only CPU step (one token a sequence): each decoder layer is one C++ call,
+        kvscope::decode_layer, on h, the residual stream [B, hidden]."""
+        t, m = self.timer, self.model
+        with t.region("embedding"):
+            h = self.embed(input_ids)                          # [B, hidden]
+        layer_op = torch.ops.kvscope.decode_layer.default
+        cos_sin, pos, slots, tables, lens = self.cos_sin, md.positions, md.slot_mapping, md.block_tables, md.seq_lens
+        self.decode_layer_steps += 1
+        with t.region("layers"):
+            for a, weights, bias, w1, w2, eps in self._decode_layer_plan[:num_layers]:
+                h = layer_op(h, weights, bias, w1, w2, eps, cos_sin, pos, a.k_cache, a.v_cache, slots, tables, lens,
+                             a.h, a.scale)
+        with t.region("norms"):
+            x, _ = self.ops.rms_norm(h, m.norm.weight, m.norm.eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

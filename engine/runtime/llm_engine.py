@@ -181,6 +181,8 @@ class LLMEngine:
         set_fp8_gemm(self.model, config.kernel_config.fp8_gemm)   # the fp8 layers that quantize activations (fp8_act)
         self.weight_summary = weight_bytes(self.model)   # bytes by dtype and per layer (the inspector shows it)
         self.model.gemv_max_tokens, self.model.gemv_pdl = gemv_max_tokens, gemv_pdl
+        self.model.cpu_decode_layer = config.kernel_config.cpu_decode_layer and self.device.type == "cpu" \
+            and self.kernels == "torch" and ex is None
         self.model.set_kernel_options(config)
         if ex is not None:
             ex.wait_loaded()

@@ -14,7 +14,8 @@ N_CATS = len(CATEGORY_COLORS)
 REGION_COLORS = {"schedule": "#BAB0AC", "draft": "#D4A6C8", "prepare": "#9D7660", "embedding": "#FABFD2",
                  "attention": "#E15759", "mlp": "#4E79A7", "norms": "#76B7B2", "lm_head": "#59A14F",
                  "forward (other)": "#EDC948", "grammar mask": "#8CD17D", "sampling": "#B07AA1",
-                 "postprocess": "#FF9DA7", "unaccounted": "#D7D7D7", "all_reduce": "#F28E2B", "all_gather": "#9C755F"}
+                 "postprocess": "#FF9DA7", "unaccounted": "#D7D7D7", "all_reduce": "#F28E2B", "all_gather": "#9C755F",
+                 "layers": "#F1CE63"}
 FONT = dict(family="Inter, system-ui, -apple-system, sans-serif", size=12, color="#222")
 GRID = "#ECECEC"
 

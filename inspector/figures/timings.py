@@ -7,9 +7,9 @@ from inspector.figures.layout import _axis, _axname, _fig, _grid, _layout, empty
 from inspector.figures.style import REGION_COLORS
 from inspector.recorder import Snapshot
 
-REGION_ORDER = ["schedule", "draft", "prepare", "embedding", "attention", "mlp", "norms", "lm_head", "all_reduce",
+REGION_ORDER = ["schedule", "draft", "prepare", "embedding", "layers", "attention", "mlp", "norms", "lm_head", "all_reduce",
                 "all_gather", "forward (other)", "grammar mask", "sampling", "postprocess", "unaccounted"]
-MODEL_REGIONS = ("embedding", "attention", "mlp", "norms", "lm_head", "all_reduce", "all_gather")
+MODEL_REGIONS = ("embedding", "layers", "attention", "mlp", "norms", "lm_head", "all_reduce", "all_gather")
 # which measured regions nest inside which (the engine times both the parent and its parts)
 SUBREGIONS = {"forward": MODEL_REGIONS, "schedule": ("draft",)}
 
