@@ -2,14 +2,15 @@
 implementation it replaced (torch_ops.decode_attention_ref), microseconds per call at the bundled SmolLM2's shape
 (9 query heads, 3 KV heads, head size 64, 16-token blocks, fp32 caches), every sequence at the same context.
 
-Two calls are timed: "store+attend", the compiled decode step's op (this step's K/V stored, then the attention),
-and "attend", the eager decode path's attention over a cache that already holds the step's K/V
+Two calls are timed: "store+attend", the op as the model calls it (this step's K/V stored, then the attention),
+and "attend", the decode attention over a cache that already holds the step's K/V
 (torch_ops.paged_attention's decode branch: torch's gather + SDPA against the C++ kernel with nothing to store).
 Each figure is the best of --repeats runs of the median over --iters calls.
 
 --engine int4 (or none) adds the end to end figure: the bundled model generating --tokens greedy tokens at batch
-1 and 8, compiled decode steps and eager, once with the C++ kernel and once with the torch implementation
-registered over it for the CPU key, alternating in one process (best of --engine-repeats each).
+1 and 8 with the layers' torch ops (`cpu_decode_layer=False`: the op reached through the dispatcher), once with the
+C++ kernel and once with the torch implementation registered over it for the CPU key, alternating in one process
+(best of --engine-repeats each).
 
     python benchmarks/bench_cpu_attention.py [--batch 1 8] [--context 128 1024] [--threads 2] [--engine int4]
 """
@@ -70,29 +71,28 @@ def engine_rows(quantization: str, tokens: int, repeats: int) -> list[dict]:
     extra = {"int4_group_size": 32} if q == "int4" else {}
     p = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens)
     rows = []
-    for compiled in (True, False):
-        llm = LLM(device="cpu", quantization=q, max_model_len=1024, cpu_compile=compiled, **extra)
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        best: dict[tuple[int, str], float] = {}
-        for _ in range(repeats):
-            for B in (1, 8):
-                for kernel in ("C++", "torch"):
-                    lib = None
-                    if kernel == "torch":            # the torch implementation over the C++ kernel, for this run
-                        lib = torch.library.Library("kvscope", "IMPL")
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore", UserWarning)   # "Overriding a previously registered kernel"
-                            lib.impl("decode_attention", torch_ops.decode_attention_ref, "CPU")
-                    t = time.perf_counter()
-                    llm.generate([prompt] * B, p, use_tqdm=False)
-                    best[B, kernel] = max(best.get((B, kernel), 0.0), tokens * B / (time.perf_counter() - t))
-                    if lib is not None:
-                        lib._destroy()
+    llm = LLM(device="cpu", quantization=q, max_model_len=1024, cpu_decode_layer=False, **extra)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(repeats):
         for B in (1, 8):
-            rows.append({"engine": f"kvscope {quantization}" + (" compiled" if compiled else " eager"), "batch": B,
-                         "torch tok/s": round(best[B, "torch"], 1), "C++ tok/s": round(best[B, "C++"], 1),
-                         "speed-up": round(best[B, "C++"] / best[B, "torch"], 2)})
-        del llm
+            for kernel in ("C++", "torch"):
+                lib = None
+                if kernel == "torch":            # the torch implementation over the C++ kernel, for this run
+                    lib = torch.library.Library("kvscope", "IMPL")
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)   # "Overriding a previously registered kernel"
+                        lib.impl("decode_attention", torch_ops.decode_attention_ref, "CPU")
+                t = time.perf_counter()
+                llm.generate([prompt] * B, p, use_tqdm=False)
+                best[B, kernel] = max(best.get((B, kernel), 0.0), tokens * B / (time.perf_counter() - t))
+                if lib is not None:
+                    lib._destroy()
+    for B in (1, 8):
+        rows.append({"engine": f"kvscope {quantization}, layer torch ops", "batch": B,
+                     "torch tok/s": round(best[B, "torch"], 1), "C++ tok/s": round(best[B, "C++"], 1),
+                     "speed-up": round(best[B, "C++"] / best[B, "torch"], 2)})
+    del llm
     return rows
 
 

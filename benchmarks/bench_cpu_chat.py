@@ -1,8 +1,8 @@
 """A Playground chat turn on the CPU: the bundled SmolLM2 answering one chat message, fp32 weights against int4 (the
-app's CPU default), eager and optionally compiled. TTFT (request added -> first token) and the decode rate after
+app's CPU default). TTFT (request added -> first token) and the decode rate after
 it, best of --repeats, one engine at a time. Prints a table, writes benchmarks/results/cpu_chat.json.
 
-    python benchmarks/bench_cpu_chat.py [--tokens 64] [--repeats 3] [--cpu-compile]
+    python benchmarks/bench_cpu_chat.py [--tokens 64] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -44,12 +44,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cpu-compile", action="store_true", help="also int4 with cpu_compile=True (minutes to start)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     configs = {"fp32": {}, "int4 (app default)": dict(quantization="int4", int4_group_size=32)}
-    if args.cpu_compile:
-        configs["int4, compiled"] = dict(quantization="int4", int4_group_size=32, cpu_compile=True)
     load0 = os.getloadavg()
     rows = []
     for name, cfg in configs.items():

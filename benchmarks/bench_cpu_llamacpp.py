@@ -5,12 +5,10 @@ benchmark-only: `CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python` buil
 best, so load from other processes on a shared box hits both alike.
 
     python benchmarks/bench_cpu_llamacpp.py [--tokens 128] [--batch 8] [--repeats 3] [--quantization int4 none]
-        [--cpu-compile on off] [--decode-layer on off]
+        [--decode-layer on off]
 
---cpu-compile runs kvscope with its compiled decode steps (`cpu_compile`, worker/cpu_compile.py) and/or eager;
-the seconds each engine took to start (the compile, or its load from the disk cache) are reported. --decode-layer:
-the eager int4 decode step's layers as one C++ call each (`cpu_decode_layer`, the default) and/or the layer's
-torch ops.
+--decode-layer: the int4 decode step's layers as one C++ call each (`cpu_decode_layer`, the default) and/or the
+layer's torch ops. The seconds each engine took to start are reported.
 """
 from __future__ import annotations
 
@@ -41,14 +39,12 @@ def threads() -> int:
 
 
 class Kvscope:
-    def __init__(self, quantization: str | None, compiled: bool, decode_layer: bool = True):
+    def __init__(self, quantization: str | None, decode_layer: bool = True):
         from engine import LLM, SamplingParams
-        self.name = f"kvscope {quantization or 'fp32'}" + (" compiled" if compiled else "") + \
-            ("" if decode_layer else " torch-op layers")
+        self.name = f"kvscope {quantization or 'fp32'}" + ("" if decode_layer else " torch-op layers")
         extra = {"int4_group_size": 32} if quantization == "int4" else {}   # the GGUF's Q4_1 groups
         t = time.perf_counter()
-        self.llm = LLM(device="cpu", quantization=quantization, max_model_len=1024, cpu_compile=compiled,
-                       cpu_decode_layer=decode_layer, **extra)
+        self.llm = LLM(device="cpu", quantization=quantization, max_model_len=1024, cpu_decode_layer=decode_layer, **extra)
         self.start_s = time.perf_counter() - t
         self.params = SamplingParams
 
@@ -86,16 +82,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per engine and batch; best is kept")
     ap.add_argument("--quantization", nargs="+", default=["int4", "none"], help="kvscope weight formats to run")
-    ap.add_argument("--cpu-compile", nargs="+", default=["on"], choices=["on", "off"],
-                    help="kvscope's compiled decode steps, eager, or both")
     ap.add_argument("--decode-layer", nargs="+", default=["on"], choices=["on", "off"],
-                    help="eager int4 decode: a layer as one C++ call (kvscope::decode_layer), the torch ops, or both")
+                    help="int4 decode: a layer as one C++ call (kvscope::decode_layer), the torch ops, or both")
     args = ap.parse_args()
     load_before = os.getloadavg()
     from engine.models.bundled import gguf_path
-    engines = [Kvscope(None if q == "none" else q, c == "on", d == "on") for q in args.quantization
-               for c in args.cpu_compile for d in args.decode_layer
-               if d == "on" or (q == "int4" and c == "off")]     # the layer op serves eager int4 decode steps only
+    engines = [Kvscope(None if q == "none" else q, d == "on") for q in args.quantization for d in args.decode_layer
+               if d == "on" or q == "int4"]                   # the layer op serves int4 decode steps only
     starts = {e.name: round(e.start_s, 1) for e in engines}
     try:
         engines.insert(0, LlamaCpp(gguf_path()))

@@ -13,9 +13,6 @@
         a constrained decode iteration's host phases and GPU busy time           -> profile_structured_<device>
     python benchmarks/profiler.py launch [--batch 32]
         host cost of a grammar iteration's launches and copies, GPU idle vs busy -> probe_launch_cost_<device>
-    python benchmarks/profiler.py cpu-compile [--context 256] [--threads 2] [--gemm auto|kvscope|torch]
-        on the CPU: a batch-1 int4 decode step eager, as one TorchInductor graph, and its GEMMs alone
-                                                                                 -> cpu_compile_probe_<device>
     python benchmarks/profiler.py spec-steps [--methods none,ngram] [--cost-ratio 2]
         on the CPU: what kinds of steps a speculative engine takes against plain decoding  -> spec_steps<tag>
     python benchmarks/profiler.py spec-times --device cuda --model dummy:llama-3.2-1b
@@ -685,92 +682,6 @@ def cmd_spec_times(args) -> None:
     write_json(f"spec_step_times_{slug(dev)}{args.tag}", dict(device=dev, args=vars(args), rows=rows))
 
 
-# ---- cpu-compile: what a compiled batch-1 decode step would gain on the CPU ----------------------------------
-
-def cmd_cpu_compile(args) -> None:
-    """A batch-1 decode step of the bundled SmolLM2-135M's shape (30 layers, hidden 576, 9 / 3 heads of 64,
-    MLP 1,536, vocabulary 49,152) with random int4 weights through the int4 GEMM the engine's int4 path runs
-    (kvscope::int4_linear's C++ kernel where it builds, else torch's CPU int4 GEMM; --gemm picks one): eager, as
-    one TorchInductor graph, and the int4 GEMMs alone (the floor either can reach)."""
-    import torch.nn.functional as F
-    from engine.kernels import cpu_kernels
-    gemm = args.gemm if args.gemm != "auto" else ("kvscope" if cpu_kernels.load() is not None else "torch")
-    if gemm == "kvscope" and cpu_kernels.load() is None:
-        raise SystemExit("--gemm kvscope: the C++ CPU kernels could not be built")
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    H, HK, D, HID, I, L, V, G, CTX = 9, 3, 64, 576, 1536, 30, 49152, args.group, args.context
-
-    def pack(out_f, in_f):
-        if gemm == "kvscope":                                         # kvscope's int4 bytes, fp16 scales and mins
-            return (torch.randint(0, 256, (out_f, in_f // 2), dtype=torch.uint8),
-                    torch.rand(out_f, in_f // G, dtype=torch.float16) * 0.01,
-                    torch.rand(out_f, in_f // G, dtype=torch.float16) * -0.08)
-        codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
-        return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8),
-                torch.rand(in_f // G, out_f, 2, dtype=torch.bfloat16) * 0.01)          # [groups, out, (scale, zero)]
-
-    layers = [dict(qkv=pack((H + 2 * HK) * D, HID), o=pack(HID, H * D), gu=pack(2 * I, HID), dn=pack(HID, I),
-                   ln1=torch.ones(HID), ln2=torch.ones(HID), k=torch.randn(CTX + 1, HK, D), v=torch.randn(CTX + 1, HK, D))
-              for _ in range(L)]
-    lm_head, cos, sin, final_norm = pack(V, HID), torch.randn(1, D // 2), torch.randn(1, D // 2), torch.ones(HID)
-
-    def mm(x, w):                                                     # [1, in] -> [1, out], fp32 out
-        if gemm == "kvscope":                                         # activations to int8 inside the kernel
-            return torch.ops.kvscope.int4_linear(x, w[0], w[1], w[2], G)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w[0], G, w[1]).float()
-
-    def rms(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-
-    def rope(x):                                                      # [1, heads, D]
-        x1, x2 = x[..., :D // 2], x[..., D // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-    def step(h):                                                      # h [1, hidden] -> logits [1, V]
-        for ly in layers:
-            q, k, v = mm(rms(h, ly["ln1"]), ly["qkv"]).split([H * D, HK * D, HK * D], -1)
-            ly["k"][CTX:] = rope(k.view(1, HK, D))
-            ly["v"][CTX:] = v.view(1, HK, D)
-            o = F.scaled_dot_product_attention(rope(q.view(1, H, D)).transpose(0, 1)[None],
-                                               ly["k"].transpose(0, 1)[None], ly["v"].transpose(0, 1)[None],
-                                               enable_gqa=True)       # [1, H, 1, D]
-            h = h + mm(o.reshape(1, H * D), ly["o"])
-            gu = mm(rms(h, ly["ln2"]), ly["gu"])
-            h = h + mm(F.silu(gu[:, :I]) * gu[:, I:], ly["dn"])
-        return mm(rms(h, final_norm), lm_head)
-
-    def gemms(h):
-        for ly in layers:
-            mm(h, ly["qkv"]), mm(h.new_zeros(1, H * D), ly["o"]), mm(h, ly["gu"]), mm(h.new_zeros(1, I), ly["dn"])
-        return mm(h, lm_head)
-
-    def ms_per_token(f) -> float:
-        h = torch.randn(1, HID)
-        for _ in range(3):
-            f(h)
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            f(h)
-        return (time.perf_counter() - t) / args.steps * 1e3
-
-    rows = []
-    with torch.no_grad():
-        rows.append(dict(path="eager", ms_per_token=ms_per_token(step)))
-        t = time.perf_counter()
-        compiled = torch.compile(step, dynamic=False)
-        compiled(torch.randn(1, HID))
-        compile_s = time.perf_counter() - t
-        rows.append(dict(path="one TorchInductor graph", ms_per_token=ms_per_token(compiled), compile_s=compile_s))
-        rows.append(dict(path="the int4 GEMMs alone", ms_per_token=ms_per_token(gemms)))
-    for r in rows:
-        r["tok_s"] = 1e3 / r["ms_per_token"]
-        r["gemm"] = gemm
-    dev = device_name("cpu")
-    print_table(rows, ["path", "gemm", "ms_per_token", "tok_s", "compile_s"])
-    write_json(f"cpu_compile_probe_{slug(dev)}", dict(device=dev, args=vars(args), rows=rows))
-
-
 # ---- the command line -------------------------------------------------------------------------------------
 
 SPEC_FLAGS = ("method flags as bench_spec.py's: +noshadow, +long, +main, +everyblock / +noeveryblock, "
@@ -780,7 +691,7 @@ SPEC_FLAGS = ("method flags as bench_spec.py's: +noshadow, +long, +main, +everyb
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python benchmarks/profiler.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{kernels,decode,steps,structured,launch,"
-                                                               "cpu-compile,spec-steps,spec-times}")
+                                                               "spec-steps,spec-times}")
 
     p = sub.add_parser("kernels", help="a whole offline run's GPU time per kernel, kvscope or vLLM")
     p.add_argument("--engine", choices=["kvscope", "vllm"], default="kvscope")
@@ -824,15 +735,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("launch", help="host cost of a grammar iteration's launches, GPU idle vs busy")
     p.add_argument("--batch", type=int, default=32)
     p.set_defaults(fn=cmd_launch)
-
-    p = sub.add_parser("cpu-compile", help="CPU: a batch-1 int4 decode step eager, compiled, and its GEMMs alone")
-    p.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
-    p.add_argument("--group", type=int, default=32, help="int4 group size")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=30, help="timed decode steps per path")
-    p.add_argument("--gemm", default="auto", choices=["auto", "kvscope", "torch"],
-                   help="the int4 GEMM: kvscope::int4_linear's C++ kernel, torch's, or auto (the engine's choice)")
-    p.set_defaults(fn=cmd_cpu_compile)
 
     p = sub.add_parser("spec-steps", help="CPU: the kinds of steps a speculative engine takes")
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")

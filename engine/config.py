@@ -216,8 +216,6 @@ class KernelConfig(_Checks):
     mixed_cuda_graphs: bool = True      # steps mixing prefill chunks and decodes replay a graph per token bucket
     mixed_cuda_graph_max_tokens: int = 2048  # largest token bucket captured for mixed steps
     gemv_max_tokens: int | None = None  # steps up to this many tokens run fused GEMV linears; None: 1 on triton, 0 off
-    cpu_compile: bool = False           # cpu (torch kernels): decode-only steps run a TorchInductor graph per batch size
-    cpu_compile_max_batch: int = 8      # largest decode batch compiled (sizes 1, 2, 4, ... up to it)
     cpu_decode_layer: bool = True       # cpu, int4 fp32: eager decode-only steps run a layer as one C++ call
     enable_pdl: bool | None = None      # Hopper+: fused GEMVs launch as programmatic dependents; None: per GEMV variant
     gemv_variant: str = "auto"          # bf16 fused GEMV launch: "tiled", "persistent", auto: kernels/gemv.py's table
@@ -232,8 +230,7 @@ class KernelConfig(_Checks):
     def __post_init__(self):
         self.need_choice("kernels")
         self.need_bool("enable_cuda_graphs", "mixed_cuda_graphs", "fused_qk_norm", "sampler_one_launch",
-                       "quant_gemm_group_dots", "fp8_activations", "cpu_compile", "cpu_decode_layer")
-        self.need_int("cpu_compile_max_batch", 1, 256)
+                       "quant_gemm_group_dots", "fp8_activations", "cpu_decode_layer")
         self.need_int("cuda_graph_max_batch", 1, 1024, optional=True)
         self.need_int("mixed_cuda_graph_max_tokens", 16, 8192)
         self.need_int("gemv_max_tokens", 0, 16, optional=True)

@@ -43,7 +43,7 @@ VALUES = {
     "structured_mask_threads": ("4", 4), "fused_token_bitmask": ("false", False),
     "kernels": ("torch", "torch"), "enable_cuda_graphs": ("false", False), "cuda_graph_max_batch": ("64", 64),
     "mixed_cuda_graphs": ("false", False), "mixed_cuda_graph_max_tokens": ("512", 512),
-    "gemv_max_tokens": ("0", 0), "cpu_compile": ("true", True), "cpu_compile_max_batch": ("4", 4),
+    "gemv_max_tokens": ("0", 0),
     "cpu_decode_layer": ("false", False),
     "enable_pdl": ("true", True), "gemv_variant": ("persistent", "persistent"),
     "fused_qk_norm": ("false", False), "sampler_one_launch": ("false", False),

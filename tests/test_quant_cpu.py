@@ -65,8 +65,8 @@ def test_int4_engine_on_cpu_runs_projections_and_lm_head_on_the_int4_gemm(one_th
                            layer.mlp.down_proj))
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)      # lookups stay on the float table
     assert eng.weights_description == "int4 (groups of 32)"               # what the app's header says
-    attention = "C++" if cpu_kernels.loaded() else "torch"            # C++ wherever the session could build it
-    assert eng.kernels_description == f"torch kernels, {attention} decode attention"
+    decode = "C++ decode layers" if cpu_kernels.loaded() else "torch decode attention"   # C++ where it was built
+    assert eng.kernels_description == f"torch kernels, {decode}"
     free = eng.block_manager.num_free_blocks
     eng.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=6, min_tokens=6))
     outs = []

@@ -220,9 +220,6 @@ FIELD_HELP.update({
                     "checkpoint's format is detected",
     "quant_gemv_tensor_cores": "quantized decode linears on tensor cores (weights decoded to 16-bit, rows padded "
                                "to 16); auto: on with Triton on CUDA sm80+",
-    "cpu_compile": "CPU, torch kernels: decode-only steps run one TorchInductor graph per padded batch size "
-                   "(faster decode; the first start compiles for minutes, later ones load a disk cache)",
-    "cpu_compile_max_batch": "CPU compiled decode: the largest batch compiled (sizes 1, 2, 4, ... up to it)",
     "cpu_decode_layer": "CPU, int4 weights, fp32: decode-only steps run each decoder layer as one C++ call "
                         "(kvscope::decode_layer); off = the layer's torch ops",
     "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "

@@ -1,6 +1,5 @@
 """kvscope's C++ CPU kernels (torch_ops.py defines the ops), one extension built with torch.utils.cpp_extension
-and registered for the CPU dispatch key, so the compiled decode graph and the eager path call them through the
-dispatcher:
+and registered for the CPU dispatch key, so the model's torch path calls them through the dispatcher:
 
 - `kvscope::decode_attention`: the KV store and the paged decode attention in one function.
 - `kvscope::int4_linear`: int4 weights (kvscope's byte layout, w = q * scale + min per group) times activations

@@ -26,8 +26,6 @@ class AttentionMetadata:
     mixed_splits: int = 0          # > 0: a mixed step captured in a CUDA graph (padded tokens, seq_lens.shape[0]
     #                                sequence slots): attention launches depend on tensor shapes only, and
     #                                decodes use this many splits; the host lists are not read
-    tensor_only: bool = False      # a decode step traced into a compiled CPU graph (worker/cpu_compile.py): one
-    #                                query per sequence, attention reads the device tensors only (host lists unset)
 
     @property
     def num_seqs(self) -> int:

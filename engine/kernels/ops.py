@@ -3,8 +3,7 @@
 Both backends expose the same functions with the same signatures (see torch_ops.py for the contract):
 rms_norm, head_rms_norm_ (Qwen3's q/k norm, in place), silu_and_mul, apply_rope, store_kvcache, rope_and_store,
 paged_attention, fused_linear (a small-batch linear with RMSNorm / SiLU-mul prologue and residual epilogue),
-fused_qkv_rope_store (the small-batch q/k/v linear with RoPE and the KV store in its epilogue). The torch backend
-adds rope_store_decode_attention, the attention of a compiled CPU decode step (worker/cpu_compile.py).
+fused_qkv_rope_store (the small-batch q/k/v linear with RoPE and the KV store in its epilogue).
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from engine.kernels import torch_ops
 
 _NAMES = ("rms_norm", "head_rms_norm_", "silu_and_mul", "apply_rope", "store_kvcache", "rope_and_store",
           "paged_attention", "fused_linear", "fused_qkv_rope_store")
-_TORCH_ONLY = ("rope_store_decode_attention",)
 
 
 def pdl_supported(device) -> bool:
@@ -27,7 +25,7 @@ def pdl_supported(device) -> bool:
 
 def get_ops(backend: str) -> SimpleNamespace:
     if backend == "torch":
-        return SimpleNamespace(name=backend, **{n: getattr(torch_ops, n) for n in _NAMES + _TORCH_ONLY})
+        return SimpleNamespace(name=backend, **{n: getattr(torch_ops, n) for n in _NAMES})
     elif backend == "triton":
         from engine.kernels import triton_ops as mod  # imported lazily: triton is optional on CPU
     else:

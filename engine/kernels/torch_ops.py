@@ -201,20 +201,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return o.squeeze(2)
 
 
-def rope_store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                                cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """rope_and_store then paged_attention for a decode step traced into a compiled graph (md.tensor_only: one
-    query per sequence, q [B, H, D]): RoPE is traced; the KV store and the attention are one opaque op that reads
-    its lengths itself, so one graph serves every context length. -> [B, H, D]."""
-    apply_rope(q, k, positions, cos_sin)
-    return torch.ops.kvscope.decode_attention(q, k, v, k_cache, v_cache, md.slot_mapping, md.block_tables,
-                                              md.seq_lens, scale)
-
-
-# Declared without mutated arguments although it writes k_cache and v_cache, as vLLM's attention op reaches its
-# KV cache outside the graph: the caches are views of one pool, and a mutation the graph sees would make the
-# compiler copy the whole pool each step. Nothing in the graph reads the caches, and the output orders the op.
+# The ops write k_cache and v_cache without declaring it, as vLLM's attention op: the caches are views of one pool,
+# and a declared mutation would make a tracing compiler copy the whole pool each step.
 # Registered on a plain torch.library.Library (torch.library.custom_op's wrapper costs ~40 us a call, 30 a token).
 # The CPU kernels are C++ (cpu_kernels.py, registered for the CPU key once loaded); the torch implementations below
 # serve every other device, a machine where the C++ cannot be built, and the CPU until the kernels are loaded.

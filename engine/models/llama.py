@@ -98,9 +98,6 @@ class Attention(nn.Module):
             q = self.ops.rms_norm(q.reshape(-1, self.d), self.q_norm.weight, self.q_norm.eps)[0]
             k = self.ops.rms_norm(k.reshape(-1, self.d), self.k_norm.weight, self.k_norm.eps)[0]
             q, k = q.view(T, self.h, self.d), k.view(T, self.hk, self.d)
-        if md.tensor_only:                                      # a compiled CPU decode step (torch ops)
-            return self.ops.rope_store_decode_attention(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache,
-                                                        md, self.scale)
         self.ops.rope_and_store(q, k, v, md.positions, cos_sin, self.k_cache, self.v_cache, md.slot_mapping,
                                 pdl=pdl)
         return self.ops.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, pdl=pdl)  # [T, H, D]
@@ -170,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [T] -> final hidden states [T, hidden]. num_layers < all: the first layers only (self-drafting)."""
         if input_ids.shape[0] <= self.gemv_max_tokens:
             return self.forward_small_batch(input_ids, md, num_layers)
-        if self.cpu_decode_layer and md.max_seqlen_q == 1 and not md.tensor_only and cpu_kernels.loaded() \
+        if self.cpu_decode_layer and md.max_seqlen_q == 1 and cpu_kernels.loaded() \
                 and input_ids.shape[0] == md.num_seqs and self.decode_layer_plan():
             return self.forward_decode_layers(input_ids, md, num_layers)
         t, ops, m = self.timer, self.ops, self.model

@@ -230,10 +230,6 @@ class LLMEngine:
         if ex is not None:
             ex.send("cache", self.num_blocks, self.max_model_len + spec_margin)
             self.runner.executor = ex
-        if config.kernel_config.cpu_compile and self.device.type == "cpu" and self.kernels == "torch" \
-                and ex is None and gemv_max_tokens == 0:
-            from engine.worker.cpu_compile import CompiledDecode
-            self.runner.compiled = CompiledDecode(self.runner, config)
         self.runner.warmup()
         if self.fused_sampling and self.device.type == "cuda":
             from engine.kernels.sampling import warmup_gumbel
@@ -726,13 +722,14 @@ class LLMEngine:
 
     @property
     def kernels_description(self) -> str:
-        """What runs the forward, for headers: the kernel family and, on the CPU, the compiled decode steps and
-        which decode attention serves (the C++ kernel once built and loaded, else torch)."""
+        """What runs the forward, for headers: the kernel family and, on the CPU, what serves a decode step (a
+        decoder layer as one C++ call, or the C++ or torch decode attention between torch ops)."""
         parts = [f"{self.kernels} kernels"]
         if self.device.type == "cpu":
-            if self.runner.compiled is not None:
-                parts.append("compiled decode steps")
-            parts.append(f"{'C++' if cpu_kernels.loaded() else 'torch'} decode attention")
+            if self.model.cpu_decode_layer and cpu_kernels.loaded() and self.model.decode_layer_plan():
+                parts.append("C++ decode layers")
+            else:
+                parts.append(f"{'C++' if cpu_kernels.loaded() else 'torch'} decode attention")
         return ", ".join(parts)
 
     def profile_step(self) -> None:
@@ -779,7 +776,6 @@ class LLMEngine:
         if self.runner.graphs is not None:
             self.runner.graphs.release()
             self.runner.graphs = None
-        self.runner.compiled = None
         self.stop_workers()
         self.multi_step.inflight = None
         self.drafter = self.fast_verify = self.output_processor.drafter = self.multi_step.drafter = None

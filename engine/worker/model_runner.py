@@ -50,7 +50,6 @@ class ModelRunner:
         self.bytes_swapped = [0, 0]     # (out, in) since the last pop_swap_bytes()
         self.timer = NullTimer()
         self.graphs = None  # CUDA graph runner, attached by the engine on cuda
-        self.compiled = None  # compiled CPU decode steps (worker/cpu_compile.py), attached by the engine on cpu
         self.executor = None  # tensor parallelism, on rank 0: sends every forward's plan to the other ranks
         self._graph_forwards = 0        # graph-eligible forwards run under an enabled timer
         self._sampling = False          # this step runs its graph-eligible forwards eagerly, timed
@@ -159,8 +158,6 @@ class ModelRunner:
     def warmup(self) -> None:
         """Run each kernel variant once (prefill tile sizes, decode) through the null block 0, so no real
         step pays for a compile; every slot written is in block 0."""
-        if self.compiled is not None:
-            self.compiled.compile()
         dev, bs = self.device, self.block_size
         n = 64 if dev.type == "cuda" else 8
         nb = -(-n // bs)
@@ -226,9 +223,6 @@ class ModelRunner:
         are on padded rows)."""
         if self.device.type == "cpu":
             cpu_kernels.poll()
-        if self.compiled is not None and self.compiled.can_run(md) \
-                and not self._timed_eagerly():
-            return self.compiled.run(input_ids, md)
         graphed = (self.graphs is not None and not md.prompt_logits and self.graphs.can_run(md)
                    and not self._timed_eagerly())
         if self.executor is not None:
