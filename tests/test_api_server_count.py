@@ -1,5 +1,6 @@
 """Several API server processes in front of one engine core: the core serves several attached clients, each its
-own requests; one leaving aborts only its own; `--api-server-count 2` serves over HTTP."""
+own requests; one leaving aborts only its own; `--api-server-count 2` serves over HTTP, and its `/metrics` counts
+every process's requests whichever process answers."""
 import multiprocessing as mp
 import os
 import signal
@@ -81,6 +82,11 @@ def test_api_server_count_two_serves_over_http():
             r = httpx.post(url + "/v1/completions", timeout=60, json={
                 "model": "dummy:tiny", "prompt": [3, 4, 5 + i], "max_tokens": 4, "ignore_eos": True, "temperature": 0})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        for _ in range(6):                          # a scrape on a new connection each: either process answers
+            got = _samples(httpx.get(url + "/metrics", timeout=30).text)
+            assert got["kvscope:request_success_total"] == 6
+            assert got["kvscope:time_to_first_token_seconds_count"] == 6
+            assert got["kvscope:request_generation_tokens_sum"] == 24
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -88,3 +94,14 @@ def test_api_server_count_two_serves_over_http():
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode == 0
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over its labels}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+

@@ -6,17 +6,23 @@ the listening socket once, starts the engine core process with one pipe per API 
 processes that share the socket (the kernel hands each new connection to one of them) and each attach an
 `EngineCoreClient` to their pipe. The core sends each server its own requests' outputs.
 
-Differences from one API server: the engine process is not restarted if it dies (the launcher stops every
-process and exits non-zero); `/metrics` is served by whichever process answers, so its HTTP-side counters and
-histograms (TTFT, E2EL, request counts) cover that process's requests only, while the engine's gauges (running,
-waiting, KV usage) are the core's and the same in every process.
+`/metrics` is served by whichever process answers and covers every process's requests: the API servers run
+prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, a fresh folder per launch, as vLLM does for its
+API servers), so each writes its counters and histograms to files that every one of them sums at a scrape; the
+engine's gauges (running, waiting, KV usage) are the core's and the same in every process.
+
+Difference from one API server: the engine process is not restarted if it dies (the launcher stops every
+process and exits non-zero).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import multiprocessing as mp
+import os
+import shutil
 import socket
+import tempfile
 from multiprocessing.connection import wait
 
 from engine.config import EngineConfig
@@ -64,6 +70,8 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     from engine.runtime.core_proc import core_main
     ctx = mp.get_context("spawn")                  # CUDA cannot be forked
     sock = listen_socket(args.host, args.port)
+    # read by prometheus_client when the children import it: their metrics go to files in this folder
+    metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvscope-metrics-")
     pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
     core = ctx.Process(target=core_main, args=(config.to_dict(), [b for _, b in pipes]), name="kvscope-engine-core")
     core.start()
@@ -93,6 +101,8 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
         if core.is_alive():
             core.kill()
             core.join(5)
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     failed = [p for p in procs if p.exitcode not in (0, None, -15)]
     for p in failed:
         log.error("%s exited with %s", p.name, p.exitcode)

@@ -13,14 +13,17 @@ Two sources, each the single source of its numbers:
   frontend observes them from its outputs. The API server observes every request it serves; other
   in-process callers may call `observe(output)` too.
 
-Each server gets its own `CollectorRegistry`, so several apps can live in one process (tests).
+Each server gets its own `CollectorRegistry`, so several apps can live in one process (tests). Under
+`--api-server-count N` (`PROMETHEUS_MULTIPROC_DIR` set by the launcher) a scrape sums every API server process's
+counters and histograms (prometheus_client's `MultiProcessCollector`) beside this process's engine collector.
 """
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -130,7 +133,15 @@ class ServerMetrics:
     def __init__(self, get_loop: Callable[[], Any], model_name: Callable[[Any], str],
                  registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.registry.register(EngineCollector(get_loop, model_name))
+        engine = EngineCollector(get_loop, model_name)
+        self.registry.register(engine)
+        # several API server processes: what a scrape renders is every process's files plus the engine's state
+        # (this process's own metric objects would count its requests twice)
+        self.exposed = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self.exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposed)
+            self.exposed.register(engine)
         lab = ["model_name"]
         r = self.registry
 
@@ -217,4 +228,4 @@ class ServerMetrics:
         self._api.labels(endpoint, str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
