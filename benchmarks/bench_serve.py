@@ -13,7 +13,9 @@ E2EL measured over the wire, plus a kvscope server's own engine-stamped TTFT/E2E
 
 Targets run one after the other (`--launch NAME='shell command'` starts a server before NAME's runs and
 stops it after, so servers never share the GPU). Prints a table per run, then the side-by-side table,
-and writes benchmarks/results/serve_<name>.json.
+and writes benchmarks/results/serve_<name>.json. For a launched kvscope server it also reads the CPU time each of
+its processes spent during the run (psutil): "API server CPU per chunk" is the API process's own (one API server
+process), what decides whether it keeps up with the engine in a burst.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks.common import print_table, slug, write_json  # noqa: E402
@@ -221,8 +224,24 @@ def _spec(w) -> LoadSpec:
     return make_spec(**spec_kwargs(w))
 
 
-def run_http(w, url: str, model: str | None, profile_pid: int | None = None, profile_out: Path | None = None
-             ) -> dict:
+def server_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """{pid: (its command line, CPU seconds so far)} for the launched server's process and its descendants."""
+    out = {}
+    try:
+        root = psutil.Process(pid)
+        for p in [root] + root.children(recursive=True):
+            try:
+                t = p.cpu_times()
+                out[p.pid] = (" ".join(p.cmdline()), t.user + t.system)
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return out
+
+
+def run_http(w, url: str, model: str | None, profile_pid: int | None = None, profile_out: Path | None = None,
+             server_pid: int | None = None) -> dict:
     """One workload against one server: the report, and the result record."""
     target = HttpTarget(url, model=model, api_key=w.api_key)
     # warm-up: one short request, not counted
@@ -241,6 +260,7 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
           f"{f', {w.num_turns} turns' if w.num_turns > 1 else ''}"
           f"{', connections opened ahead' if w.warm_connections else ''}", flush=True)
     spy = start_pyspy(profile_pid, profile_out) if profile_pid else None
+    cpu_before, t_cpu = (server_cpu(server_pid) if server_pid else {}), time.perf_counter()
     tok_model = w.tokenizer_model or w.model
     if w.client_procs > 1 or w.warm_connections:
         res = run_sharded(url, model, w.api_key, dict(spec_kwargs(w), client_procs=w.client_procs), w.vocab_size,
@@ -270,6 +290,7 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
             spy.wait(30)
         except subprocess.TimeoutExpired:
             spy.kill()
+    cpu_after, t_cpu = (server_cpu(server_pid) if server_pid else {}), time.perf_counter() - t_cpu
     load_after = os.getloadavg()[0]
     srv = server_side(before, scrape(url))
     print_report(s, wall, w, srv)
@@ -289,13 +310,21 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
     n_chunks = sum(len(r.metrics.token_times) for r in records)
     chunks = {"n": n_chunks, "tokens_per_chunk": s["output_tokens"] / n_chunks if n_chunks else None,
               "gap_p50_ms": _pct([g for g, _, _ in gaps], 50), "gap_p99_ms": _pct([g for g, _, _ in gaps], 99)}
+    procs = [dict(pid=pid, cmd=cmd[-160:], cpu_s=round(cpu - cpu_before[pid][1], 3),
+                  busy=round((cpu - cpu_before[pid][1]) / t_cpu, 3))
+             for pid, (cmd, cpu) in cpu_after.items() if pid in cpu_before]
+    cmd = cpu_after.get(server_pid, ("", 0.0))[0]
+    if "api_server" in cmd and "--api-server-count" not in cmd and n_chunks:      # one API process: the launched one
+        api = next(p for p in procs if p["pid"] == server_pid)
+        chunks["api_cpu_us_per_chunk"] = 1e6 * api["cpu_s"] / n_chunks
     return {"target": target.v1, "model": model_name, "duration_s": wall, "itl_tail": itl_tail, "chunks": chunks,
             "client": w.client,
             "client_procs": w.client_procs, "warm_connections": w.warm_connections,
             "output_tok_s": s["output_tokens"] / wall, "completed": s["completed"],
             "load_average_1min": {"before": load_before, "after": load_after},
             "summary": {k: v for k, v in s.items() if k != "slo"}, "server_side": srv,
-            "http_status": s.get("http_status"), "errors": errors[:20], "requests": rows}
+            "http_status": s.get("http_status"), "errors": errors[:20], "server_processes": procs,
+            "requests": rows}
 
 
 def _pct(sorted_vals: list[float], q: float) -> float | None:
@@ -351,7 +380,7 @@ def side_by_side(results: list[dict]) -> list[dict]:
                     if (r.get("server_side") or {}).get("ttft_ms") is not None and r.get("summary", {}).get("TTFT")
                     else None for c, r in zip(cols, results)}})
     for key, label in (("tokens_per_chunk", "tokens per chunk"), ("gap_p50_ms", "chunk gap p50 (ms)"),
-                       ("gap_p99_ms", "chunk gap p99 (ms)")):
+                       ("gap_p99_ms", "chunk gap p99 (ms)"), ("api_cpu_us_per_chunk", "API server CPU per chunk (µs)")):
         rows.append({"metric": label, **{c: (r.get("chunks") or {}).get(key) for c, r in zip(cols, results)}})
     return rows
 
@@ -383,7 +412,7 @@ def main(argv=None) -> list[dict]:
                     prof = dict(profile_pid=proc.pid, profile_out=Path(args.pyspy) / f"{slug(name)}_{w.name or 'run'}.txt") \
                         if args.pyspy and value.startswith("launch") else {}
                     r = run_http(w, url, args.model if not value.startswith("launch") and not args.target else None,
-                                 **prof)
+                                 server_pid=proc.pid if value.startswith("launch") else None, **prof)
                 results.append({"name": name, "workload": w.name or "run", **r})
         except (Exception, SystemExit) as e:      # one target failing keeps the others' results
             failed[name] = f"{type(e).__name__}: {e}"

@@ -12,7 +12,7 @@
 #     client  no engine: the openai client against a server that streams every chunk at once (its own cost)
 #   TARGETS=vllm,kvscope (default) picks the servers, in order; also kvscope-s256 (max_num_seqs 256, the old
 #   default), kvscope-ms50 (multi-step blocks up to 50 ms; the server's default is 4 ms) and kvscope-api4 (4 API
-#   server processes; its /metrics row covers one of them). Split a part that runs long by TARGETS.
+#   server processes). Split a part that runs long by TARGETS.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
