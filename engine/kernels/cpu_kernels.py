@@ -651,6 +651,7 @@ inline void packed_dots(const uint8_t* codes, int64_t K, const float* sw, const 
     const int8_t* xa = xp + a * L * kPack * kQB;
     __m256i s1[NR], s2[NR];
     for (int j = 0; j < NR; ++j) s1[j] = s2[j] = _mm256_setzero_si256();
+#pragma GCC unroll 1   // unrolled, GCC computes all 8 quads' products first and spills them
     for (int64_t q = 0; q < kQB / 4; ++q) {
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + q * kPack * 4));
       const __m256i x2 = L == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + (kQB + q * 4) * kPack))
@@ -699,6 +700,11 @@ void packed_tile(const uint8_t* qw, const float* sw, const float* mw, int64_t n0
   };
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) pass(std::integral_constant<int, NR>{}, n);
+  if constexpr (NR > 2)
+    if (n + 2 <= n1) {
+      pass(std::integral_constant<int, 2>{}, n);
+      n += 2;
+    }
   for (; n < n1; ++n) pass(std::integral_constant<int, 1>{}, n);
 }
 #endif
