@@ -5,7 +5,9 @@ dispatcher:
 - `kvscope::decode_attention`: the KV store and the paged decode attention in one function.
 - `kvscope::int4_linear`: int4 weights (kvscope's byte layout, w = q * scale + min per group) times activations
   quantized inside the kernel per 32-block to int8 and the remainder to a second int8 code, llama.cpp's Q4_1 x Q8_1
-  dot twice (AVX2 maddubs / madd, one FMA a block); a scalar build does the same integer math.
+  dot twice (AVX2 maddubs / madd, one FMA a block); a scalar build does the same integer math. From 8 activation
+  rows (5 with zero rows padding a group) the AVX2 build lays 8 rows in a vector's int32 lanes and broadcasts each
+  weight quad to them, half the multiplies a weight and row of the register tiles.
 - `kvscope::decode_layer`: one Llama decoder layer's decode step for single-token sequences on fp32 rows with int4
   projections: RMSNorm, q/k/v, RoPE, the KV store and the attention, o, the residual adds, RMSNorm, gate/up,
   SiLU-and-mul, down, one call a layer (the two kernels above called as C++ functions, the elementwise work
