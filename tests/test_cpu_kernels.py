@@ -140,7 +140,7 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("G", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 3, 9])
+@pytest.mark.parametrize("M", [1, 3, 6, 9, 21])                # 6: a zero-padded group of 8 rows; 9, 21: groups + tiles
 def test_int4_linear_against_the_dequantized_weight(M, dtype, G):
     """x @ w.T for w dequantized from kvscope's int4 format (N = 75: not a multiple of the kernel's row tiles).
     With x replaced by its rounded values the product is the same up to fp32 summation order; against x itself
@@ -196,6 +196,8 @@ LAYER_CASES = [  # B, hidden, H, Hk, D, intermediate, lens, group, scales' dtype
     (1, 96, 6, 2, 32, 160, [37], 32, torch.float16, False),
     (3, 128, 4, 1, 40, 192, [17, 1, 130], 32, torch.float32, True),
     (3, 64, 3, 3, 64, 128, [16, 33, 250], 64, torch.float16, False),
+    (8, 96, 6, 2, 32, 160, [5, 40, 17, 1, 99, 16, 33, 64], 32, torch.float16, True),
+    (7, 128, 4, 1, 48, 192, [3, 18, 77, 9, 130, 2, 31], 64, torch.float32, False),
 ]
 
 

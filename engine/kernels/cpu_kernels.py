@@ -4,7 +4,9 @@ and registered for the CPU dispatch key, so the model's torch path calls them th
 - `kvscope::decode_attention`: the KV store and the paged decode attention in one function.
 - `kvscope::int4_linear`: int4 weights (kvscope's byte layout, w = q * scale + min per group) times activations
   quantized inside the kernel per 32-block to int8 and the remainder to a second int8 code, llama.cpp's Q4_1 x Q8_1
-  dot twice (AVX2 maddubs / madd, one FMA a block); a scalar build does the same integer math.
+  dot twice (AVX2 maddubs / madd, one FMA a block); a scalar build does the same integer math. From 8 activation
+  rows (5 with zero rows padding a group) the AVX2 build lays 8 rows in a vector's int32 lanes and broadcasts each
+  weight quad to them, half the multiplies a weight and row of the register tiles.
 - `kvscope::decode_layer`: one Llama decoder layer's decode step for single-token sequences on fp32 rows with int4
   projections: RMSNorm, q/k/v, RoPE, the KV store and the attention, o, the residual adds, RMSNorm, gate/up,
   SiLU-and-mul, down, one call a layer (the two kernels above called as C++ functions, the elementwise work
@@ -46,6 +48,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -592,20 +595,157 @@ inline void to_float(const S* src, float* dst, int64_t n) {
   }
 }
 
-// y [M, N] float = x [M, K] (quantized here) @ w.T; w rows [N, K / 2] bytes, scales and mins [N, K / G].
+// ---- Several activation rows at once: 8 rows in the 8 int32 lanes of a vector ----------------------------------
+//
+// At 8 rows the tiles above spend two maddubs and two madd per weight block and row. Laid out the other way round,
+// each int32 lane holds one activation row and each weight code is broadcast to all of them: a block's 32 codes are
+// 8 broadcast quads, each one maddubs per level against 8 rows' 4 codes, summed in int16 over the block (8 quads of
+// at most 2 * 15 * 127 fit), then one madd a level for the block: half the multiplies per weight and row.
+
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kPack = 8;               // activation rows of a packed group (one int32 lane each)
+constexpr int64_t kPackMin = 5;            // a group of fewer rows (zero rows pad it) takes the tiles above
+constexpr int kPackNR = 3;                 // weight rows a pass over a packed group (int16 sums in registers)
+
+// Codes of activation rows [0, R) of xq (quantize_row_q8's layout, [R][K / 32][L][32]) -> one packed group
+// xp [K / 32][L][8 quads][8 rows][4] (rows past R zero) and per block the rows' steps dv and dsv [K / 32][8].
+template <int L>
+void pack_rows(const int8_t* xq, const float* dx, const float* dsx, int64_t R, int64_t K, int8_t* xp, float* dv,
+               float* dsv) {
+  const int64_t nb = K / kQB;
+  std::memset(xp, 0, nb * L * kPack * kQB);
+  std::fill(dv, dv + nb * kPack, 0.f);
+  std::fill(dsv, dsv + nb * kPack, 0.f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t a = 0; a < nb; ++a) {
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t q = 0; q < kQB / 4; ++q)
+          std::memcpy(xp + ((a * L + l) * (kQB / 4) + q) * kPack * 4 + r * 4, xq + ((r * nb + a) * L + l) * kQB + q * 4, 4);
+      dv[a * kPack + r] = dx[r * nb + a];
+      dsv[a * kPack + r] = dsx[r * nb + a];
+    }
+}
+
+// A weight row in kvscope's layout -> its K codes (0..15) in k order.
+template <int64_t G>
+inline void unpack_row(const uint8_t* row, int64_t K, uint8_t* codes) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < K / G; ++g)
+    for (int64_t c = 0; c < G / 2; c += 16) {
+      const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * G / 2 + c));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + g * G + c), _mm_and_si128(t, mask));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + g * G + G / 2 + c),
+                       _mm_and_si128(_mm_srli_epi16(t, 4), mask));
+    }
+}
+
+// out[j] (lane r) = sum_k w_j[k] x_r[k] for NR weight rows (codes [NR][K], scales and mins [NR][K / G]) and one
+// packed group of 8 activation rows.
+template <int L, int64_t G, int NR>
+inline void packed_dots(const uint8_t* codes, int64_t K, const float* sw, const float* mw, const int8_t* xp,
+                        const float* dv, const float* dsv, __m256* out) {
+  const int64_t nb = K / kQB, ng = K / G;
+  const __m256i ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
+  __m256 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t a = 0; a < nb; ++a) {
+    const int8_t* xa = xp + a * L * kPack * kQB;
+    __m256i s1[NR], s2[NR];
+    for (int j = 0; j < NR; ++j) s1[j] = s2[j] = _mm256_setzero_si256();
+#pragma GCC unroll 1   // unrolled, GCC computes all 8 quads' products first and spills them
+    for (int64_t q = 0; q < kQB / 4; ++q) {
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + q * kPack * 4));
+      const __m256i x2 = L == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + (kQB + q * 4) * kPack))
+                                : x1;
+      for (int j = 0; j < NR; ++j) {
+        int32_t quad;
+        std::memcpy(&quad, codes + j * K + a * kQB + q * 4, 4);
+        const __m256i w = _mm256_set1_epi32(quad);
+        s1[j] = _mm256_add_epi16(s1[j], _mm256_maddubs_epi16(w, x1));
+        if constexpr (L == 2) s2[j] = _mm256_add_epi16(s2[j], _mm256_maddubs_epi16(w, x2));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(dv + a * kPack), ds = _mm256_loadu_ps(dsv + a * kPack);
+    for (int j = 0; j < NR; ++j) {
+      const __m256i p = L == 2 ? _mm256_add_epi32(_mm256_madd_epi16(s1[j], c256), _mm256_madd_epi16(s2[j], ones))
+                               : _mm256_madd_epi16(s1[j], ones);
+      const int64_t g = j * ng + a * kQB / G;
+      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), d), _mm256_set1_ps(sw[g]), acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(mw[g]), ds, acc[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) out[j] = acc[j];
+}
+
+// Weight rows [n0, n1) (their scales and mins at sw, mw) against P packed groups: NR rows a pass, the tail one
+// at a time; group p's rows are y's rows 8p.. (at most M).
+template <int L, int64_t G, int NR>
+void packed_tile(const uint8_t* qw, const float* sw, const float* mw, int64_t n0, int64_t n1, const int8_t* xp,
+                 const float* dv, const float* dsv, int64_t P, int64_t M, int64_t K, int64_t N, uint8_t* codes,
+                 float* y) {
+  const int64_t ng = K / G, ld = K / 2, nb = K / kQB;
+  auto pass = [&](auto nr, int64_t n) {
+    constexpr int R = decltype(nr)::value;
+    for (int j = 0; j < R; ++j) unpack_row<G>(qw + (n + j) * ld, K, codes + j * K);
+    for (int64_t p = 0; p < P; ++p) {
+      __m256 o[R];
+      packed_dots<L, G, R>(codes, K, sw + (n - n0) * ng, mw + (n - n0) * ng, xp + p * nb * L * kPack * kQB,
+                           dv + p * nb * kPack, dsv + p * nb * kPack, o);
+      const int64_t rows = std::min(kPack, M - p * kPack);
+      for (int j = 0; j < R; ++j) {
+        float lanes[kPack];
+        _mm256_storeu_ps(lanes, o[j]);
+        for (int64_t r = 0; r < rows; ++r) y[(p * kPack + r) * N + n + j] = lanes[r];
+      }
+    }
+  };
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) pass(std::integral_constant<int, NR>{}, n);
+  if constexpr (NR > 2)
+    if (n + 2 <= n1) {
+      pass(std::integral_constant<int, 2>{}, n);
+      n += 2;
+    }
+  for (; n < n1; ++n) pass(std::integral_constant<int, 1>{}, n);
+}
+#endif
+
+// y [M, N] float = x [M, K] (quantized here) @ w.T; w rows [N, K / 2] bytes, scales and mins [N, K / G]. Groups of
+// 8 activation rows (and a last one of at least kPackMin, zero-padded) take the packed kernel where AVX2 is built,
+// the rest the register tiles.
 template <int L, int64_t G, typename S>
 void int4_gemm(const int8_t* xq, const float* dx, const float* dsx, int64_t M, const uint8_t* qw, const S* scales,
                const S* mins, int64_t N, int64_t K, float* y) {
   const int64_t ng = K / G, nb = K / kQB;
+  int64_t P = 0, Mp = 0;                   // packed groups, the rows they cover
+  std::vector<int8_t> xp;
+  std::vector<float> dv, dsv;
+#if defined(CPU_CAPABILITY_AVX2)
+  P = M / kPack + (M % kPack >= kPackMin ? 1 : 0);
+  Mp = std::min(M, P * kPack);
+  xp.resize(P * nb * L * kPack * kQB);
+  dv.resize(P * nb * kPack);
+  dsv.resize(P * nb * kPack);
+  for (int64_t p = 0; p < P; ++p)
+    pack_rows<L>(xq + p * kPack * K * L, dx + p * kPack * nb, dsx + p * kPack * nb,
+                 std::min(kPack, M - p * kPack), K, xp.data() + p * nb * L * kPack * kQB, dv.data() + p * nb * kPack,
+                 dsv.data() + p * nb * kPack);
+#endif
   // a weight row is K / 2 bytes: at least ~32k of them a thread, or the calling thread alone
   const int64_t grain = std::max<int64_t>(kRowsN, (int64_t{1} << 15) / std::max<int64_t>(1, K / 2 * M));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sw(kRowsN * ng), mw(kRowsN * ng);
+    std::vector<uint8_t> codes(P > 0 ? kRowsN * K : 0);
     for (int64_t n0 = begin; n0 < end; n0 += kRowsN) {
       const int64_t n1 = std::min(end, n0 + kRowsN);
       to_float(scales + n0 * ng, sw.data(), (n1 - n0) * ng);
       to_float(mins + n0 * ng, mw.data(), (n1 - n0) * ng);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsM) {
+#if defined(CPU_CAPABILITY_AVX2)
+      if (P > 0)
+        packed_tile<L, G, kPackNR>(qw, sw.data(), mw.data(), n0, n1, xp.data(), dv.data(), dsv.data(), P, M, K, N,
+                                   codes.data(), y);
+#endif
+      for (int64_t m0 = Mp; m0 < M; m0 += kRowsM) {
         const int R = static_cast<int>(std::min(kRowsM, M - m0));
         tile<L, G>(R, qw, sw.data(), mw.data(), n0, n1, xq + m0 * K * L, dx + m0 * nb, dsx + m0 * nb, K, N, y + m0 * N);
       }
