@@ -11,9 +11,10 @@ If the engine process dies, every open stream fails at once with a clear error (
 the receiver's poll interval), the client reports itself unhealthy, starts a fresh engine process, and
 serves again once it is ready.
 
-`EngineCoreClient(config, attach=conn)` instead attaches to an engine process started by someone else (the
-launcher of several API server processes, `api_server --api-server-count N`), through that process's pipe
-for this client; it never restarts that process: if the engine dies, this client stays unhealthy.
+`EngineCoreClient(config, attach=conn, reattach=fn)` instead attaches to an engine process started by someone else
+(the launcher of several API server processes, `api_server --api-server-count N`), through that process's pipe
+for this client; it never starts one: if the engine dies, this client fails its open requests, stays unhealthy,
+and calls `reattach()` for the pipe of the engine process that replaces it (the launcher starts one).
 """
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ class _CoreProcess:
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0, attach=None,
-                 **overrides):
+                 reattach=None, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
         elif overrides:
@@ -175,6 +176,7 @@ class EngineCoreClient:
         tok_folder = resolve(config.model_config.model)[2]
         self._tokenizer = load_tokenizer(tok_folder)
         self.proc = None                          # the engine process, when this client started it
+        self._reattach = reattach                 # attached: blocks until the next engine process's pipe
         if attach is not None:
             self._conn = attach
             self._wait_ready(lambda: None)
@@ -373,7 +375,26 @@ class EngineCoreClient:
             self._fail(rid, err)
         if self.proc is None:                     # attached: the launcher owns the engine process
             self.error = None if self._stop else err
-            return
+            if self._stop or self._reattach is None:
+                return
+            self._stats, self._sent_since_stats = {}, 0
+            while not self._stop:
+                try:
+                    conn = self._reattach()       # the launcher's next engine process (None: it is shutting down)
+                except (EOFError, OSError):
+                    return
+                if conn is None or self._stop:
+                    return
+                self._conn = conn
+                self.restarts += 1
+                try:
+                    self._wait_ready(lambda: None)    # starts a new receiver thread
+                except Exception as e:  # noqa: BLE001 - that process failed to start: wait for the next one
+                    self.error = e
+                    log.exception("the restarted engine process failed to start")
+                    continue
+                log.warning("attached to a restarted engine process")
+                return
         self.proc.join(5)
         if self._stop:
             return
