@@ -1,6 +1,7 @@
 """Several API server processes in front of one engine core: the core serves several attached clients, each its
 own requests; one leaving aborts only its own; `--api-server-count 2` serves over HTTP, and its `/metrics` counts
 every process's requests whichever process answers."""
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -57,8 +58,10 @@ def test_attached_clients_get_their_own_outputs_and_one_leaving_aborts_only_its_
             core.kill()
 
 
-@pytest.mark.slow
-def test_api_server_count_two_serves_over_http():
+@contextlib.contextmanager
+def _two_api_servers():
+    """`api_server --api-server-count 2` on dummy:tiny -> (the launcher's process, its URL), healthy; stopped with
+    an interrupt after, which must end it cleanly."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,24 +72,8 @@ def test_api_server_count_two_serves_over_http():
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the servers did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        for i in range(6):                          # new connections: the kernel spreads them over the processes
-            r = httpx.post(url + "/v1/completions", timeout=60, json={
-                "model": "dummy:tiny", "prompt": [3, 4, 5 + i], "max_tokens": 4, "ignore_eos": True, "temperature": 0})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        for _ in range(6):                          # a scrape on a new connection each: either process answers
-            got = _samples(httpx.get(url + "/metrics", timeout=30).text)
-            assert got["kvscope:request_success_total"] == 6
-            assert got["kvscope:time_to_first_token_seconds_count"] == 6
-            assert got["kvscope:request_generation_tokens_sum"] == 24
+        _healthy_within(proc, url, 240)
+        yield proc, url
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -94,6 +81,62 @@ def test_api_server_count_two_serves_over_http():
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode == 0
+
+
+def _healthy_within(proc: subprocess.Popen, url: str, seconds: float) -> None:
+    """/health answers 200 on several new connections (either process) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "not healthy in time"
+        try:
+            if all(httpx.get(url + "/health", timeout=2).status_code == 200 for _ in range(4)):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def _serve(url: str, n: int) -> None:
+    for i in range(n):                              # new connections: the kernel spreads them over the processes
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "dummy:tiny", "prompt": [3, 4, 5 + i], "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_api_server_count_two_serves_over_http():
+    with _two_api_servers() as (_, url):
+        _serve(url, 6)
+        for _ in range(6):                          # a scrape on a new connection each: either process answers
+            got = _samples(httpx.get(url + "/metrics", timeout=30).text)
+            assert got["kvscope:request_success_total"] == 6
+            assert got["kvscope:time_to_first_token_seconds_count"] == 6
+            assert got["kvscope:request_generation_tokens_sum"] == 24
+
+
+@pytest.mark.slow
+def test_a_killed_engine_core_behind_two_api_servers_is_replaced():
+    """`--api-server-count 2`: the engine core killed, the servers answer 503 meanwhile, the launcher starts a new
+    core, each server attaches to it, and requests are served again."""
+    import psutil
+    with _two_api_servers() as (proc, url):
+        def workers() -> list:
+            """The launcher's engine core and API servers (not multiprocessing's resource tracker), oldest first:
+            the core starts before the servers."""
+            kids = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+            return sorted(kids, key=lambda p: p.create_time())
+
+        _serve(url, 4)
+        core = workers()[0]
+        core.kill()
+        deadline = time.monotonic() + 30           # not our child: poll until the launcher has reaped it
+        while core.is_running() and core.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)                            # the servers' receivers see the pipe close
+        _healthy_within(proc, url, 240)
+        _serve(url, 6)
+        now = workers()
+        assert len(now) == 3 and core.pid not in {p.pid for p in now}
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -104,65 +147,3 @@ def _samples(text: str) -> dict[str, float]:
         for s in fam.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
-
-
-
-@pytest.mark.slow
-def test_a_killed_engine_core_behind_two_api_servers_is_replaced():
-    """`--api-server-count 2`: the engine core killed, the servers answer 503 meanwhile, the launcher starts a new
-    core, each server attaches to it, and requests are served again."""
-    import socket
-
-    import psutil
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--port", str(port), "--model", "dummy:tiny",
-           "--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512", "--api-server-count", "2",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    url = f"http://127.0.0.1:{port}"
-
-    def serve_all(n: int) -> None:
-        for i in range(n):                          # new connections: the kernel spreads them over the processes
-            r = httpx.post(url + "/v1/completions", timeout=60, json={
-                "model": "dummy:tiny", "prompt": [3, 4, 5 + i], "max_tokens": 4, "ignore_eos": True, "temperature": 0})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-
-    def healthy_within(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "not healthy in time"
-            try:
-                if all(httpx.get(url + "/health", timeout=2).status_code == 200 for _ in range(4)):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-
-    def workers() -> list:
-        """The launcher's engine core and API servers (not multiprocessing's resource tracker), oldest first:
-        the core starts before the servers."""
-        kids = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-        return sorted(kids, key=lambda p: p.create_time())
-
-    try:
-        healthy_within(240)
-        serve_all(4)
-        core = workers()[0]
-        core.kill()
-        deadline = time.monotonic() + 30           # not our child: poll until the launcher has reaped it
-        while core.is_running() and core.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(1.0)                            # the servers' receivers see the pipe close
-        healthy_within(240)
-        serve_all(6)
-        now = workers()
-        assert len(now) == 3 and core.pid not in {p.pid for p in now}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert proc.returncode == 0
