@@ -231,10 +231,6 @@ class LLMEngine:
             ex.send("cache", self.num_blocks, self.max_model_len + spec_margin)
             self.runner.executor = ex
         self.runner.warmup()
-        if self.fused_sampling and self.device.type == "cuda":
-            from engine.kernels.sampling import warmup_gumbel
-            warmup_gumbel(mcfg.vocab_size, config.scheduler_config.max_num_seqs * spec_margin, self.device,
-                          one_launch=self.fused_sampling == "one_launch")
         if ex is not None:
             ex.send("warmup")
         self.slot_bytes = kv_bytes_per_block(mcfg, 1, self.runner.kv_dtype)   # K and V of one token, all layers
@@ -247,6 +243,7 @@ class LLMEngine:
                                               self.num_blocks, self.structured.compiler, self.eos_token_ids)
         generator = torch.Generator(device=self.device).manual_seed(config.model_config.seed)
         self.sampler = Sampler(self.eos_token_ids, generator, self.fused_sampling)
+        self.sampler.warmup(mcfg.vocab_size, config.scheduler_config.max_num_seqs * spec_margin, self.device)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.detok, self.eos_token_ids,
                                                 self.max_model_len, config.cache_config.enable_kv_cache)
         self.multi_step = MultiStepDecoder(config, self.scheduler, self.runner, self.sampler, self.structured,

@@ -179,6 +179,12 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int], generator: torch.Generator, fused: bool | str = False):
         self.eos_token_ids, self.generator, self.fused = eos_token_ids, generator, fused
 
+    def warmup(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        """Compile the fused sampler's variants for up to max_rows rows a step now, not mid-serving."""
+        if self.fused and device.type == "cuda":
+            from engine.kernels.sampling import warmup_gumbel
+            warmup_gumbel(vocab_size, max_rows, device, one_launch=self.fused == "one_launch")
+
     def row(self, seq: "Sequence", extra_tokens: list[int] | None = None) -> SampleRow:
         """seq's next token's row; extra_tokens: drafts appended before it (a verify step's later positions)."""
         p = seq.params

@@ -98,7 +98,7 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
         conn.close()
     sock.close()
     log.info("engine core (pid %s) and %d API server processes on http://%s:%d", core.pid, count, args.host, args.port)
-    cores = [core]
+    restarts = 0
     try:
         while True:
             wait([core.sentinel] + [p.sentinel for p in servers])
@@ -107,7 +107,7 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
                 break                              # a server left, or the service is being stopped
             log.error("the engine core (pid %s) exited with %s; starting a new one", core.pid, core.exitcode)
             core, ends = start_core()
-            cores.append(core)
+            restarts += 1
             for (_, send), conn, server in zip(ctrls, ends, servers):
                 reduction.send_handle(send, conn.fileno(), server.pid)    # the server's client attaches to it
                 conn.close()
@@ -132,5 +132,5 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     failed = [p for p in [core] + servers if p.exitcode not in (0, None, -15)]
     for p in failed:
         log.error("%s exited with %s", p.name, p.exitcode)
-    log.info("%d engine core restarts", len(cores) - 1)
+    log.info("%d engine core restarts", restarts)
     return 1 if failed else 0
