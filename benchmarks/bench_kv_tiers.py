@@ -66,6 +66,15 @@ def multi_turn(eng: LLMEngine, users: int, turns: int, turn_len: int, answer: in
                 blocks_offloaded=st["offloaded"], blocks_fetched=st["fetched"])
 
 
+def multi_turn_shape(num_kv_blocks: int, turns: int, scale: float = 1.0) -> tuple[int, int, int, int]:
+    """(users, turn_len, answer, max_model_len) of the multi-turn workload: conversations that all together end at
+    ~4x a pool of num_kv_blocks 16-token blocks, each fitting max_model_len."""
+    users, answer = max(2, int(8 * scale)), 32
+    max_len = min(num_kv_blocks * 16 - 16, 4096)     # one sequence fits the pool
+    turn_len = max(16, min(num_kv_blocks * 16 * 4 // users, max_len - 1) // turns - answer)
+    return users, turn_len, answer, max_len
+
+
 def median_run(runs: list[dict], key: str) -> dict:
     """The run whose `key` is the median, with every run's `key` beside it (as `<key>_runs`)."""
     r = sorted(runs, key=lambda x: x[key])[len(runs) // 2]
@@ -103,9 +112,7 @@ def main(argv=None) -> dict:
 
     # multi-turn: each user's conversation grows by a turn and an answer per round; all of them together end
     # at ~4x the device pool
-    users, answer = max(2, int(8 * args.scale)), 32
-    max_len = min(nb * 16 - 16, 4096)                # one sequence fits the pool
-    turn_len = max(16, min(nb * 16 * 4 // users, max_len - 1) // args.turns - answer)   # a conversation fits max_len
+    users, turn_len, answer, max_len = multi_turn_shape(nb, args.turns, args.scale)
     configs = [("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))]
     for arrival, together in (("a round at once", True), ("one turn at a time", False)):
         runs: dict[str, list[dict]] = {name: [] for name, _ in configs}

@@ -9,6 +9,9 @@
         unprofiled wall time per iteration                          -> profile_decode_<device>_<shape>[_tp2]
     python benchmarks/profiler.py steps [--configs default,nochunk] [--model dummy:llama-3.1-8b]
         the engine's own step events of a throughput run, by step kind           -> profile_steps_<device>
+    python benchmarks/profiler.py tiers [--model dummy:llama-3.2-1b] [--num-kv-blocks 256]
+        the multi-turn workload one turn at a time with and without the host tier: TTFT, the copies' GPU time
+        and host cost, every kernel class                                -> profile_tiers_<device>_<shape>
     python benchmarks/profiler.py structured [--batch 32] [--mask-threads 0 2 4] [--feed seq par] [--pin 0 1]
         a constrained decode iteration's host phases and GPU busy time           -> profile_structured_<device>
     python benchmarks/profiler.py launch [--batch 32]
@@ -59,6 +62,8 @@ def sync() -> None:
 
 # first match wins; names of cuBLAS / CUTLASS / FlashAttention / Triton / torch.compile kernels on Hopper
 CLASSES = [
+    ("host -> device copies", r"memcpy htod"),
+    ("device -> host copies", r"memcpy dtoh"),
     ("sampling", r"gumbel|sampl|argmax|topk|top_k|exponential|softmax|log_softmax|multinomial"),
     ("RoPE + KV store", r"rope|rotary|kv_store|store_kv|reshape_and_cache|kvcache"),
     ("attention", r"paged_|flash|fwd_kernel|attn|attention|splitkv|combine|_merge|prefill|decode"),
@@ -305,6 +310,59 @@ def cmd_steps(args) -> None:
                        "forward", "sampling", "postprocess"])
     dev = device_name()
     write_json(f"profile_steps_{slug(dev)}", dict(device=dev, model=args.model, requests=args.requests, rows=rows))
+
+
+# ---- tiers: the multi-turn workload with and without the host tier -------------------------------------------
+
+def cmd_tiers(args) -> None:
+    """bench_kv_tiers.py's multi-turn workload, one turn at a time, with and without the host tier. Per config:
+    a warm-up, an unprofiled run (its TTFT is the benchmark's), then a run under torch.profiler: the GPU time per
+    kernel class (the host tier's copies as their own classes) and the host time spent issuing the block copies."""
+    from benchmarks.bench_kv_tiers import multi_turn, multi_turn_shape
+    from engine import LLMEngine
+    users, turn_len, answer, max_len = multi_turn_shape(args.num_kv_blocks, args.turns)
+    rows, tables = [], {}
+    for name, extra in (("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))):
+        def engine():
+            return LLMEngine(model=args.model, device=args.device, block_size=16, num_kv_blocks=args.num_kv_blocks,
+                             max_model_len=max_len, **extra)
+        eng = engine()
+        multi_turn(eng, users, 2, turn_len, answer, seed=1, together=False)             # warm-up
+        eng.close()
+        eng = engine()
+        plain = multi_turn(eng, users, args.turns, turn_len, answer, seed=0, together=False)
+        eng.close()
+        eng = engine()
+        spent = {"swap_blocks": 0.0, "calls": 0}
+        swap = eng.runner.swap_blocks
+
+        def timed_swap(out, inn, swap=swap, spent=spent):
+            t = time.perf_counter()
+            swap(out, inn)
+            spent["swap_blocks"] += time.perf_counter() - t
+            spent["calls"] += bool(out or inn)
+        eng.runner.swap_blocks = timed_swap
+        cuda = eng.device.type == "cuda"
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            profiled = multi_turn(eng, users, args.turns, turn_len, answer, seed=0, together=False)
+            sync()
+        eng.close()
+        cls_rows, top_rows, total = kernel_table(prof, cuda)
+        tables[name] = dict(classes=cls_rows, top=top_rows)
+        rows.append(dict(config=name, ttft_ms=plain["ttft_mean_s"] * 1e3, wall_s=plain["wall_s"],
+                         profiled_ttft_ms=profiled["ttft_mean_s"] * 1e3, profiled_wall_s=profiled["wall_s"],
+                         device_ms=total, swap_host_ms=spent["swap_blocks"] * 1e3, swap_calls=spent["calls"],
+                         fetched=plain["blocks_fetched"], offloaded=plain["blocks_offloaded"]))
+        print(f"\n== {name}: device time by class (profiled run)")
+        print_table(cls_rows, ["cls", "ms", "pct", "kernels"])
+    print_table(rows, ["config", "ttft_ms", "wall_s", "profiled_ttft_ms", "profiled_wall_s", "device_ms",
+                       "swap_host_ms", "swap_calls", "fetched", "offloaded"])
+    dev = device_name(args.device)
+    shape = (args.model or "smollm2-135m").removeprefix("dummy:")
+    write_json(f"profile_tiers_{slug(dev)}_{slug(Path(shape).name)}",
+               dict(device=dev, model=args.model, num_kv_blocks=args.num_kv_blocks, turns=args.turns, users=users,
+                    turn_len=turn_len, answer=answer, rows=rows, tables=tables))
 
 
 # ---- structured: a constrained decode iteration -----------------------------------------------------------
@@ -690,7 +748,7 @@ SPEC_FLAGS = ("method flags as bench_spec.py's: +noshadow, +long, +main, +everyb
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python benchmarks/profiler.py", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{kernels,decode,steps,structured,launch,"
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{kernels,decode,steps,tiers,structured,launch,"
                                                                "spec-steps,spec-times}")
 
     p = sub.add_parser("kernels", help="a whole offline run's GPU time per kernel, kvscope or vLLM")
@@ -720,6 +778,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torch-profile", default="", help="engine steps to run under torch.profiler, e.g. 3,300")
     p.add_argument("--model", default="dummy:llama-3.2-1b")
     p.set_defaults(fn=cmd_steps)
+
+    p = sub.add_parser("tiers", help="the multi-turn workload with and without the host tier: TTFT, copies, kernels")
+    p.add_argument("--model", default="dummy:llama-3.2-1b")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-kv-blocks", type=int, default=256)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--offload-gib", type=float, default=2.0)
+    p.set_defaults(fn=cmd_tiers)
 
     p = sub.add_parser("structured", help="a constrained decode iteration's host phases and GPU busy time")
     p.add_argument("--model", default="dummy:llama-3.2-1b")

@@ -36,6 +36,25 @@ def add_random_requests(eng, lengths, max_tokens: int, vocab: int, seed: int = 0
             for n in lengths]
 
 
+def multi_turn_tokens(eng, users: int, turns: int, turn_len: int, answer: int, seed: int = 0) -> list[list[int]]:
+    """Chats sent one turn at a time, each resending the whole conversation so far plus turn_len new random
+    tokens; every answer's greedy tokens, in order (a pool smaller than the conversations makes prefixes leave
+    the device between turns)."""
+    from engine import SamplingParams
+    g = torch.Generator().manual_seed(seed)
+    vocab = eng.arch_config.vocab_size
+    convs = [[] for _ in range(users)]
+    answers = []
+    for _ in range(turns):
+        for u in range(users):
+            convs[u] += torch.randint(0, vocab, (turn_len,), generator=g).tolist()
+            out = run_requests(eng, [convs[u]], [SamplingParams(temperature=0, max_tokens=answer,
+                                                                  ignore_eos=True)])[0]
+            answers.append(out.token_ids)
+            convs[u] += out.token_ids
+    return answers
+
+
 def wait_idle(loop, timeout: float = 60.0) -> dict:
     """Wait until every KV block is back on the free list and nothing runs or waits; the loop's stats."""
     full = loop.engine.num_blocks - 1

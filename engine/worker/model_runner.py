@@ -27,6 +27,21 @@ def kv_bytes_per_block(mcfg: ModelArchConfig, block_size: int, dtype: torch.dtyp
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+def _copy_runs(dst: torch.Tensor, dst_rows: list[int] | None, src: torch.Tensor, src_rows: list[int] | None) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] (None: rows 0..n-1), one copy per run of consecutive rows on both sides:
+    blocks that left the device together usually sit side by side in the host tier."""
+    n = len(dst_rows if dst_rows is not None else src_rows)
+    d = dst_rows or range(n)
+    s_ = src_rows or range(n)
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and d[j] == d[j - 1] + 1 and s_[j] == s_[j - 1] + 1:
+            j += 1
+        dst[d[i]:d[i] + j - i].copy_(src[s_[i]:s_[i] + j - i], non_blocking=True)
+        i = j
+
+
 class ModelRunner:
     def __init__(self, model, mcfg: ModelArchConfig, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, max_model_len: int, num_host_blocks: int = 0):
@@ -184,7 +199,9 @@ class ModelRunner:
     @torch.inference_mode()
     def swap_blocks(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> None:
         """Run a step's block copies before its forward: (device, host) pairs out, then (host, device) in
-        (the scheduler may have refilled a block it freed in the same step). Byte views: fp8 has no index ops."""
+        (the scheduler may have refilled a block it freed in the same step). Byte views: fp8 has no index ops.
+        On cuda the copies run on a side stream; the forward waits for the blocks to be read out and in, not
+        for the last device -> host transfer, which overlaps it (later copies queue behind it on that stream)."""
         if not blocks_out and not blocks_in:
             return
         kv = self.kv_cache.view(torch.uint8)                    # [2, L, N, bs, Hk, D * elem]
@@ -193,23 +210,27 @@ class ModelRunner:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))   # the blocks' contents are written
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            pending = None                                      # the last chunk out: staged, not yet sent
             for lo in range(0, len(blocks_out), SWAP_CHUNK_BLOCKS):      # staging memory stays bounded
+                if pending is not None:
+                    _copy_runs(*pending)
                 part = blocks_out[lo:lo + SWAP_CHUNK_BLOCKS]
                 src = torch.tensor([d for d, _ in part], device=self.device)
                 staged = kv.index_select(2, src).movedim(2, 0).contiguous()   # [n, 2, L, bs, Hk, D * elem]
-                for i, (_, h) in enumerate(part):
-                    host[h].copy_(staged[i], non_blocking=True)
+                pending = (host, [h for _, h in part], staged, None)
                 self.bytes_swapped[0] += staged.numel()
             for lo in range(0, len(blocks_in), SWAP_CHUNK_BLOCKS):
                 part = blocks_in[lo:lo + SWAP_CHUNK_BLOCKS]
                 staged = torch.empty((len(part), *host.shape[1:]), dtype=torch.uint8, device=self.device)
-                for i, (h, _) in enumerate(part):
-                    staged[i].copy_(host[h], non_blocking=True)
+                _copy_runs(staged, None, host, [h for h, _ in part])
                 dst = torch.tensor([d for _, d in part], device=self.device)
                 kv.index_copy_(2, dst, staged.movedim(0, 2))                  # staged as [2, L, n, bs, Hk, D * elem]
                 self.bytes_swapped[1] += staged.numel()
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+            if pending is not None:
+                _copy_runs(*pending)
+
 
     def pop_swap_bytes(self) -> tuple[int, int]:
         out, self.bytes_swapped = tuple(self.bytes_swapped), [0, 0]
