@@ -349,13 +349,17 @@ def cmd_tiers(args) -> None:
             sync()
         eng.close()
         cls_rows, top_rows, total = kernel_table(prof, cuda)
-        tables[name] = dict(classes=cls_rows, top=top_rows)
+        host_ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+        host_rows = [dict(op=e.key[:70], ms=e.self_cpu_time_total / 1e3, calls=e.count) for e in host_ops]
+        tables[name] = dict(classes=cls_rows, top=top_rows, host_ops=host_rows)
         rows.append(dict(config=name, ttft_ms=plain["ttft_mean_s"] * 1e3, wall_s=plain["wall_s"],
                          profiled_ttft_ms=profiled["ttft_mean_s"] * 1e3, profiled_wall_s=profiled["wall_s"],
                          device_ms=total, swap_host_ms=spent["swap_blocks"] * 1e3, swap_calls=spent["calls"],
                          fetched=plain["blocks_fetched"], offloaded=plain["blocks_offloaded"]))
         print(f"\n== {name}: device time by class (profiled run)")
         print_table(cls_rows, ["cls", "ms", "pct", "kernels"])
+        print(f"== {name}: host time by op, self (profiled run)")
+        print_table(host_rows, ["op", "ms", "calls"])
     print_table(rows, ["config", "ttft_ms", "wall_s", "profiled_ttft_ms", "profiled_wall_s", "device_ms",
                        "swap_host_ms", "swap_calls", "fetched", "offloaded"])
     dev = device_name(args.device)

@@ -6,7 +6,6 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.config import EngineConfig
@@ -192,24 +191,6 @@ def test_engine_swaps_are_in_events_tracks_and_block_map():
     assert [d.get("name") for d in fig["data"]][:2] == ["blocks", "host tier"]
     assert "fp8 e4m3" in fig["layout"]["title"]["text"] or "fp8 e4m3" in str(fig["layout"])
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1 and not eng.block_manager.host.owned
-
-
-def test_copy_runs_matches_row_by_row_copies():
-    from engine.worker.model_runner import _copy_runs
-    rng = random.Random(0)
-    src = torch.randn(40, 3, 5)
-    for _ in range(20):
-        n = rng.randrange(1, 12)
-        src_rows = sorted(rng.sample(range(40), n)) if rng.random() < 0.5 else rng.sample(range(40), n)
-        dst_rows = rng.sample(range(30), n) if rng.random() < 0.5 else list(range(7, 7 + n))
-        dst, ref = torch.zeros(30, 3, 5), torch.zeros(30, 3, 5)
-        _copy_runs(dst, dst_rows, src, src_rows)
-        for d, s_ in zip(dst_rows, src_rows):
-            ref[d] = src[s_]
-        assert torch.equal(dst, ref)
-        staged = torch.zeros(n, 3, 5)
-        _copy_runs(staged, None, src, src_rows)                  # rows 0..n-1 of the staging tensor
-        assert torch.equal(staged, src[src_rows])
 
 
 def test_prefixes_fetched_from_the_host_tier_give_the_same_tokens(tmp_path):

@@ -1,20 +1,19 @@
 """ModelRunner: owns the model and the KV pool; packs a scheduled step into tensors and runs it."""
 from __future__ import annotations
 
-from contextlib import nullcontext as _nullcontext
-
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernels
+from engine.kernels.kv_transfer import blocks_view, kv_transfer, kv_transfer_ref, pool_view
 from engine.kernels.metadata import AttentionMetadata
 from engine.models.config import ModelArchConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.worker.timing import NullTimer
 
 
-SWAP_CHUNK_BLOCKS = 256        # blocks staged on the device per host-tier copy
+SWAP_STAGING_BLOCKS = 256      # blocks out staged on the device (their copy to the host overlaps the forward)
 
 
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
@@ -25,21 +24,6 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
 def kv_bytes_per_block(mcfg: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """dtype: the pool's element type (kv_cache_dtype)."""
     return 2 * mcfg.num_layers * block_size * mcfg.num_kv_heads * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
-def _copy_runs(dst: torch.Tensor, dst_rows: list[int] | None, src: torch.Tensor, src_rows: list[int] | None) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] (None: rows 0..n-1), one copy per run of consecutive rows on both sides:
-    blocks that left the device together usually sit side by side in the host tier."""
-    n = len(dst_rows if dst_rows is not None else src_rows)
-    d = dst_rows or range(n)
-    s_ = src_rows or range(n)
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and d[j] == d[j - 1] + 1 and s_[j] == s_[j - 1] + 1:
-            j += 1
-        dst[d[i]:d[i] + j - i].copy_(src[s_[i]:s_[i] + j - i], non_blocking=True)
-        i = j
 
 
 class ModelRunner:
@@ -198,38 +182,42 @@ class ModelRunner:
     # ---- the host tier -------------------------------------------------------------------------
     @torch.inference_mode()
     def swap_blocks(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> None:
-        """Run a step's block copies before its forward: (device, host) pairs out, then (host, device) in
-        (the scheduler may have refilled a block it freed in the same step). Byte views: fp8 has no index ops.
-        On cuda the copies run on a side stream; the forward waits for the blocks to be read out and in, not
-        for the last device -> host transfer, which overlaps it (later copies queue behind it on that stream)."""
+        """Run a step's block copies before its forward: (device, host) pairs out, then (host, device) in (the
+        scheduler may have refilled a block it freed in the same step). One kv_transfer launch per direction: on
+        cuda the blocks out are gathered into a staging buffer on the step's stream and reach the pinned host tier
+        on a side stream while the forward runs; the blocks in are read from the host before it."""
         if not blocks_out and not blocks_in:
             return
-        kv = self.kv_cache.view(torch.uint8)                    # [2, L, N, bs, Hk, D * elem]
-        host = self.host_kv.view(torch.uint8)                   # [Nh, 2, L, bs, Hk, D * elem]
-        stream = self.copy_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))   # the blocks' contents are written
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            pending = None                                      # the last chunk out: staged, not yet sent
-            for lo in range(0, len(blocks_out), SWAP_CHUNK_BLOCKS):      # staging memory stays bounded
-                if pending is not None:
-                    _copy_runs(*pending)
-                part = blocks_out[lo:lo + SWAP_CHUNK_BLOCKS]
-                src = torch.tensor([d for d, _ in part], device=self.device)
-                staged = kv.index_select(2, src).movedim(2, 0).contiguous()   # [n, 2, L, bs, Hk, D * elem]
-                pending = (host, [h for _, h in part], staged, None)
-                self.bytes_swapped[0] += staged.numel()
-            for lo in range(0, len(blocks_in), SWAP_CHUNK_BLOCKS):
-                part = blocks_in[lo:lo + SWAP_CHUNK_BLOCKS]
-                staged = torch.empty((len(part), *host.shape[1:]), dtype=torch.uint8, device=self.device)
-                _copy_runs(staged, None, host, [h for h, _ in part])
-                dst = torch.tensor([d for _, d in part], device=self.device)
-                kv.index_copy_(2, dst, staged.movedim(0, 2))                  # staged as [2, L, n, bs, Hk, D * elem]
-                self.bytes_swapped[1] += staged.numel()
-            if stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-            if pending is not None:
-                _copy_runs(*pending)
+        n_out, n_in = len(blocks_out), len(blocks_in)
+        pool, host = pool_view(self.kv_cache), blocks_view(self.host_kv)
+        idx = torch.tensor([d for d, _ in blocks_out] + [h for _, h in blocks_out] + [h for h, _ in blocks_in]
+                           + [d for _, d in blocks_in] + list(range(min(n_out, SWAP_STAGING_BLOCKS))),
+                           dtype=torch.int32)
+        self.bytes_swapped[0] += n_out * host.block * 4
+        self.bytes_swapped[1] += n_in * host.block * 4
+        if self.copy_stream is None:
+            out_dev, out_host, in_host, in_dev, _ = idx.split([n_out, n_out, n_in, n_in, len(idx) - 2 * (n_out + n_in)])
+            kv_transfer_ref(pool, host, out_dev, out_host)
+            kv_transfer_ref(host, pool, in_host, in_dev)
+            return
+        idx = idx.pin_memory().to(self.device, non_blocking=True)
+        out_dev, out_host, in_host, in_dev, rows = idx.split([n_out, n_out, n_in, n_in, len(idx) - 2 * (n_out + n_in)])
+        main, side = torch.cuda.current_stream(self.device), self.copy_stream
+        staged = None
+        if 0 < n_out <= SWAP_STAGING_BLOCKS:
+            staged = torch.empty((n_out, *self.host_kv.shape[1:]), dtype=self.kv_dtype, device=self.device)
+            kv_transfer(pool, blocks_view(staged), out_dev, rows)
+        elif n_out:                                  # (a long preemption: straight to the host, no staging)
+            kv_transfer(pool, host, out_dev, out_host)
+        if n_in:
+            main.wait_stream(side)                   # earlier steps' blocks out have reached the host
+            kv_transfer(host, pool, in_host, in_dev)
+        if staged is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                kv_transfer(blocks_view(staged), host, rows, out_host)
+            staged.record_stream(side)
+            idx.record_stream(side)
 
 
     def pop_swap_bytes(self) -> tuple[int, int]:
