@@ -45,7 +45,8 @@ def blocks_view(t: torch.Tensor) -> BlockView:
     return BlockView(words, per_block, per_block // num_slices, per_block // num_slices, num_slices)
 
 
-@triton.jit
+# the index pointers are slices of one tensor at any offset: not specialized on alignment (one compiled variant)
+@triton.jit(do_not_specialize=["src_idx_ptr", "dst_idx_ptr"])
 def _kv_transfer_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, src_block, src_slice, dst_block, dst_slice,
                         S, BLOCK: tl.constexpr):
     p = tl.program_id(0)                                     # the pair: src block -> dst block

@@ -41,12 +41,16 @@ class ModelRunner:
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
-        # the host tier: [num_host_blocks, 2, layers, block_size, Hk, D], a block contiguous (one copy each);
-        # pinned on cuda, copies on a side stream that the step's forward waits for
+        # the host tier: [num_host_blocks, 2, layers, block_size, Hk, D], a block contiguous; pinned on cuda, where
+        # the block copies (kv_transfer) read and write it directly, the copies out on a side stream
         self.host_kv = torch.zeros(num_host_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:],
                                    dtype=self.kv_dtype, pin_memory=device.type == "cuda") if num_host_blocks else None
         self.copy_stream = torch.cuda.Stream(device) if num_host_blocks and device.type == "cuda" else None
         self.bytes_swapped = [0, 0]     # (out, in) since the last pop_swap_bytes()
+        if self.copy_stream is not None:    # compile the block copies now, not in the first step that swaps
+            self.swap_blocks([(0, 0)], [])
+            self.swap_blocks([], [(0, 0)])  # (block 0 round trips: its content is unchanged)
+            self.bytes_swapped = [0, 0]
         self.timer = NullTimer()
         self.graphs = None  # CUDA graph runner, attached by the engine on cuda
         self.executor = None  # tensor parallelism, on rank 0: sends every forward's plan to the other ranks
