@@ -224,15 +224,16 @@ def _spec(w) -> LoadSpec:
     return make_spec(**spec_kwargs(w))
 
 
-def server_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """{pid: (its command line, CPU seconds so far)} for the launched server's process and its descendants."""
+def server_cpu(pid: int) -> dict[int, tuple[str, str, float]]:
+    """{pid: (its name, its command line, CPU seconds so far)} for the launched server's process and its
+    descendants (kvscope names its API server processes kvscope-api<i> and its engine kvscope-core)."""
     out = {}
     try:
         root = psutil.Process(pid)
         for p in [root] + root.children(recursive=True):
             try:
                 t = p.cpu_times()
-                out[p.pid] = (" ".join(p.cmdline()), t.user + t.system)
+                out[p.pid] = (p.name(), " ".join(p.cmdline()), t.user + t.system)
             except psutil.Error:
                 pass
     except psutil.Error:
@@ -310,13 +311,12 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
     n_chunks = sum(len(r.metrics.token_times) for r in records)
     chunks = {"n": n_chunks, "tokens_per_chunk": s["output_tokens"] / n_chunks if n_chunks else None,
               "gap_p50_ms": _pct([g for g, _, _ in gaps], 50), "gap_p99_ms": _pct([g for g, _, _ in gaps], 99)}
-    procs = [dict(pid=pid, cmd=cmd[-160:], cpu_s=round(cpu - cpu_before[pid][1], 3),
-                  busy=round((cpu - cpu_before[pid][1]) / t_cpu, 3))
-             for pid, (cmd, cpu) in cpu_after.items() if pid in cpu_before]
-    cmd = cpu_after.get(server_pid, ("", 0.0))[0]
-    if "api_server" in cmd and "--api-server-count" not in cmd and n_chunks:      # one API process: the launched one
-        api = next(p for p in procs if p["pid"] == server_pid)
-        chunks["api_cpu_us_per_chunk"] = 1e6 * api["cpu_s"] / n_chunks
+    procs = [dict(pid=pid, name=name, cmd=cmd[-160:], cpu_s=round(cpu - cpu_before[pid][2], 3),
+                  busy=round((cpu - cpu_before[pid][2]) / t_cpu, 3))
+             for pid, (name, cmd, cpu) in cpu_after.items() if pid in cpu_before]
+    api = [p for p in procs if p["name"].startswith("kvscope-api")]
+    if api and n_chunks:                           # every API server process's CPU, per chunk streamed
+        chunks["api_cpu_us_per_chunk"] = 1e6 * sum(p["cpu_s"] for p in api) / n_chunks
     return {"target": target.v1, "model": model_name, "duration_s": wall, "itl_tail": itl_tail, "chunks": chunks,
             "client": w.client,
             "client_procs": w.client_procs, "warm_connections": w.warm_connections,

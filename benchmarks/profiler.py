@@ -11,7 +11,8 @@
         the engine's own step events of a throughput run, by step kind           -> profile_steps_<device>
     python benchmarks/profiler.py tiers [--model dummy:llama-3.2-1b] [--num-kv-blocks 256]
         the multi-turn workload one turn at a time with and without the host tier: TTFT, the copies' GPU time
-        and host cost, every kernel class                                -> profile_tiers_<device>_<shape>
+        and host cost, every kernel class; on cuda also the block copies alone (kv_transfer vs a memcpy per
+        block)                                                            -> profile_tiers_<device>_<shape>
     python benchmarks/profiler.py structured [--batch 32] [--mask-threads 0 2 4] [--feed seq par] [--pin 0 1]
         a constrained decode iteration's host phases and GPU busy time           -> profile_structured_<device>
     python benchmarks/profiler.py launch [--batch 32]
@@ -314,6 +315,49 @@ def cmd_steps(args) -> None:
 
 # ---- tiers: the multi-turn workload with and without the host tier -------------------------------------------
 
+def copy_rates(eng, n: int) -> list[dict]:
+    """n random blocks between the engine's pool and its host tier: kv_transfer (one launch, the kernel reading
+    or writing pinned memory) against the copy engines' way (a memcpy per block into staging, then a scatter);
+    host time to issue a call and device time per call (cuda only)."""
+    from engine.kernels.kv_transfer import blocks_view, kv_transfer, pool_view
+    r = eng.runner
+    kv, host = r.kv_cache, r.host_kv
+    g = torch.Generator().manual_seed(0)
+    dev_blocks = torch.randperm(kv.shape[2] - 1, generator=g)[:n] + 1
+    host_blocks = torch.randperm(host.shape[0], generator=g)[:n]
+    d_idx, h_idx = dev_blocks.int().to(kv.device), host_blocks.int().to(kv.device)
+    kvb, hb = kv.view(torch.uint8), host.view(torch.uint8)
+
+    def memcpy_in():
+        staged = torch.empty((n, *hb.shape[1:]), dtype=torch.uint8, device=kv.device)
+        for i, h in enumerate(host_blocks.tolist()):
+            staged[i].copy_(hb[h], non_blocking=True)
+        kvb.index_copy_(2, dev_blocks.to(kv.device), staged.movedim(0, 2))
+
+    calls = {"memcpy per block, in": memcpy_in,
+             "kv_transfer, in": lambda: kv_transfer(blocks_view(host), pool_view(kv), h_idx, d_idx),
+             "kv_transfer, out": lambda: kv_transfer(pool_view(kv), blocks_view(host), d_idx, h_idx)}
+    block_bytes = hb[0].numel()
+    rows = []
+    for name, fn in calls.items():
+        for _ in range(3):
+            fn()
+        sync()
+        reps = 20
+        t = time.perf_counter()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        host_us = (time.perf_counter() - t) / reps * 1e6
+        e1.record()
+        sync()
+        dev_us = e0.elapsed_time(e1) / reps * 1e3
+        rows.append(dict(copy=name, blocks=n, block_mib=block_bytes / 2**20, host_us=host_us, device_us=dev_us,
+                         gb_s=n * block_bytes / dev_us / 1e3))
+    return rows
+
+
 def cmd_tiers(args) -> None:
     """bench_kv_tiers.py's multi-turn workload, one turn at a time, with and without the host tier. Per config:
     a warm-up, an unprofiled run (its TTFT is the benchmark's), then a run under torch.profiler: the GPU time per
@@ -330,6 +374,11 @@ def cmd_tiers(args) -> None:
         multi_turn(eng, users, 2, turn_len, answer, seed=1, together=False)             # warm-up
         eng.close()
         eng = engine()
+        if extra and eng.device.type == "cuda":
+            copies = copy_rates(eng, args.copy_blocks)
+            print("== the host tier's block copies alone")
+            print_table(copies, ["copy", "blocks", "block_mib", "host_us", "device_us", "gb_s"])
+            tables["copies"] = copies
         plain = multi_turn(eng, users, args.turns, turn_len, answer, seed=0, together=False)
         eng.close()
         eng = engine()
@@ -789,6 +838,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--offload-gib", type=float, default=2.0)
+    p.add_argument("--copy-blocks", type=int, default=52, help="blocks per call in the copy-rate table (a turn's "
+                   "prefix on the 1B default)")
     p.set_defaults(fn=cmd_tiers)
 
     p = sub.add_parser("structured", help="a constrained decode iteration's host phases and GPU busy time")

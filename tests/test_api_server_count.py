@@ -120,14 +120,16 @@ def test_a_killed_engine_core_behind_two_api_servers_is_replaced():
     core, each server attaches to it, and requests are served again."""
     import psutil
     with _two_api_servers() as (proc, url):
-        def workers() -> list:
-            """The launcher's engine core and API servers (not multiprocessing's resource tracker), oldest first:
-            the core starts before the servers."""
-            kids = [p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-            return sorted(kids, key=lambda p: p.create_time())
+        def workers() -> dict:
+            """The launcher's engine core and API servers by their process names (not multiprocessing's
+            resource tracker)."""
+            kids = [(p.name(), p) for p in psutil.Process(proc.pid).children()]
+            return {name: p for name, p in kids if name.startswith("kvscope-")}
 
         _serve(url, 4)
-        core = workers()[0]
+        first = workers()
+        assert sorted(first) == ["kvscope-api0", "kvscope-api1", "kvscope-core"]
+        core = first["kvscope-core"]
         core.kill()
         deadline = time.monotonic() + 30           # not our child: poll until the launcher has reaped it
         while core.is_running() and core.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
@@ -136,7 +138,7 @@ def test_a_killed_engine_core_behind_two_api_servers_is_replaced():
         _healthy_within(proc, url, 240)
         _serve(url, 6)
         now = workers()
-        assert len(now) == 3 and core.pid not in {p.pid for p in now}
+        assert sorted(now) == sorted(first) and now["kvscope-core"].pid != core.pid
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -147,3 +149,16 @@ def _samples(text: str) -> dict[str, float]:
         for s in fam.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def test_api_server_count_defaults_to_several_for_one_gpu_engine_only():
+    from engine.entrypoints.openai.api_server import GPU_API_SERVER_COUNT, default_api_server_count
+    gpu = EngineConfig(model="dummy:tiny")                       # device "auto"
+    assert default_api_server_count(gpu, True, 16, cuda=True) == GPU_API_SERVER_COUNT > 1
+    assert default_api_server_count(gpu, True, 16, cuda=False) == 1                  # no GPU here
+    assert default_api_server_count(EngineConfig(model="dummy:tiny", device="cpu"), True, 16, cuda=True) == 1
+    assert default_api_server_count(gpu, False, 16, cuda=True) == 1                 # --no-engine-process
+    assert default_api_server_count(gpu, True, 2 * GPU_API_SERVER_COUNT - 1, cuda=True) == 1   # too few cores
+    assert default_api_server_count(gpu, True, None, cuda=True) == 1
+    for parallel in (dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
+        assert default_api_server_count(EngineConfig(model="dummy:tiny", **parallel), True, 16, cuda=True) == 1

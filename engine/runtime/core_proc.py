@@ -31,6 +31,7 @@ import time
 
 from engine.runtime.async_engine import EngineLoop
 from engine.runtime.gc_utils import freeze_gc_heap
+from engine.runtime.process_name import set_process_name
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -169,6 +170,7 @@ def watch_parent(ppid: int) -> None:
 def core_main(config: dict, conns) -> None:
     """The child process: build the engine, say ready (or why not) on every client's pipe, then serve the
     pipes until the last client has left. `conns`: one pipe, or a list of them (one per serving process)."""
+    set_process_name("kvscope-core")
     logging.basicConfig(level=logging.WARNING)
     conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
     try:

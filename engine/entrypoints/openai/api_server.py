@@ -24,10 +24,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from typing import Callable
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -35,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.runtime.async_engine import EngineLoop
 from engine.runtime.gc_utils import freeze_gc_heap
+from engine.runtime.process_name import set_process_name
 from engine.config import EngineConfig, add_cli_args
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, check_exposure
@@ -55,6 +58,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 # enough that streamed tokens arrive about every 4 ms (offline LLM.generate keeps whole blocks).
 SERVER_ENGINE_DEFAULTS = {"max_waiting_requests": 256, "multi_step_max_ms": 4.0}
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+GPU_API_SERVER_COUNT = 4        # --api-server-count on a GPU (docs/serving.md, "One API server process or four")
 
 
 class ApiMiddleware:
@@ -330,9 +334,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process (default), so HTTP, JSON and SSE work never shares "
                         "a GIL with the engine; --no-engine-process runs it on a thread of this process")
-    g.add_argument("--api-server-count", type=int, default=1,
-                   help="API server processes sharing the port in front of the one engine process (launcher.py)")
+    g.add_argument("--api-server-count", type=int, default=None,
+                   help="API server processes sharing the port in front of the one engine process (launcher.py); "
+                        f"default: {GPU_API_SERVER_COUNT} for one engine on a GPU with {GPU_API_SERVER_COUNT * 2}+ "
+                        "cores (each process streams ~10k chunks/s), else 1")
     add_http_args(g)
+
+
+def default_api_server_count(config: EngineConfig, engine_process: bool, cpus: int | None, cuda: bool) -> int:
+    """--api-server-count's default: several processes where one engine on a GPU streams faster than one API
+    process can write (about 100 µs of its CPU per SSE chunk), and the cores are there; else 1.
+    cuda: whether this machine has a CUDA device."""
+    pc = config.parallel_config
+    on_gpu = config.model_config.device != "cpu" and cuda
+    if on_gpu and engine_process and pc.tensor_parallel_size == 1 and pc.data_parallel_size == 1 \
+            and (cpus or 1) >= 2 * GPU_API_SERVER_COUNT:
+        return GPU_API_SERVER_COUNT
+    return 1
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -372,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.parallel_config.tensor_parallel_size > 1:
         from engine.distributed.worker import serve_if_worker
         serve_if_worker()                   # torchrun, ranks > 0: a tensor-parallel worker, never a server
+    if args.api_server_count is None:
+        args.api_server_count = default_api_server_count(config, args.engine_process, os.cpu_count(),
+                                                         torch.cuda.is_available())
     if args.api_server_count != 1:
         if args.api_server_count < 1 or not args.engine_process:
             parser.error(f"--api-server-count: must be >= 1, and > 1 needs the engine process "
@@ -402,6 +423,7 @@ def main(argv: list[str] | None = None) -> None:
              app.state.kvscope_api.model_name_of(loop), args.host, args.port,
              loop.config.scheduler_config.max_waiting_requests)
     freeze_gc_heap()
+    set_process_name("kvscope-api0")
     try:
         uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
                                       **limits.uvicorn_kwargs())).run(sockets=[sock])

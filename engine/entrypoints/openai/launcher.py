@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 
 from engine.config import EngineConfig
 from engine.runtime.gc_utils import freeze_gc_heap
+from engine.runtime.process_name import set_process_name
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def _api_server(make_app, args: dict, config: dict, conn, ctrl, sock: socket.soc
     import uvicorn
 
     from engine.runtime.core_client import EngineCoreClient
+    set_process_name(f"kvscope-api{index}")
     ns = argparse.Namespace(**args)
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
     # a new engine process's pipe arrives as a file descriptor (SCM_RIGHTS), nothing unpickled
