@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import device_name, print_table, slug, write_json  # noqa: E402
 from engine import LLMEngine, SamplingParams  # noqa: E402
+from engine.runtime.llm_engine import resolve_device  # noqa: E402
 
 
 def drive(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -94,60 +95,71 @@ def main(argv=None) -> dict:
     ap.add_argument("--turns", type=int, default=8, help="multi-turn: rounds of conversation per user")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per configuration (multi-turn and burst), in rotating order; the median is reported")
+    ap.add_argument("--workloads", default="capacity,multi-turn,burst", help="which to run, comma-separated")
     args = ap.parse_args(argv)
+    workloads = set(args.workloads.split(","))
+    unknown = workloads - {"capacity", "multi-turn", "burst"}
+    if unknown:
+        ap.error(f"--workloads: unknown {sorted(unknown)} (capacity, multi-turn, burst)")
     base = dict(model=args.model, device=args.device, block_size=16)
     rows, res = [], {}
 
     # capacity at the same budget
-    for kv in ("auto", "fp8"):
-        eng = LLMEngine(**base, kv_cache_dtype=kv, max_model_len=2048)
-        res[f"capacity_{kv}"] = dict(blocks=eng.num_blocks, kv_format=str(eng.runner.kv_dtype).replace("torch.", ""),
-                                     bytes_per_token=eng.slot_bytes)
-        cuda = eng.device.type == "cuda"
-        eng.close()
+    if "capacity" in workloads:
+        for kv in ("auto", "fp8"):
+            eng = LLMEngine(**base, kv_cache_dtype=kv, max_model_len=2048)
+            res[f"capacity_{kv}"] = dict(blocks=eng.num_blocks, bytes_per_token=eng.slot_bytes,
+                                         kv_format=str(eng.runner.kv_dtype).replace("torch.", ""))
+            eng.close()
+        rows.append(dict(workload="capacity", config=f"{res['capacity_auto']['kv_format']} KV",
+                         blocks=res["capacity_auto"]["blocks"]))
+        rows.append(dict(workload="capacity", config="fp8 KV", blocks=res["capacity_fp8"]["blocks"]))
+    cuda = resolve_device(args.device).type == "cuda"
     nb = args.num_kv_blocks or (256 if cuda else 64)
-    rows.append(dict(workload="capacity", config=f"{res['capacity_auto']['kv_format']} KV",
-                     blocks=res["capacity_auto"]["blocks"]))
-    rows.append(dict(workload="capacity", config="fp8 KV", blocks=res["capacity_fp8"]["blocks"]))
 
     # multi-turn: each user's conversation grows by a turn and an answer per round; all of them together end
     # at ~4x the device pool
     users, turn_len, answer, max_len = multi_turn_shape(nb, args.turns, args.scale)
-    configs = [("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))]
-    for arrival, together in (("a round at once", True), ("one turn at a time", False)):
-        runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
-        for rep in range(args.repeats):              # alternating order: neither configuration always goes first
-            for name, extra in (configs if rep % 2 == 0 else configs[::-1]):
-                eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=max_len, **extra)
-                runs[name].append(multi_turn(eng, users, args.turns, turn_len, answer, seed=0, together=together))
-                eng.close()
-        key = "multi_turn" if together else "multi_turn_serial"
-        for name, _ in configs:
-            r = median_run(runs[name], "ttft_mean_s")
-            res[f"{key}_{name}"] = r
-            rows.append(dict(workload=f"multi-turn, {arrival}", config=name, **r))
+    if "multi-turn" in workloads:
+        configs = [("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))]
+        for arrival, together in (("a round at once", True), ("one turn at a time", False)):
+            runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+            for rep in range(args.repeats):          # alternating order: neither configuration always goes first
+                for name, extra in (configs if rep % 2 == 0 else configs[::-1]):
+                    eng = LLMEngine(**base, num_kv_blocks=nb, max_model_len=max_len, **extra)
+                    runs[name].append(multi_turn(eng, users, args.turns, turn_len, answer, seed=0,
+                                                 together=together))
+                    eng.close()
+            key = "multi_turn" if together else "multi_turn_serial"
+            for name, _ in configs:
+                r = median_run(runs[name], "ttft_mean_s")
+                res[f"{key}_{name}"] = r
+                rows.append(dict(workload=f"multi-turn, {arrival}", config=name, **r))
 
     # burst: oversubscribed, swap vs recompute vs the cost model; the same prompts for each, the modes in
     # rotating order, the run of median throughput reported
-    n = max(4, int(32 * args.scale))
-    prompt_len = max(32, nb * 16 // n * 2)
-    modes = ("recompute", "swap", "auto")
-    bursts: dict[str, list[dict]] = {m: [] for m in modes}
-    prompts = None
-    for rep in range(args.repeats):
-        for mode in modes[rep % 3:] + modes[:rep % 3]:
-            # every prompt admitted at once (a small pool would otherwise derive a max_num_seqs that never preempts)
-            eng = LLMEngine(**base, num_kv_blocks=nb, kv_offload_gib=args.offload_gib, preemption_mode=mode,
-                            max_model_len=max_len, max_num_seqs=n)
-            if prompts is None:
-                rng = random.Random(1)
-                prompts = [[rng.randrange(eng.arch_config.vocab_size) for _ in range(prompt_len)] for _ in range(n)]
-            bursts[mode].append(drive(eng, prompts, max_tokens=max(16, prompt_len // 2)))
-            eng.close()
-    for mode in modes:
-        r = median_run(bursts[mode], "out_tok_s")
-        res[f"burst_{mode}"] = r
-        rows.append(dict(workload="burst", config=f"preemption {mode}", **r))
+    if "burst" in workloads:
+        n = max(4, int(32 * args.scale))
+        prompt_len = max(32, nb * 16 // n * 2)
+        modes = ("recompute", "swap", "auto")
+        bursts: dict[str, list[dict]] = {m: [] for m in modes}
+        prompts = None
+        for rep in range(args.repeats):
+            for mode in modes[rep % 3:] + modes[:rep % 3]:
+                # every prompt admitted at once (a small pool would otherwise derive a max_num_seqs that never
+                # preempts)
+                eng = LLMEngine(**base, num_kv_blocks=nb, kv_offload_gib=args.offload_gib, preemption_mode=mode,
+                                max_model_len=max_len, max_num_seqs=n)
+                if prompts is None:
+                    rng = random.Random(1)
+                    vocab = eng.arch_config.vocab_size
+                    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(n)]
+                bursts[mode].append(drive(eng, prompts, max_tokens=max(16, prompt_len // 2)))
+                eng.close()
+        for mode in modes:
+            r = median_run(bursts[mode], "out_tok_s")
+            res[f"burst_{mode}"] = r
+            rows.append(dict(workload="burst", config=f"preemption {mode}", **r))
     cols = ["workload", "config", "blocks", "ttft_mean_s", "out_tok_s", "wall_s", "preemptions", "swaps",
             "prefix_hit_pct", "blocks_offloaded", "blocks_fetched"]
     print_table(rows, cols)
