@@ -365,7 +365,7 @@ def cmd_tiers(args) -> None:
     from benchmarks.bench_kv_tiers import multi_turn, multi_turn_shape
     from engine import LLMEngine
     users, turn_len, answer, max_len = multi_turn_shape(args.num_kv_blocks, args.turns)
-    rows, tables = [], {}
+    rows, tables, steps_rows = [], {}, []
     for name, extra in (("no host tier", {}), ("host tier", dict(kv_offload_gib=args.offload_gib))):
         def engine():
             return LLMEngine(model=args.model, device=args.device, block_size=16, num_kv_blocks=args.num_kv_blocks,
@@ -379,8 +379,27 @@ def cmd_tiers(args) -> None:
             print("== the host tier's block copies alone")
             print_table(copies, ["copy", "blocks", "block_mib", "host_us", "device_us", "gb_s"])
             tables["copies"] = copies
+        prefill_steps = []
+
+        def on_event(e, steps=prefill_steps):
+            if getattr(e, "kind", "") == "step" and e.num_prefill_tokens:
+                steps.append(e)
+        eng.events.subscribe(on_event)
         plain = multi_turn(eng, users, args.turns, turn_len, answer, seed=0, together=False)
         eng.close()
+        n = max(1, len(prefill_steps))
+        phases = defaultdict(float)
+        for e in prefill_steps:
+            phases["step"] += (e.end - e.start) * 1e3 / n
+            phases["prefill tokens"] += e.num_prefill_tokens / n
+            phases["MiB in"] += e.bytes_swapped_in / 2**20 / n
+            for k, v in e.timings.items():
+                phases[k] += v * 1e3 / n
+        steps_rows.append(dict(config=name, steps=len(prefill_steps), **phases))
+        if not args.torch_profile:
+            rows.append(dict(config=name, ttft_ms=plain["ttft_mean_s"] * 1e3, wall_s=plain["wall_s"],
+                             fetched=plain["blocks_fetched"], offloaded=plain["blocks_offloaded"]))
+            continue
         eng = engine()
         spent = {"swap_blocks": 0.0, "calls": 0}
         swap = eng.runner.swap_blocks
@@ -409,6 +428,9 @@ def cmd_tiers(args) -> None:
         print_table(cls_rows, ["cls", "ms", "pct", "kernels"])
         print(f"== {name}: host time by op, self (profiled run)")
         print_table(host_rows, ["op", "ms", "calls"])
+    print("== the turns' prefill steps (unprofiled run), mean ms per step by region")
+    print_table(steps_rows, list(dict.fromkeys(k for r in steps_rows for k in r)))
+    tables["prefill_steps"] = steps_rows
     print_table(rows, ["config", "ttft_ms", "wall_s", "profiled_ttft_ms", "profiled_wall_s", "device_ms",
                        "swap_host_ms", "swap_calls", "fetched", "offloaded"])
     dev = device_name(args.device)
@@ -838,6 +860,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--offload-gib", type=float, default=2.0)
+    p.add_argument("--torch-profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also a run under torch.profiler per config (its kernel and host-op tables)")
     p.add_argument("--copy-blocks", type=int, default=52, help="blocks per call in the copy-rate table (a turn's "
                    "prefix on the 1B default)")
     p.set_defaults(fn=cmd_tiers)
