@@ -11,8 +11,9 @@
 #             shared 512-token system prompt (prefix-cache heavy)
 #     client  no engine: the openai client against a server that streams every chunk at once (its own cost)
 #   TARGETS=vllm,kvscope (default) picks the servers, in order; also kvscope-s256 (max_num_seqs 256, the old
-#   default), kvscope-ms50 (multi-step blocks up to 50 ms; the server's default is 4 ms) and kvscope-api4 (4 API
-#   server processes). Split a part that runs long by TARGETS.
+#   default), kvscope-ms50 (multi-step blocks up to 50 ms; the server's default is 4 ms), kvscope-api1 (one API
+#   server process; on a GPU the default is 4) and kvscope-api4 (4, set explicitly). Split a part that runs long by
+#   TARGETS.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
@@ -37,8 +38,9 @@ target_args() {
       kvscope) TARGET_ARGS+=(--target kvscope=launch) ;;
       kvscope-s256) TARGET_ARGS+=(--target kvscope-s256=launch:--max-num-seqs=256) ;;
       kvscope-ms50) TARGET_ARGS+=(--target kvscope-ms50=launch:--multi-step-max-ms=50) ;;
+      kvscope-api1) TARGET_ARGS+=(--target kvscope-api1=launch:--api-server-count=1) ;;
       kvscope-api4) TARGET_ARGS+=(--target kvscope-api4=launch:--api-server-count=4) ;;
-      *) echo "unknown target $t (vllm, kvscope, kvscope-s256, kvscope-ms50, kvscope-api4)"; exit 2 ;;
+      *) echo "unknown target $t (vllm, kvscope, kvscope-s256, kvscope-ms50, kvscope-api1, kvscope-api4)"; exit 2 ;;
     esac
   done
 }
