@@ -778,7 +778,9 @@ class LLMEngine:
         self.drafter = self.fast_verify = self.output_processor.drafter = self.multi_step.drafter = None
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
-        self.runner.kv_cache = None
+        if self.runner.copy_stream is not None:
+            self.runner.copy_stream.synchronize()      # its kernels write the host tier, freed below
+        self.runner.kv_cache = self.runner.host_kv = None
         self.model = self.runner.model = None
         gc.collect()
         if self.device.type == "cuda":
