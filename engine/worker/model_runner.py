@@ -194,35 +194,35 @@ class ModelRunner:
             return
         n_out, n_in = len(blocks_out), len(blocks_in)
         pool, host = pool_view(self.kv_cache), blocks_view(self.host_kv)
+        rows = list(range(min(n_out, SWAP_STAGING_BLOCKS)))          # staging rows of the blocks out
         idx = torch.tensor([d for d, _ in blocks_out] + [h for _, h in blocks_out] + [h for h, _ in blocks_in]
-                           + [d for _, d in blocks_in] + list(range(min(n_out, SWAP_STAGING_BLOCKS))),
-                           dtype=torch.int32)
+                           + [d for _, d in blocks_in] + rows, dtype=torch.int32)
+        sizes = [n_out, n_out, n_in, n_in, len(rows)]
         self.bytes_swapped[0] += n_out * host.block * 4
         self.bytes_swapped[1] += n_in * host.block * 4
         if self.copy_stream is None:
-            out_dev, out_host, in_host, in_dev, _ = idx.split([n_out, n_out, n_in, n_in, len(idx) - 2 * (n_out + n_in)])
+            out_dev, out_host, in_host, in_dev, _ = idx.split(sizes)
             kv_transfer_ref(pool, host, out_dev, out_host)
             kv_transfer_ref(host, pool, in_host, in_dev)
             return
         idx = idx.pin_memory().to(self.device, non_blocking=True)
-        out_dev, out_host, in_host, in_dev, rows = idx.split([n_out, n_out, n_in, n_in, len(idx) - 2 * (n_out + n_in)])
+        out_dev, out_host, in_host, in_dev, rows = idx.split(sizes)
         main, side = torch.cuda.current_stream(self.device), self.copy_stream
         staged = None
+        if n_out > SWAP_STAGING_BLOCKS or n_in:
+            main.wait_stream(side)                   # earlier steps' blocks out have reached the host
         if 0 < n_out <= SWAP_STAGING_BLOCKS:
             staged = torch.empty((n_out, *self.host_kv.shape[1:]), dtype=self.kv_dtype, device=self.device)
             kv_transfer(pool, blocks_view(staged), out_dev, rows)
         elif n_out:                                  # (a long preemption: straight to the host, no staging)
             kv_transfer(pool, host, out_dev, out_host)
-        if n_in:
-            main.wait_stream(side)                   # earlier steps' blocks out have reached the host
-            kv_transfer(host, pool, in_host, in_dev)
+        kv_transfer(host, pool, in_host, in_dev)
         if staged is not None:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 kv_transfer(blocks_view(staged), host, rows, out_host)
             staged.record_stream(side)
             idx.record_stream(side)
-
 
     def pop_swap_bytes(self) -> tuple[int, int]:
         out, self.bytes_swapped = tuple(self.bytes_swapped), [0, 0]
