@@ -90,7 +90,8 @@ def test_host_tier_prefix_fetches_match_recompute_on_gpu(kv):
         eng.close()
     assert runs["host tier stats"]["fetched"] > 0 and runs["host tier stats"]["offloaded"] > 0
     same = sum(a == b for a, b in zip(runs["host tier"], runs["no tier"]))
-    assert same >= len(runs["no tier"]) - (1 if kv == "auto" else 2)     # a near-tie may flip: prefill vs decode rounding
+    # a near-tie may flip: the prefix's KV from decode steps against from one prefill, rounded differently
+    assert same >= len(runs["no tier"]) - (1 if kv == "auto" else 2)
 
 
 def test_multi_step_matches_single_step():

@@ -11,7 +11,8 @@ FNS = (kv_transfer,) if DEVICE == "cuda" else (kv_transfer, kv_transfer_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("L, N, bs, Hk, D, Nh, n", [(3, 7, 5, 3, 12, 9, 4), (1, 2, 16, 1, 4, 3, 2), (2, 33, 3, 2, 8, 40, 17)])
+@pytest.mark.parametrize("L, N, bs, Hk, D, Nh, n",
+                         [(3, 7, 5, 3, 12, 9, 4), (1, 2, 16, 1, 4, 3, 2), (2, 33, 3, 2, 8, 40, 17)])
 def test_transfer_matches_indexing(dtype, L, N, bs, Hk, D, Nh, n):
     g = torch.Generator().manual_seed(N * 31 + n)
     kv = torch.randn(2, L, N, bs, Hk, D, generator=g).to(dtype).to(DEVICE)

@@ -194,10 +194,11 @@ class ModelRunner:
             return
         n_out, n_in = len(blocks_out), len(blocks_in)
         pool, host = pool_view(self.kv_cache), blocks_view(self.host_kv)
-        rows = list(range(min(n_out, SWAP_STAGING_BLOCKS)))          # staging rows of the blocks out
+        n_staged = n_out if n_out <= SWAP_STAGING_BLOCKS else 0
+        # one index tensor, split below: out (device, host), in (host, device), and the staging buffer's rows
         idx = torch.tensor([d for d, _ in blocks_out] + [h for _, h in blocks_out] + [h for h, _ in blocks_in]
-                           + [d for _, d in blocks_in] + rows, dtype=torch.int32)
-        sizes = [n_out, n_out, n_in, n_in, len(rows)]
+                           + [d for _, d in blocks_in] + list(range(n_staged)), dtype=torch.int32)
+        sizes = [n_out, n_out, n_in, n_in, n_staged]
         self.bytes_swapped[0] += n_out * host.block * 4
         self.bytes_swapped[1] += n_in * host.block * 4
         if self.copy_stream is None:
@@ -209,10 +210,10 @@ class ModelRunner:
         out_dev, out_host, in_host, in_dev, rows = idx.split(sizes)
         main, side = torch.cuda.current_stream(self.device), self.copy_stream
         staged = None
-        if n_out > SWAP_STAGING_BLOCKS or n_in:
+        if n_out > n_staged or n_in:
             main.wait_stream(side)                   # earlier steps' blocks out have reached the host
-        if 0 < n_out <= SWAP_STAGING_BLOCKS:
-            staged = torch.empty((n_out, *self.host_kv.shape[1:]), dtype=self.kv_dtype, device=self.device)
+        if n_staged:
+            staged = torch.empty((n_staged, *self.host_kv.shape[1:]), dtype=self.kv_dtype, device=self.device)
             kv_transfer(pool, blocks_view(staged), out_dev, rows)
         elif n_out:                                  # (a long preemption: straight to the host, no staging)
             kv_transfer(pool, host, out_dev, out_host)
