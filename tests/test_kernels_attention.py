@@ -2,6 +2,8 @@
 
 CPU: under the Triton interpreter with small shapes; GPU (TRITON_INTERPRET=0 and CUDA): full sizes, bf16 too.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,6 +59,25 @@ def test_paged_attention_mixed_split_decodes(dtype):
     # decodes of a mixed batch through the varlen split-K kernel, one of them a single key
     batch = make_batch([1, 12, 1, 1], [90, 12, 1, 47], bs=8, dtype=dtype, **SMALL)
     _check_attention(*batch, dtype, config=dict(decode_splits=4))
+
+
+@pytest.mark.parametrize("empty", [1, 7])
+def test_paged_attention_trailing_empty_sequences(empty):
+    # a mixed CUDA graph's layout: sequence slots past the step's own hold no queries (cu_seqlens_q = T, length
+    # 0); their programs return at once and the real rows are unchanged
+    q, kc, vc, md = make_batch([1, 13, 6], [30, 13, 44], bs=4, dtype=torch.float32, **SMALL)
+    B, T = md.num_seqs, q.shape[0]
+    cu = torch.cat([md.cu_seqlens_q, torch.full((empty,), T, dtype=torch.int32, device=DEV)])
+    lens = torch.cat([md.seq_lens, torch.zeros(empty, dtype=torch.int32, device=DEV)])
+    tables = torch.cat([md.block_tables, torch.zeros(empty, md.block_tables.shape[1], dtype=torch.int32,
+                                                     device=DEV)])
+    slots = dataclasses.replace(md, cu_seqlens_q=cu, seq_lens=lens, block_tables=tables, q_lens=md.q_lens + [0] * empty,
+                                seq_lens_cpu=md.seq_lens_cpu + [0] * empty)
+    scale = q.shape[-1] ** -0.5
+    out = torch.full(q.shape, float("nan"), device=DEV, dtype=torch.float32)
+    tk.paged_attention(q, kc, vc, slots, scale, out=out)
+    ref = paged_attention_ref(q.double(), kc.double(), vc.double(), md, scale)
+    assert slots.num_seqs == B + empty and rel_err(out, ref) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("H,Hk,D", [(4, 4, 16), (8, 1, 24)])  # no GQA; MQA with D not a power of two

@@ -32,6 +32,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # sequence i owns programs [cu_q[i] // BQ + i, cu_q[i+1] // BQ + i + 1): at least cdiv(q_len, BQ)
+    # A trailing sequence with no queries (a mixed CUDA graph's unused slots: cu_q[j] = T) owns just program
+    # T // BQ + j: found with two loads, not a binary search over every slot
+    total = tl.load(cu_q_ptr + num_seqs)
+    j = pid - total // BQ
+    if (j >= 0) & (j < num_seqs):
+        if tl.load(cu_q_ptr + j) == total:
+            return
     lo = pid * 0
     hi = lo + num_seqs - 1
     while lo < hi:
