@@ -59,33 +59,16 @@ def _kv_transfer_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, src_block, s
     tl.store(dst_ptr + db * dst_block + s * dst_slice + offs, x, mask=mask)
 
 
-# compiled kernels by route (the views' geometry and alignment, the tile): a step's launches skip the JIT's
-# per-call argument binding, which costs more host time than the copies' issue otherwise would
-_launchers: dict[tuple, object] = {}
-
-
-def kv_transfer(src: BlockView, dst: BlockView, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                stream: torch.cuda.Stream | None = None) -> None:
-    """dst block dst_idx[i] = src block src_idx[i], every slice (int32 indices on the launching device).
-    stream: where it runs on cuda (default: the current stream)."""
+def kv_transfer(src: BlockView, dst: BlockView, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """dst block dst_idx[i] = src block src_idx[i], every slice (int32 indices on the launching device)."""
     assert src.size == dst.size and src.num_slices == dst.num_slices, (src, dst)
     n = src_idx.numel()
     if n == 0:
         return
     BLOCK = min(4096, triton.next_power_of_2(src.size))
     grid = (n, src.num_slices, triton.cdiv(src.size, BLOCK))
-    args = (src.words, dst.words, src_idx, dst_idx, src.block, src.slice, dst.block, dst.slice, src.size, BLOCK)
-    if stream is None or src.words.device.type != "cuda":
-        _kv_transfer_kernel[grid](*args[:-1], BLOCK=BLOCK, num_warps=4)
-        return
-    key = (src.words.device.index, src.block, src.slice, dst.block, dst.slice, src.size,
-           src.words.data_ptr() % 16, dst.words.data_ptr() % 16)
-    launch = _launchers.get(key)
-    if launch is None:
-        with torch.cuda.stream(stream):
-            _launchers[key] = _kv_transfer_kernel[grid](*args[:-1], BLOCK=BLOCK, num_warps=4)
-        return
-    launch[grid](*args, stream=stream.cuda_stream)
+    _kv_transfer_kernel[grid](src.words, dst.words, src_idx, dst_idx, src.block, src.slice, dst.block, dst.slice,
+                              src.size, BLOCK=BLOCK, num_warps=4)
 
 
 def kv_transfer_ref(src: BlockView, dst: BlockView, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:

@@ -47,13 +47,6 @@ class ModelRunner:
                                    dtype=self.kv_dtype, pin_memory=device.type == "cuda") if num_host_blocks else None
         self.copy_stream = torch.cuda.Stream(device) if num_host_blocks and device.type == "cuda" else None
         self.bytes_swapped = [0, 0]     # (out, in) since the last pop_swap_bytes()
-        if num_host_blocks:
-            self.pool_blocks, self.host_blocks = pool_view(self.kv_cache), blocks_view(self.host_kv)
-            self.staging_rows = torch.arange(SWAP_STAGING_BLOCKS, dtype=torch.int32, device=device)
-        # on cuda, a step's block indices go to the device from one of two pinned buffers, taken in turn: each is
-        # refilled once the copy that read it has run (an event)
-        self.swap_idx: list[torch.Tensor] = []
-        self.swap_idx_read: list = [None, None]
         if self.copy_stream is not None:    # compile the block copies now, not in the first step that swaps
             self.swap_blocks([(0, 0)], [])
             self.swap_blocks([], [(0, 0)])  # (block 0 round trips: its content is unchanged)
@@ -200,52 +193,37 @@ class ModelRunner:
         if not blocks_out and not blocks_in:
             return
         n_out, n_in = len(blocks_out), len(blocks_in)
-        pool, host = self.pool_blocks, self.host_blocks
+        pool, host = pool_view(self.kv_cache), blocks_view(self.host_kv)
+        n_staged = n_out if n_out <= SWAP_STAGING_BLOCKS else 0
+        # one index tensor, split below: out (device, host), in (host, device), and the staging buffer's rows
+        idx = torch.tensor([d for d, _ in blocks_out] + [h for _, h in blocks_out] + [h for h, _ in blocks_in]
+                           + [d for _, d in blocks_in] + list(range(n_staged)), dtype=torch.int32)
+        sizes = [n_out, n_out, n_in, n_in, n_staged]
         self.bytes_swapped[0] += n_out * host.block * 4
         self.bytes_swapped[1] += n_in * host.block * 4
-        pairs = np.array(blocks_out + blocks_in, dtype=np.int32)              # [n_out + n_in, 2]
-        # [out: device | host | in: host | device]
-        idx = np.concatenate([pairs[:n_out, 0], pairs[:n_out, 1], pairs[n_out:, 0], pairs[n_out:, 1]])
-        sizes = [n_out, n_out, n_in, n_in]
         if self.copy_stream is None:
-            out_dev, out_host, in_host, in_dev = torch.from_numpy(idx).split(sizes)
+            out_dev, out_host, in_host, in_dev, _ = idx.split(sizes)
             kv_transfer_ref(pool, host, out_dev, out_host)
             kv_transfer_ref(host, pool, in_host, in_dev)
             return
-        out_dev, out_host, in_host, in_dev = self._indices_to_device(idx).split(sizes)
+        idx = idx.pin_memory().to(self.device, non_blocking=True)
+        out_dev, out_host, in_host, in_dev, rows = idx.split(sizes)
         main, side = torch.cuda.current_stream(self.device), self.copy_stream
-        n_staged = n_out if n_out <= SWAP_STAGING_BLOCKS else 0
+        staged = None
         if n_out > n_staged or n_in:
             main.wait_stream(side)                   # earlier steps' blocks out have reached the host
         if n_staged:
             staged = torch.empty((n_staged, *self.host_kv.shape[1:]), dtype=self.kv_dtype, device=self.device)
-            staged_blocks, rows = blocks_view(staged), self.staging_rows[:n_staged]
-            kv_transfer(pool, staged_blocks, out_dev, rows, main)
+            kv_transfer(pool, blocks_view(staged), out_dev, rows)
         elif n_out:                                  # (a long preemption: straight to the host, no staging)
-            kv_transfer(pool, host, out_dev, out_host, main)
-        kv_transfer(host, pool, in_host, in_dev, main)
-        if n_staged:
+            kv_transfer(pool, host, out_dev, out_host)
+        kv_transfer(host, pool, in_host, in_dev)
+        if staged is not None:
             side.wait_stream(main)
-            kv_transfer(staged_blocks, host, rows, out_host, side)
+            with torch.cuda.stream(side):
+                kv_transfer(blocks_view(staged), host, rows, out_host)
             staged.record_stream(side)
-            out_host.record_stream(side)
-
-    def _indices_to_device(self, idx: np.ndarray) -> torch.Tensor:
-        """int32 host indices -> the same on the device, through the next of the two pinned buffers."""
-        if not self.swap_idx or self.swap_idx[0].numel() < idx.size:
-            self.swap_idx = [torch.empty(max(1024, 2 * idx.size), dtype=torch.int32, pin_memory=True)
-                             for _ in range(2)]
-            self.swap_idx_read = [None, None]
-        buf, read = self.swap_idx[0], self.swap_idx_read[0]
-        if read is not None:
-            read.synchronize()                       # (long done: a step that swaps follows a sampled one)
-        buf.numpy()[:idx.size] = idx
-        d = buf[:idx.size].to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.swap_idx = self.swap_idx[::-1]
-        self.swap_idx_read = [self.swap_idx_read[1], event]
-        return d
+            idx.record_stream(side)
 
     def pop_swap_bytes(self) -> tuple[int, int]:
         out, self.bytes_swapped = tuple(self.bytes_swapped), [0, 0]
