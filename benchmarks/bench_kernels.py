@@ -10,6 +10,7 @@ attention rows read e4m3 codes, and the prefill rows also time the products in b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -35,9 +36,10 @@ BF16 = torch.float16 if SMOKE else torch.bfloat16
 H, HK, D, BS = 32, 8, 64, 16
 SIZES = dict(rows=16384, silu=(8192, 8192), decode=((64, 4096), (1, 4096), (4, 4096), (16, 4096), (32, 4096), (128, 4096), (256, 1024)),
              prefill=4096,
-             mixed_decodes=63)
+             mixed_decodes=63,
+             turn=(240, 2140, 256))
 if SMOKE:
-    SIZES = dict(rows=8, silu=(4, 64), decode=((3, 100),), prefill=40, mixed_decodes=2)
+    SIZES = dict(rows=8, silu=(4, 64), decode=((3, 100),), prefill=40, mixed_decodes=2, turn=(8, 40, 7))
 ROWS: list[dict] = []
 
 
@@ -278,6 +280,30 @@ def bench_prefill(ceil, sweep, fp8=False):
             print("    best prefill configs:", [(r["cfg"], round(r["us"], 1), round(r["TFLOPs"], 1)) for r in res[:5]],
                   flush=True)
         del q, kc, vc, md
+    bench_turn_in_mixed_graph(ceil)
+
+
+def bench_turn_in_mixed_graph(ceil):
+    """A chat turn's prefill (a short chunk over a long cached prefix) laid out as a mixed CUDA graph lays out a
+    step: every sequence slot after the step's own is empty (cu_seqlens_q = T, length 0) and still owns a program.
+    Graph replays; `one_sequence_us` is the same chunk launched alone, so the difference is the empty slots' cost."""
+    scale = D ** -0.5
+    q_len, seq_len, empty = SIZES["turn"]
+    q, kc, vc, md = make_batch([q_len], [seq_len])
+    T = q.shape[0]
+    slots = dataclasses.replace(
+        md, cu_seqlens_q=torch.cat([md.cu_seqlens_q, torch.full((empty,), T, dtype=torch.int32, device=DEV)]),
+        seq_lens=torch.cat([md.seq_lens, torch.zeros(empty, dtype=torch.int32, device=DEV)]),
+        block_tables=torch.cat([md.block_tables, torch.zeros(empty, md.block_tables.shape[1], dtype=torch.int32,
+                                                             device=DEV)]),
+        q_lens=md.q_lens + [0] * empty, seq_lens_cpu=md.seq_lens_cpu + [0] * empty)
+    ref_out = torch_ops.paged_attention(q, kc, vc, md, scale)
+    ms, out = graph_replay_ms(lambda: tk.paged_attention(q, kc, vc, slots, scale))
+    alone_ms, _ = graph_replay_ms(lambda: tk.paged_attention(q, kc, vc, md, scale))
+    flops = 4 * H * D * (q_len * (seq_len - q_len) + q_len * (q_len + 1) // 2)
+    main = row("paged_prefill", f"turn {q_len} of {seq_len} +{empty} empty slots H={H}/{HK} D={D}", ms, None,
+               flops=flops, err=rel_err(out, ref_out), ceil=ceil, bound="flop")
+    main["one_sequence_us"] = alone_ms * 1e3
 
 
 def _fmt(e) -> str:
@@ -326,7 +352,8 @@ def main():
                  if "graph_replay_us" in r else "")
               + (f"  decodes-in-prefill {r['decodes_in_prefill_kernel_us']:.1f}us"
                  if "decodes_in_prefill_kernel_us" in r else "")
-              + (f"  bf16 products {r['bf16_products_us']:.1f}us" if "bf16_products_us" in r else ""))
+              + (f"  bf16 products {r['bf16_products_us']:.1f}us" if "bf16_products_us" in r else "")
+              + (f"  one sequence {r['one_sequence_us']:.1f}us" if "one_sequence_us" in r else ""))
     print(f"total {time.time() - t0:.0f} s; json: {path}")
 
 
