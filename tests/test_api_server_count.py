@@ -59,16 +59,16 @@ def test_attached_clients_get_their_own_outputs_and_one_leaving_aborts_only_its_
 
 
 @contextlib.contextmanager
-def _two_api_servers():
-    """`api_server --api-server-count 2` on dummy:tiny -> (the launcher's process, its URL), healthy; stopped with
-    an interrupt after, which must end it cleanly."""
+def _two_api_servers(*extra: str):
+    """`api_server --api-server-count 2 [extra]` on dummy:tiny -> (the launcher's process, its URL), healthy;
+    stopped with an interrupt after, which must end it cleanly."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "engine.entrypoints.openai.api_server", "--port", str(port), "--model", "dummy:tiny",
            "--device", "cpu", "--num-kv-blocks", "128", "--max-model-len", "512", "--api-server-count", "2",
-           "--log-level", "warning"]
+           "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -115,6 +115,20 @@ def test_api_server_count_two_serves_over_http():
 
 
 @pytest.mark.slow
+def test_two_api_servers_in_front_of_two_data_parallel_replicas():
+    """`--data-parallel-size 2 --api-server-count 2`: each server attaches to both engine cores; requests one after
+    another, spread by the kernel over the servers, reach both replicas, and /metrics labels each."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with _two_api_servers("--data-parallel-size", "2") as (_, url):
+        _serve(url, 6)
+        text = httpx.get(url + "/metrics", timeout=30).text
+    per = {s.labels["engine"]: s.value for fam in text_string_to_metric_families(text)
+           for s in fam.samples if s.name == "kvscope:generation_tokens_total"}
+    assert set(per) == {"0", "1"} and sum(per.values()) == 24 and min(per.values()) > 0
+    assert _samples(text)["kvscope:request_success_total"] == 6
+
+
+@pytest.mark.slow
 def test_a_killed_engine_core_behind_two_api_servers_is_replaced():
     """`--api-server-count 2`: the engine core killed, the servers answer 503 meanwhile, the launcher starts a new
     core, each server attaches to it, and requests are served again."""
@@ -151,7 +165,7 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-def test_api_server_count_defaults_to_several_for_one_gpu_engine_only():
+def test_api_server_count_defaults_to_several_for_gpu_engines_without_tensor_parallelism():
     from engine.entrypoints.openai.api_server import GPU_API_SERVER_COUNT, default_api_server_count
     gpu = EngineConfig(model="dummy:tiny")                       # device "auto"
     assert default_api_server_count(gpu, True, 16, cuda=True) == GPU_API_SERVER_COUNT > 1
@@ -160,5 +174,7 @@ def test_api_server_count_defaults_to_several_for_one_gpu_engine_only():
     assert default_api_server_count(gpu, False, 16, cuda=True) == 1                 # --no-engine-process
     assert default_api_server_count(gpu, True, 2 * GPU_API_SERVER_COUNT - 1, cuda=True) == 1   # too few cores
     assert default_api_server_count(gpu, True, None, cuda=True) == 1
-    for parallel in (dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
-        assert default_api_server_count(EngineConfig(model="dummy:tiny", **parallel), True, 16, cuda=True) == 1
+    tp2 = EngineConfig(model="dummy:tiny", tensor_parallel_size=2)
+    assert default_api_server_count(tp2, True, 16, cuda=True) == 1
+    dp2 = EngineConfig(model="dummy:tiny", data_parallel_size=2)                 # every server attaches to both
+    assert default_api_server_count(dp2, True, 16, cuda=True) == GPU_API_SERVER_COUNT

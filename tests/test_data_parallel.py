@@ -22,6 +22,13 @@ def test_router_prefers_the_replica_holding_the_prefix_unless_much_busier():
     assert r.route([1] * (BS - 1), [0, 1]) == 0                # shorter than a block: load alone
 
 
+def test_router_spreads_requests_one_after_another_over_idle_replicas():
+    r = PrefixRouter(3, BS, capacity=1000, imbalance=2)
+    picks = [r.route(list(range(1000 * i, 1000 * i + 40)), [0, 0, 0]) for i in range(6)]
+    assert picks == [0, 1, 2, 0, 1, 2]
+    assert r.route(list(range(9000, 9040)), [1, 0, 1]) == 1      # a load difference still decides
+
+
 def test_router_forgets_the_oldest_blocks_beyond_capacity():
     r = PrefixRouter(2, BS, capacity=4, imbalance=100)
     a, b = list(range(3 * BS)), list(range(1000, 1000 + 3 * BS))

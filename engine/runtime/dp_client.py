@@ -40,17 +40,20 @@ def replica_device(device: str, replica: int, tp: int) -> str:
 
 
 class PrefixRouter:
-    """Least-loaded routing with prefix affinity. loads: each replica's open requests."""
+    """Least-loaded routing with prefix affinity. loads: each replica's open requests; equally loaded replicas take
+    turns, so that requests one after another (or from API servers that each see only their own) spread."""
 
     def __init__(self, num_replicas: int, block_size: int, capacity: int, imbalance: int):
         self.n, self.block_size, self.capacity = num_replicas, block_size, capacity
         self.imbalance = imbalance      # open requests a prefix-holding replica may have beyond the least loaded
         self.owner: OrderedDict[int, int] = OrderedDict()      # block key -> replica that computed it last
         self.prefix_routed = 0          # requests sent where their prefix was cached
+        self._next = 0                  # equally loaded replicas take turns from here
 
     def route(self, token_ids: list[int], loads: list[int]) -> int:
         hashes = prompt_block_hashes(token_ids, self.block_size)
-        least = min(range(self.n), key=lambda r: loads[r])
+        least = min(range(self.n), key=lambda r: (loads[r], (r - self._next) % self.n))
+        self._next = (least + 1) % self.n
         best = least
         for h in reversed(hashes):      # the longest cached prefix: its last block's key names the replica
             r = self.owner.get(h)
@@ -67,27 +70,49 @@ class PrefixRouter:
         return best
 
 
+def replica_configs(config: EngineConfig) -> list[EngineConfig]:
+    """Each replica's config: one engine (data_parallel_size 1) on its own device(s)."""
+    n, tp = config.parallel_config.data_parallel_size, config.parallel_config.tensor_parallel_size
+    if env_launch() is not None:
+        raise ValueError("EngineConfig.data_parallel_size: replicas start their own processes; under torchrun "
+                         "(RANK / WORLD_SIZE set) run one replica per launch")
+    configs = [config.replace(data_parallel_size=1, device=replica_device(config.model_config.device, r, tp))
+               for r in range(n)]
+    if configs[0].model_config.device.startswith("cuda") and n * tp > torch.cuda.device_count():
+        raise ValueError(f"EngineConfig.data_parallel_size: {n} replicas x tensor_parallel_size {tp} need "
+                         f"{n * tp} CUDA devices from {configs[0].model_config.device}, this machine has "
+                         f"{torch.cuda.device_count()}")
+    return configs
+
+
 class DPEngineClient:
     """The serving surface of EngineCoreClient (submit_many, abort, stats, metrics_snapshot, healthy,
-    shutdown, engine) over `data_parallel_size` engine processes."""
+    shutdown, engine) over `data_parallel_size` engine processes: started here, or (`replicas`) clients
+    attached to engine processes that another process started (several API server processes)."""
 
-    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0, **overrides):
+    def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0,
+                 replicas: list[EngineCoreClient] | None = None, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
         elif overrides:
             config = config.replace(**overrides)
-        n, tp = config.parallel_config.data_parallel_size, config.parallel_config.tensor_parallel_size
-        if env_launch() is not None:
-            raise ValueError("EngineConfig.data_parallel_size: replicas start their own processes; under torchrun "
-                             "(RANK / WORLD_SIZE set) run one replica per launch")
         self.requested_config = config
-        configs = [config.replace(data_parallel_size=1, device=replica_device(config.model_config.device, r, tp))
-                   for r in range(n)]
-        if configs[0].model_config.device.startswith("cuda") and n * tp > torch.cuda.device_count():
-            raise ValueError(f"EngineConfig.data_parallel_size: {n} replicas x tensor_parallel_size {tp} need "
-                             f"{n * tp} CUDA devices from {configs[0].model_config.device}, this machine has "
-                             f"{torch.cuda.device_count()}")
-        self.replicas: list[EngineCoreClient | None] = [None] * n
+        if replicas is not None:
+            self.replicas: list[EngineCoreClient | None] = list(replicas)
+        else:
+            self.replicas = self._start(replica_configs(config), start_timeout)
+        self.engine = self.replicas[0].engine         # validation and tokenization: the same model everywhere
+        sc = self.engine.config.scheduler_config
+        self.router = PrefixRouter(len(self.replicas), self.engine.block_size,
+                                   capacity=sum(r.engine.num_blocks for r in self.replicas),
+                                   imbalance=max(1, sc.max_num_seqs // 4))
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._stop = False
+
+    def _start(self, configs: list[EngineConfig], start_timeout: float) -> list[EngineCoreClient]:
+        """An engine process per replica config, started side by side."""
+        self.replicas = [None] * len(configs)
         from transformers import AutoTokenizer  # noqa: F401 - its lazy import is not thread-safe: once, here
         errors: list[BaseException] = []
 
@@ -96,21 +121,16 @@ class DPEngineClient:
                 self.replicas[r] = EngineCoreClient(configs[r], start_timeout=start_timeout)
             except BaseException as e:  # noqa: BLE001 - reported below, after every start has ended
                 errors.append(e)
-        threads = [threading.Thread(target=start, args=(r,), name=f"kvscope-dp-start{r}") for r in range(n)]
+        threads = [threading.Thread(target=start, args=(r,), name=f"kvscope-dp-start{r}") for r in range(len(configs))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if errors:
+            self._stop = True
             self.shutdown()
             raise errors[0]
-        self.engine = self.replicas[0].engine         # validation and tokenization: the same model everywhere
-        sc = self.engine.config.scheduler_config
-        self.router = PrefixRouter(n, self.engine.block_size, capacity=sum(r.engine.num_blocks for r in self.replicas),
-                                   imbalance=max(1, sc.max_num_seqs // 4))
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._stop = False
+        return self.replicas
 
     @property
     def config(self) -> EngineConfig:

@@ -335,19 +335,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="run the engine in its own process (default), so HTTP, JSON and SSE work never shares "
                         "a GIL with the engine; --no-engine-process runs it on a thread of this process")
     g.add_argument("--api-server-count", type=int, default=None,
-                   help="API server processes sharing the port in front of the one engine process (launcher.py); "
-                        f"default: {GPU_API_SERVER_COUNT} for one engine on a GPU with {GPU_API_SERVER_COUNT * 2}+ "
-                        "cores (each process streams ~10k chunks/s), else 1")
+                   help="API server processes sharing the port in front of the engine processes (launcher.py; "
+                        "with --data-parallel-size each attaches to every replica); default: "
+                        f"{GPU_API_SERVER_COUNT} for engines on GPUs without tensor parallelism, with "
+                        f"{GPU_API_SERVER_COUNT * 2}+ cores (each process streams ~10k chunks/s), else 1")
     add_http_args(g)
 
 
 def default_api_server_count(config: EngineConfig, engine_process: bool, cpus: int | None, cuda: bool) -> int:
-    """--api-server-count's default: several processes where one engine on a GPU streams faster than one API
-    process can write (about 100 µs of its CPU per SSE chunk), and the cores are there; else 1.
+    """--api-server-count's default: several processes where engines on GPUs (one, or data-parallel replicas)
+    stream faster than one API process can write (about 100 µs of its CPU per SSE chunk), and the cores are there;
+    else 1.
     cuda: whether this machine has a CUDA device."""
-    pc = config.parallel_config
     on_gpu = config.model_config.device != "cpu" and cuda
-    if on_gpu and engine_process and pc.tensor_parallel_size == 1 and pc.data_parallel_size == 1 \
+    if on_gpu and engine_process and config.parallel_config.tensor_parallel_size == 1 \
             and (cpus or 1) >= 2 * GPU_API_SERVER_COUNT:
         return GPU_API_SERVER_COUNT
     return 1
@@ -397,8 +398,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.api_server_count < 1 or not args.engine_process:
             parser.error(f"--api-server-count: must be >= 1, and > 1 needs the engine process "
                          f"(got {args.api_server_count}{', --no-engine-process' if not args.engine_process else ''})")
-        if config.parallel_config.data_parallel_size > 1:
-            parser.error("--api-server-count > 1 with --data-parallel-size > 1 is not supported: choose one")
         from engine.entrypoints.openai.launcher import serve_many
         set_ulimit()
         raise SystemExit(serve_many(args, config, args.api_server_count, app_for_args))

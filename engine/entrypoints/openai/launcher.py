@@ -1,4 +1,4 @@
-"""Several API server processes in front of one engine core (`api_server --api-server-count N`, vLLM's flag).
+"""Several API server processes in front of the engine cores (`api_server --api-server-count N`, vLLM's flag).
 
 One Python process turns engine outputs into SSE chunks (JSON encoding, ASGI sends) for every stream; under
 hundreds of concurrent streams that process is a bottleneck before the engine is. With N > 1 the launcher binds
@@ -11,9 +11,13 @@ prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, a fresh folde
 API servers), so each writes its counters and histograms to files that every one of them sums at a scrape; the
 engine's gauges (running, waiting, KV usage) are the core's and the same in every process.
 
-If the engine process dies, every API server fails its open requests at once and answers 503 meanwhile, and the
-launcher starts a new engine process and hands each server its new pipe (over a control pipe per server), as one
-API server restarts its own engine process.
+With `--data-parallel-size M` the launcher starts an engine core per replica, and every API server attaches to
+all of them and routes its own requests (`dp_client.DPEngineClient`: prefix affinity and least-loaded, on the
+loads that server sees; the kernel's spreading of connections evens out what the servers do not share).
+
+If an engine process dies, every API server fails its open requests on it at once and answers 503 meanwhile, and
+the launcher starts a new engine process and hands each server its new pipe (over a control pipe per server and
+replica), as one API server restarts its own engine process.
 """
 from __future__ import annotations
 
@@ -48,18 +52,22 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_server(make_app, args: dict, config: dict, conn, ctrl, sock: socket.socket, index: int) -> None:
-    """One API server process: attach to the engine core through `conn`, serve `make_app(client, args)` on the
-    shared socket; `ctrl` brings the pipe of each engine process that replaces a dead one."""
+def _api_server(make_app, args: dict, config: dict, conns: list, ctrls: list, sock: socket.socket, index: int) -> None:
+    """One API server process: attach to each engine core (one per data-parallel replica) through `conns`, serve
+    `make_app(client, args)` on the shared socket; `ctrls[r]` brings the pipe of each engine process that replaces
+    replica r's."""
     import uvicorn
 
     from engine.runtime.core_client import EngineCoreClient
+    from engine.runtime.dp_client import DPEngineClient, replica_configs
     set_process_name(f"kvscope-api{index}")
     ns = argparse.Namespace(**args)
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
+    full = EngineConfig(**config)
     # a new engine process's pipe arrives as a file descriptor (SCM_RIGHTS), nothing unpickled
-    client = EngineCoreClient(EngineConfig(**config), attach=conn,
-                              reattach=lambda: Connection(reduction.recv_handle(ctrl)))
+    clients = [EngineCoreClient(cfg, attach=conn, reattach=lambda ctrl=ctrl: Connection(reduction.recv_handle(ctrl)))
+               for cfg, conn, ctrl in zip(replica_configs(full), conns, ctrls)]
+    client = clients[0] if len(clients) == 1 else DPEngineClient(full, replicas=clients)
     try:
         app, server_kwargs = make_app(client, ns)
         server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level.lower(), **server_kwargs,
@@ -71,48 +79,60 @@ def _api_server(make_app, args: dict, config: dict, conn, ctrl, sock: socket.soc
 
 
 def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_app) -> int:
-    """Run the engine core and `count` API server processes until an API server exits (or an interrupt) -> exit
-    status; an engine core that dies meanwhile is replaced. make_app(client, args) -> (the ASGI app of one API
-    server, its uvicorn.Config keyword arguments); a module-level function: it travels by name."""
+    """Run an engine core per data-parallel replica and `count` API server processes until an API server exits (or
+    an interrupt) -> exit status; an engine core that dies meanwhile is replaced. Every API server attaches to every
+    core and routes its own requests over them (dp_client.PrefixRouter, on the loads it sees). make_app(client,
+    args) -> (the ASGI app of one API server, its uvicorn.Config keyword arguments); a module-level function: it
+    travels by name."""
     from engine.runtime.core_proc import core_main
+    from engine.runtime.dp_client import replica_configs
     ctx = mp.get_context("spawn")                  # CUDA cannot be forked
+    configs = replica_configs(config)
     sock = listen_socket(args.host, args.port)
     # read by prometheus_client when the children import it: their metrics go to files in this folder
     metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvscope-metrics-")
-    ctrls = [ctx.Pipe(duplex=True) for _ in range(count)]      # (a server's end, the launcher's): new engine pipes
+    # per server, per replica: (the server's end, the launcher's), for the pipes of new engine processes
+    ctrls = [[ctx.Pipe(duplex=True) for _ in configs] for _ in range(count)]
 
-    def start_core() -> tuple[mp.Process, list]:
-        """An engine core with a pipe per API server -> (the process, the servers' ends of the pipes)."""
+    def start_core(r: int) -> tuple[mp.Process, list]:
+        """Replica r's engine core with a pipe per API server -> (the process, the servers' ends of the pipes)."""
         pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
-        proc = ctx.Process(target=core_main, args=(config.to_dict(), [b for _, b in pipes]),
-                           name="kvscope-engine-core")
+        proc = ctx.Process(target=core_main, args=(configs[r].to_dict(), [b for _, b in pipes]),
+                           name=f"kvscope-engine-core-{r}")
         proc.start()
         for _, b in pipes:                         # the core holds them now
             b.close()
         return proc, [a for a, _ in pipes]
 
-    core, ends = start_core()
-    servers = [ctx.Process(target=_api_server, args=(make_app, vars(args), config.to_dict(), ends[i], ctrls[i][0],
-                                                     sock, i), name=f"kvscope-api-{i}") for i in range(count)]
+    started = [start_core(r) for r in range(len(configs))]
+    cores = [proc for proc, _ in started]
+    servers = [ctx.Process(target=_api_server, args=(make_app, vars(args), config.to_dict(),
+                                                     [ends[i] for _, ends in started],
+                                                     [ctrls[i][r][0] for r in range(len(configs))], sock, i),
+                           name=f"kvscope-api-{i}") for i in range(count)]
     for p in servers:
         p.start()
-    for conn in ends + [r for r, _ in ctrls]:      # the servers hold them now
-        conn.close()
+    for conn in [c for _, ends in started for c in ends] + [a for row in ctrls for a, _ in row]:
+        conn.close()                               # the servers hold them now
     sock.close()
-    log.info("engine core (pid %s) and %d API server processes on http://%s:%d", core.pid, count, args.host, args.port)
+    log.info("%d engine core(s) (pids %s) and %d API server processes on http://%s:%d", len(cores),
+             [c.pid for c in cores], count, args.host, args.port)
     restarts = 0
     try:
         while True:
-            wait([core.sentinel] + [p.sentinel for p in servers])
+            wait([c.sentinel for c in cores] + [p.sentinel for p in servers])
             time.sleep(0.2)                        # an interrupt reaches every process: let the servers' exits show
-            if not all(p.is_alive() for p in servers) or core.exitcode in (0, -2, -15):
+            if not all(p.is_alive() for p in servers) or any(c.exitcode in (0, -2, -15) for c in cores):
                 break                              # a server left, or the service is being stopped
-            log.error("the engine core (pid %s) exited with %s; starting a new one", core.pid, core.exitcode)
-            core, ends = start_core()
-            restarts += 1
-            for (_, send), conn, server in zip(ctrls, ends, servers):
-                reduction.send_handle(send, conn.fileno(), server.pid)    # the server's client attaches to it
-                conn.close()
+            for r, core in enumerate(cores):
+                if core.is_alive():
+                    continue
+                log.error("engine core %d (pid %s) exited with %s; starting a new one", r, core.pid, core.exitcode)
+                cores[r], ends = start_core(r)
+                restarts += 1
+                for row, conn, server in zip(ctrls, ends, servers):
+                    reduction.send_handle(row[r][1], conn.fileno(), server.pid)   # the server's client attaches
+                    conn.close()
     except KeyboardInterrupt:
         pass
     finally:
@@ -123,15 +143,17 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
             p.join(15)
             if p.is_alive():
                 p.kill()
-        core.join(30)                              # exits once every API server has left
-        if core.is_alive():
-            core.kill()
-            core.join(5)
-        for _, send in ctrls:
-            send.close()
+        for core in cores:
+            core.join(30)                          # exits once every API server has left
+            if core.is_alive():
+                core.kill()
+                core.join(5)
+        for row in ctrls:
+            for _, send in row:
+                send.close()
         del os.environ["PROMETHEUS_MULTIPROC_DIR"]
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    failed = [p for p in [core] + servers if p.exitcode not in (0, None, -15)]
+    failed = [p for p in cores + servers if p.exitcode not in (0, None, -15)]
     for p in failed:
         log.error("%s exited with %s", p.name, p.exitcode)
     log.info("%d engine core restarts", restarts)
