@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 from collections import OrderedDict
 
 import torch
@@ -108,6 +109,7 @@ class DPEngineClient:
                                    imbalance=max(1, sc.max_num_seqs // 4))
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._id_prefix = uuid.uuid4().hex[:8]     # unnamed requests: unique across the clients of the replicas
         self._stop = False
 
     def _start(self, configs: list[EngineConfig], start_timeout: float) -> list[EngineCoreClient]:
@@ -169,7 +171,7 @@ class DPEngineClient:
             raise RuntimeError("engine shut down")
         seqs = [self.engine.make_sequence(p, sp, rid if rid is not None else "pending", arrival)
                 for p, sp, rid in requests]
-        rids = [rid if rid is not None else f"dp-{next(self._ids)}" for _, _, rid in requests]
+        rids = [rid if rid is not None else f"dp-{self._id_prefix}-{next(self._ids)}" for _, _, rid in requests]
         with self._lock:
             loads = [r.num_open for r in self.replicas]
             groups: dict[int, list[int]] = {}
