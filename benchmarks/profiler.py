@@ -358,6 +358,53 @@ def copy_rates(eng, n: int) -> list[dict]:
     return rows
 
 
+TURN_STEP_PHASES = ("step", "gpu", "schedule", "swap_blocks", "prepare", "execute", "sample (waits)", "process")
+
+
+def time_turn_steps(eng) -> list[dict]:
+    """Host seconds per phase of every step that samples a request's first token, and the GPU's seconds from the
+    step's start to its end (CUDA events; the host timers alone elsewhere). Wrappers around the engine's parts
+    change nothing it does: no step events, so no timed eager forwards (the engine's own step timings would run
+    some of its graphs eagerly)."""
+    rows, cur = [], {}
+    cuda = eng.device.type == "cuda"
+
+    def wrap(obj, attr: str, key: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                cur[key] = cur.get(key, 0.0) + time.perf_counter() - t
+        setattr(obj, attr, timed)
+    for obj, attr, key in ((eng.scheduler, "schedule", "schedule"), (eng.runner, "swap_blocks", "swap_blocks"),
+                           (eng.runner, "prepare", "prepare"), (eng.runner, "execute", "execute"),
+                           (eng, "sampler", "sample (waits)"), (eng, "_process_outputs", "process")):
+        wrap(obj, attr, key)
+    step = eng.step
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+
+    def timed_step():
+        cur.clear()
+        if cuda:
+            events[0].record()
+        t = time.perf_counter()
+        outs = step()
+        dt = time.perf_counter() - t
+        if cur.get("prepare") and any(len(o.token_ids) == 1 for o in outs):
+            gpu = dt
+            if cuda:                        # (the step waited for its tokens: this wait costs nothing more)
+                events[1].record()
+                events[1].synchronize()
+                gpu = events[0].elapsed_time(events[1]) / 1e3
+            rows.append(dict({k: 0.0 for k in TURN_STEP_PHASES}, **cur, step=dt, gpu=gpu))
+        return outs
+    eng.step = timed_step
+    return rows
+
+
 def cmd_tiers(args) -> None:
     """bench_kv_tiers.py's multi-turn workload, one turn at a time, with and without the host tier. Per config:
     a warm-up, an unprofiled run (its TTFT is the benchmark's), then a run under torch.profiler: the GPU time per
@@ -379,23 +426,12 @@ def cmd_tiers(args) -> None:
             print("== the host tier's block copies alone")
             print_table(copies, ["copy", "blocks", "block_mib", "host_us", "device_us", "gb_s"])
             tables["copies"] = copies
-        prefill_steps = []
-
-        def on_event(e, steps=prefill_steps):
-            if getattr(e, "kind", "") == "step" and e.num_prefill_tokens:
-                steps.append(e)
-        eng.events.subscribe(on_event)
+        turn_steps = time_turn_steps(eng)
         plain = multi_turn(eng, users, args.turns, turn_len, answer, seed=0, together=False)
         eng.close()
-        n = max(1, len(prefill_steps))
-        phases = defaultdict(float)
-        for e in prefill_steps:
-            phases["step"] += (e.end - e.start) * 1e3 / n
-            phases["prefill tokens"] += e.num_prefill_tokens / n
-            phases["MiB in"] += e.bytes_swapped_in / 2**20 / n
-            for k, v in e.timings.items():
-                phases[k] += v * 1e3 / n
-        steps_rows.append(dict(config=name, steps=len(prefill_steps), **phases))
+        n = max(1, len(turn_steps))
+        phases = {k: sum(r[k] for r in turn_steps) / n * 1e3 for k in TURN_STEP_PHASES}
+        steps_rows.append(dict(config=name, steps=len(turn_steps), **phases))
         if not args.torch_profile:
             rows.append(dict(config=name, ttft_ms=plain["ttft_mean_s"] * 1e3, wall_s=plain["wall_s"],
                              fetched=plain["blocks_fetched"], offloaded=plain["blocks_offloaded"]))
@@ -428,7 +464,8 @@ def cmd_tiers(args) -> None:
         print_table(cls_rows, ["cls", "ms", "pct", "kernels"])
         print(f"== {name}: host time by op, self (profiled run)")
         print_table(host_rows, ["op", "ms", "calls"])
-    print("== the turns' prefill steps (unprofiled run), mean ms per step by region")
+    print("== the steps that gave each turn its first token (unprofiled run), mean ms: host time in each phase, "
+          "and the GPU's time from the step's start to its end")
     print_table(steps_rows, list(dict.fromkeys(k for r in steps_rows for k in r)))
     tables["prefill_steps"] = steps_rows
     print_table(rows, ["config", "ttft_ms", "wall_s", "profiled_ttft_ms", "profiled_wall_s", "device_ms",
