@@ -114,6 +114,9 @@ def scrape(url: str) -> dict:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 out[s.name] = out.get(s.name, 0.0) + s.value
+                if "engine" in s.labels:            # a data-parallel replica's series, also kept apart
+                    key = f"{s.name}{{engine={s.labels['engine']}}}"
+                    out[key] = out.get(key, 0.0) + s.value
     except Exception:  # not Prometheus text (another server)
         return {}
     return out
@@ -136,6 +139,10 @@ def server_side(before: dict, after: dict) -> dict:
                 "kvscope:prefix_cache_queries_total"):
         if key in after:
             res[key.split(":")[1]] = after[key] - before.get(key, 0)
+    prefix = "kvscope:generation_tokens_total{engine="
+    replicas = sorted((k for k in after if k.startswith(prefix)), key=lambda k: int(k[len(prefix):-1]))
+    if len(replicas) > 1:                       # how the run's output tokens split over the replicas
+        res["replica_output_tokens"] = " / ".join(f"{after[k] - before.get(k, 0):.0f}" for k in replicas)
     return res
 
 
@@ -379,6 +386,9 @@ def side_by_side(results: list[dict]) -> list[dict]:
                  **{c: (r["summary"]["TTFT"]["mean"] - r["server_side"]["ttft_ms"])
                     if (r.get("server_side") or {}).get("ttft_ms") is not None and r.get("summary", {}).get("TTFT")
                     else None for c, r in zip(cols, results)}})
+    if any((r.get("server_side") or {}).get("replica_output_tokens") for r in results):
+        rows.append({"metric": "output tokens per replica",
+                     **{c: (r.get("server_side") or {}).get("replica_output_tokens") for c, r in zip(cols, results)}})
     for key, label in (("tokens_per_chunk", "tokens per chunk"), ("gap_p50_ms", "chunk gap p50 (ms)"),
                        ("gap_p99_ms", "chunk gap p99 (ms)"), ("api_cpu_us_per_chunk", "API server CPU per chunk (µs)")):
         rows.append({"metric": label, **{c: (r.get("chunks") or {}).get(key) for c, r in zip(cols, results)}})
