@@ -155,6 +155,38 @@ def test_a_killed_engine_core_behind_two_api_servers_is_replaced():
         assert sorted(now) == sorted(first) and now["kvscope-core"].pid != core.pid
 
 
+@pytest.mark.slow
+def test_a_killed_replica_behind_two_api_servers_is_replaced_and_the_other_keeps_serving():
+    """`--data-parallel-size 2 --api-server-count 2`: one replica's engine core killed; the launcher starts a new
+    one, both servers attach to it, and requests reach both replicas again."""
+    import psutil
+    from prometheus_client.parser import text_string_to_metric_families
+    with _two_api_servers("--data-parallel-size", "2") as (proc, url):
+        def cores() -> list:
+            return [p for p in psutil.Process(proc.pid).children() if p.name() == "kvscope-core"]
+
+        _serve(url, 4)
+        first = cores()
+        assert len(first) == 2
+        first[1].kill()
+        deadline = time.monotonic() + 30           # not our child: poll until the launcher has reaped it
+        while first[1].is_running() and first[1].status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)                            # the servers' receivers see the pipe close
+        _healthy_within(proc, url, 240)
+        before = _per_replica_tokens(httpx.get(url + "/metrics", timeout=30).text, text_string_to_metric_families)
+        _serve(url, 8)
+        after = _per_replica_tokens(httpx.get(url + "/metrics", timeout=30).text, text_string_to_metric_families)
+        now = cores()
+        assert len(now) == 2 and first[0].pid in {p.pid for p in now} and first[1].pid not in {p.pid for p in now}
+        assert all(after[e] > before.get(e, 0) for e in ("0", "1"))     # both replicas served again
+
+
+def _per_replica_tokens(text: str, parse) -> dict[str, float]:
+    return {s.labels["engine"]: s.value for fam in parse(text) for s in fam.samples
+            if s.name == "kvscope:generation_tokens_total"}
+
+
 def _samples(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name: value summed over its labels}."""
     from prometheus_client.parser import text_string_to_metric_families
