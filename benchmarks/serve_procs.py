@@ -47,8 +47,8 @@ def launch_server(args) -> tuple[subprocess.Popen, str, Path]:
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvscope_bench_serve_{port}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"launching: {' '.join(cmd)}  (log: {log_path})", flush=True)
-    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env,
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            process_group=0)        # stop_process signals its whole group
     url = f"http://127.0.0.1:{port}"
     if wait_ready(proc, lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 300):
         return proc, url, log_path

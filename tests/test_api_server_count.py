@@ -58,10 +58,8 @@ def test_attached_clients_get_their_own_outputs_and_one_leaving_aborts_only_its_
             core.kill()
 
 
-@contextlib.contextmanager
-def _two_api_servers(*extra: str):
-    """`api_server --api-server-count 2 [extra]` on dummy:tiny -> (the launcher's process, its URL), healthy;
-    stopped with an interrupt after, which must end it cleanly."""
+def _start_two_api_servers(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`api_server --api-server-count 2 [extra]` on dummy:tiny -> (the launcher's process, its URL), healthy."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,6 +71,17 @@ def _two_api_servers(*extra: str):
     url = f"http://127.0.0.1:{port}"
     try:
         _healthy_within(proc, url, 240)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+@contextlib.contextmanager
+def _two_api_servers(*extra: str):
+    """_start_two_api_servers, stopped with an interrupt after, which must end it cleanly."""
+    proc, url = _start_two_api_servers(*extra)
+    try:
         yield proc, url
     finally:
         proc.send_signal(signal.SIGINT)
@@ -81,6 +90,28 @@ def _two_api_servers(*extra: str):
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["terminate", "kill"])
+def test_the_launcher_stopped_or_killed_leaves_no_process_behind(how):
+    """SIGTERM (a service manager's stop) ends the launcher as an interrupt does: exit 0, its engine core and API
+    servers stopped first. Killed outright, it leaves them without a parent: they notice and exit."""
+    import psutil
+    proc, _ = _start_two_api_servers()
+    kids = [p for p in psutil.Process(proc.pid).children() if p.name().startswith("kvscope-")]
+    assert len(kids) == 3
+    getattr(proc, how)()
+    proc.wait(60)
+    assert proc.returncode == (0 if how == "terminate" else -signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [(p.pid, p.name()) for p in kids if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in kids:
+        if p.is_running():
+            p.kill()
+    assert not left, f"still running after the launcher: {left}"
 
 
 def _healthy_within(proc: subprocess.Popen, url: str, seconds: float) -> None:

@@ -26,6 +26,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -52,14 +53,24 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_server(make_app, args: dict, config: dict, conns: list, ctrls: list, sock: socket.socket, index: int) -> None:
+def _engine_core(config: dict, conns: list, launcher: int) -> None:
+    """A replica's engine core under the launcher: core_proc.core_main, ending with the launcher if it is killed."""
+    from engine.runtime.core_proc import core_main, watch_parent
+    watch_parent(launcher)
+    core_main(config, conns)
+
+
+def _api_server(make_app, args: dict, config: dict, conns: list, ctrls: list, sock: socket.socket, index: int,
+                launcher: int) -> None:
     """One API server process: attach to each engine core (one per data-parallel replica) through `conns`, serve
     `make_app(client, args)` on the shared socket; `ctrls[r]` brings the pipe of each engine process that replaces
-    replica r's."""
+    replica r's. It ends with the launcher if the launcher is killed."""
     import uvicorn
 
     from engine.runtime.core_client import EngineCoreClient
+    from engine.runtime.core_proc import watch_parent
     from engine.runtime.dp_client import DPEngineClient, replica_configs
+    watch_parent(launcher)
     set_process_name(f"kvscope-api{index}")
     ns = argparse.Namespace(**args)
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
@@ -84,7 +95,6 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     core and routes its own requests over them (dp_client.PrefixRouter, on the loads it sees). make_app(client,
     args) -> (the ASGI app of one API server, its uvicorn.Config keyword arguments); a module-level function: it
     travels by name."""
-    from engine.runtime.core_proc import core_main
     from engine.runtime.dp_client import replica_configs
     ctx = mp.get_context("spawn")                  # CUDA cannot be forked
     configs = replica_configs(config)
@@ -97,7 +107,7 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     def start_core(r: int) -> tuple[mp.Process, list]:
         """Replica r's engine core with a pipe per API server -> (the process, the servers' ends of the pipes)."""
         pipes = [ctx.Pipe(duplex=True) for _ in range(count)]
-        proc = ctx.Process(target=core_main, args=(configs[r].to_dict(), [b for _, b in pipes]),
+        proc = ctx.Process(target=_engine_core, args=(configs[r].to_dict(), [b for _, b in pipes], os.getpid()),
                            name=f"kvscope-engine-core-{r}")
         proc.start()
         for _, b in pipes:                         # the core holds them now
@@ -108,7 +118,8 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     cores = [proc for proc, _ in started]
     servers = [ctx.Process(target=_api_server, args=(make_app, vars(args), config.to_dict(),
                                                      [ends[i] for _, ends in started],
-                                                     [ctrls[i][r][0] for r in range(len(configs))], sock, i),
+                                                     [ctrls[i][r][0] for r in range(len(configs))], sock, i,
+                                                     os.getpid()),
                            name=f"kvscope-api-{i}") for i in range(count)]
     for p in servers:
         p.start()
@@ -118,6 +129,10 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     log.info("%d engine core(s) (pids %s) and %d API server processes on http://%s:%d", len(cores),
              [c.pid for c in cores], count, args.host, args.port)
     restarts = 0
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt                    # SIGTERM (a service manager, `kill`) stops as Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         while True:
             wait([c.sentinel for c in cores] + [p.sentinel for p in servers])
@@ -136,6 +151,7 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for p in servers:
             if p.is_alive():
                 p.terminate()                      # uvicorn shuts down gracefully on SIGTERM
