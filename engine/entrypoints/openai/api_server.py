@@ -345,8 +345,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def default_api_server_count(config: EngineConfig, engine_process: bool, cpus: int | None, cuda: bool) -> int:
     """--api-server-count's default: several processes where one engine on a GPU streams faster than one API
     process can write (about 100 µs of its CPU per SSE chunk), and the cores are there; else 1. Data-parallel
-    replicas keep one: four servers in front of two 1B replicas served a burst slower than one engine did
-    (docs/distributed.md).
+    replicas keep one until several servers in front of them are measured (docs/distributed.md).
     cuda: whether this machine has a CUDA device."""
     pc = config.parallel_config
     on_gpu = config.model_config.device != "cpu" and cuda
