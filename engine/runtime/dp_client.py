@@ -129,7 +129,6 @@ class DPEngineClient:
         for t in threads:
             t.join()
         if errors:
-            self._stop = True
             self.shutdown()
             raise errors[0]
         return self.replicas

@@ -60,25 +60,25 @@ def _engine_core(config: dict, conns: list, launcher: int) -> None:
     core_main(config, conns)
 
 
-def _api_server(make_app, args: dict, config: dict, conns: list, ctrls: list, sock: socket.socket, index: int,
-                launcher: int) -> None:
-    """One API server process: attach to each engine core (one per data-parallel replica) through `conns`, serve
-    `make_app(client, args)` on the shared socket; `ctrls[r]` brings the pipe of each engine process that replaces
-    replica r's. It ends with the launcher if the launcher is killed."""
+def _api_server(make_app, args: dict, config: dict, replicas: list[dict], conns: list, ctrls: list,
+                sock: socket.socket, index: int, launcher: int) -> None:
+    """One API server process: attach to each engine core (replica r's config `replicas[r]`) through `conns`,
+    serve `make_app(client, args)` on the shared socket; `ctrls[r]` brings the pipe of each engine process that
+    replaces replica r's. It ends with the launcher if the launcher is killed."""
     import uvicorn
 
     from engine.runtime.core_client import EngineCoreClient
     from engine.runtime.core_proc import watch_parent
-    from engine.runtime.dp_client import DPEngineClient, replica_configs
+    from engine.runtime.dp_client import DPEngineClient
     watch_parent(launcher)
     set_process_name(f"kvscope-api{index}")
     ns = argparse.Namespace(**args)
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
-    full = EngineConfig(**config)
     # a new engine process's pipe arrives as a file descriptor (SCM_RIGHTS), nothing unpickled
-    clients = [EngineCoreClient(cfg, attach=conn, reattach=lambda ctrl=ctrl: Connection(reduction.recv_handle(ctrl)))
-               for cfg, conn, ctrl in zip(replica_configs(full), conns, ctrls)]
-    client = clients[0] if len(clients) == 1 else DPEngineClient(full, replicas=clients)
+    clients = [EngineCoreClient(EngineConfig(**cfg), attach=conn,
+                                reattach=lambda ctrl=ctrl: Connection(reduction.recv_handle(ctrl)))
+               for cfg, conn, ctrl in zip(replicas, conns, ctrls)]
+    client = clients[0] if len(clients) == 1 else DPEngineClient(EngineConfig(**config), replicas=clients)
     try:
         app, server_kwargs = make_app(client, ns)
         server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level.lower(), **server_kwargs,
@@ -117,7 +117,7 @@ def serve_many(args: argparse.Namespace, config: EngineConfig, count: int, make_
     started = [start_core(r) for r in range(len(configs))]
     cores = [proc for proc, _ in started]
     servers = [ctx.Process(target=_api_server, args=(make_app, vars(args), config.to_dict(),
-                                                     [ends[i] for _, ends in started],
+                                                     [c.to_dict() for c in configs], [ends[i] for _, ends in started],
                                                      [ctrls[i][r][0] for r in range(len(configs))], sock, i,
                                                      os.getpid()),
                            name=f"kvscope-api-{i}") for i in range(count)]
