@@ -366,23 +366,12 @@ def time_turn_steps(eng) -> list[dict]:
     step's start to its end (CUDA events; the host timers alone elsewhere). Wrappers around the engine's parts
     change nothing it does: no step events, so no timed eager forwards (the engine's own step timings would run
     some of its graphs eagerly)."""
-    rows, cur = [], {}
+    rows, cur = [], defaultdict(float)
     cuda = eng.device.type == "cuda"
-
-    def wrap(obj, attr: str, key: str) -> None:
-        fn = getattr(obj, attr)
-
-        def timed(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                cur[key] = cur.get(key, 0.0) + time.perf_counter() - t
-        setattr(obj, attr, timed)
     for obj, attr, key in ((eng.scheduler, "schedule", "schedule"), (eng.runner, "swap_blocks", "swap_blocks"),
                            (eng.runner, "prepare", "prepare"), (eng.runner, "execute", "execute"),
                            (eng, "sampler", "sample (waits)"), (eng, "_process_outputs", "process")):
-        wrap(obj, attr, key)
+        setattr(obj, attr, timed(cur, key, getattr(obj, attr)))
     step = eng.step
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
 
