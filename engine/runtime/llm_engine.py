@@ -780,7 +780,7 @@ class LLMEngine:
             layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
         if self.runner.copy_stream is not None:
             self.runner.copy_stream.synchronize()      # its kernels write the host tier, freed below
-        self.runner.kv_cache = self.runner.host_kv = None
+        self.runner.kv_cache = self.runner.host_kv = self.runner.pool_blocks = self.runner.host_blocks = None
         self.model = self.runner.model = None
         gc.collect()
         if self.device.type == "cuda":

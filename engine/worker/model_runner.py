@@ -47,6 +47,9 @@ class ModelRunner:
                                    dtype=self.kv_dtype, pin_memory=device.type == "cuda") if num_host_blocks else None
         self.copy_stream = torch.cuda.Stream(device) if num_host_blocks and device.type == "cuda" else None
         self.bytes_swapped = [0, 0]     # (out, in) since the last pop_swap_bytes()
+        # the block copies' views of the pool and the tier (they hold both: released with them)
+        self.pool_blocks, self.host_blocks = (pool_view(self.kv_cache), blocks_view(self.host_kv)) \
+            if num_host_blocks else (None, None)
         if self.copy_stream is not None:    # compile the block copies now, not in the first step that swaps
             self.swap_blocks([(0, 0)], [])
             self.swap_blocks([], [(0, 0)])  # (block 0 round trips: its content is unchanged)
@@ -193,7 +196,7 @@ class ModelRunner:
         if not blocks_out and not blocks_in:
             return
         n_out, n_in = len(blocks_out), len(blocks_in)
-        pool, host = pool_view(self.kv_cache), blocks_view(self.host_kv)
+        pool, host = self.pool_blocks, self.host_blocks
         n_staged = n_out if n_out <= SWAP_STAGING_BLOCKS else 0
         # one index tensor, split below: out (device, host), in (host, device), and the staging buffer's rows
         idx = torch.tensor([d for d, _ in blocks_out] + [h for _, h in blocks_out] + [h for h, _ in blocks_in]
