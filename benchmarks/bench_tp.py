@@ -1,4 +1,4 @@
-"""Tensor parallelism on a multi-GPU machine , bf16, random weights, all in one run:
+"""Tensor parallelism on a multi-GPU machine, bf16, random weights, all in one run:
 
   latency     Llama-3.1-8B shape, batch 1: 128-token prompt, 256 new tokens, ms/token at TP=1 and TP=2
               (target: TP=2 <= 0.62x TP=1), plus TP=2 eager with step timings: all-reduce ms per step
@@ -6,8 +6,9 @@
   vllm        vLLM at TP=2 on the same two workloads (benchmarks/vllm_offline.py in its own process;
               --vllm-path is prepended to its PYTHONPATH)
   70b         the Llama-3.1-70B shape at TP=2 serving the same workload (141 GB of weights: one H200 cannot)
+  vllm70b     vLLM at TP=2 on the 70B shape, the same workload
 
-    python benchmarks/bench_tp.py [--sections latency,throughput,vllm,70b] [--requests 256] [--requests-70b 256]
+    python benchmarks/bench_tp.py [--sections latency,throughput,vllm,70b,vllm70b] [--requests 256] [--requests-70b 256]
         [--tag _70b]
 Prints a table last; writes benchmarks/results/tp_<device>[<tag>].json.
 """
@@ -118,6 +119,15 @@ def main():
     if "70b" in sections:
         p70, o70 = nano_workload(args.requests_70b)
         attempt(throughput, M70, 2, p70, o70)
+    if "vllm70b" in sections:
+        try:
+            peer = bench_vllm("llama-3.1-70b", args.vllm_path, args.requests_70b, ["throughput"], 0, "",
+                              tensor_parallel_size=2)
+            rows.append(dict(bench="nano workload", model="llama-3.1-70b", tp=2, config=f"vLLM {peer['version']}",
+                             seconds=peer["nano_seconds"], tok_s=peer["nano_out_tok_s"]))
+        except Exception as e:  # keep the rest of the table
+            rows.append(dict(bench="vllm", model="llama-3.1-70b", tp=2, config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
+        print(rows[-1], flush=True)
     by = {(r.get("bench"), r.get("model"), r.get("tp"), r.get("config")): r for r in rows}
     summary = {}
     a, b = by.get(("latency b=1", "llama-3.1-8b", 1, "cuda graphs")), by.get(("latency b=1", "llama-3.1-8b", 2, "cuda graphs"))
@@ -131,9 +141,15 @@ def main():
     b = by.get(("nano workload", "llama-3.1-8b", 2, f"{args.requests} requests"))
     if a and b:
         summary["8b_nano_tp2_over_tp1"] = b["tok_s"] / a["tok_s"]
-    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "nano workload"]
+    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "nano workload"
+         and r.get("model") == "llama-3.1-8b"]
     if b and v:
         summary["8b_nano_tp2_over_vllm_tp2"] = b["tok_s"] / v[0]["tok_s"]
+    a = by.get(("nano workload", "llama-3.1-70b", 2, f"{args.requests_70b} requests"))
+    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "nano workload"
+         and r.get("model") == "llama-3.1-70b"]
+    if a and v:
+        summary["70b_nano_tp2_over_vllm_tp2"] = a["tok_s"] / v[0]["tok_s"]
     out = dict(device=dev, num_gpus=torch.cuda.device_count(), dtype="bfloat16", rows=rows, summary=summary,
                env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                      "NVSHMEM_DISABLE_NVLS")})
