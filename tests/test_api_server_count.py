@@ -219,7 +219,7 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-def test_api_server_count_defaults_to_several_for_one_gpu_engine_only():
+def test_api_server_count_defaults_to_several_for_gpu_engines_without_tensor_parallelism():
     from engine.entrypoints.openai.api_server import GPU_API_SERVER_COUNT, default_api_server_count
     gpu = EngineConfig(model="dummy:tiny")                       # device "auto"
     assert default_api_server_count(gpu, True, 16, cuda=True) == GPU_API_SERVER_COUNT > 1
@@ -228,5 +228,7 @@ def test_api_server_count_defaults_to_several_for_one_gpu_engine_only():
     assert default_api_server_count(gpu, False, 16, cuda=True) == 1                 # --no-engine-process
     assert default_api_server_count(gpu, True, 2 * GPU_API_SERVER_COUNT - 1, cuda=True) == 1   # too few cores
     assert default_api_server_count(gpu, True, None, cuda=True) == 1
-    for parallel in (dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
-        assert default_api_server_count(EngineConfig(model="dummy:tiny", **parallel), True, 16, cuda=True) == 1
+    dp2 = EngineConfig(model="dummy:tiny", data_parallel_size=2)
+    assert default_api_server_count(dp2, True, 16, cuda=True) == GPU_API_SERVER_COUNT
+    assert default_api_server_count(dp2, True, 16, cuda=False) == 1
+    assert default_api_server_count(EngineConfig(model="dummy:tiny", tensor_parallel_size=2), True, 16, cuda=True) == 1

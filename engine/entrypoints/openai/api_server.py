@@ -337,7 +337,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-server-count", type=int, default=None,
                    help="API server processes sharing the port in front of the engine processes (launcher.py; "
                         "with --data-parallel-size each attaches to every replica); default: "
-                        f"{GPU_API_SERVER_COUNT} for one engine on a GPU with {GPU_API_SERVER_COUNT * 2}+ cores "
+                        f"{GPU_API_SERVER_COUNT} for engines on GPUs without tensor parallelism, given {GPU_API_SERVER_COUNT * 2}+ cores "
                         "(each process streams ~10k chunks/s), else 1")
     add_http_args(g)
 
@@ -345,12 +345,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def default_api_server_count(config: EngineConfig, engine_process: bool, cpus: int | None, cuda: bool) -> int:
     """--api-server-count's default: several processes where one engine on a GPU streams faster than one API
     process can write (about 100 µs of its CPU per SSE chunk), and the cores are there; else 1. Data-parallel
-    replicas keep one until several servers in front of them are measured (docs/distributed.md).
-    cuda: whether this machine has a CUDA device."""
+    replicas on GPUs get the same servers in front of them all (docs/distributed.md measures one and four);
+    tensor parallelism keeps one. cuda: whether this machine has a CUDA device."""
     pc = config.parallel_config
     on_gpu = config.model_config.device != "cpu" and cuda
-    if on_gpu and engine_process and pc.tensor_parallel_size == 1 and pc.data_parallel_size == 1 \
-            and (cpus or 1) >= 2 * GPU_API_SERVER_COUNT:
+    if on_gpu and engine_process and pc.tensor_parallel_size == 1 and (cpus or 1) >= 2 * GPU_API_SERVER_COUNT:
         return GPU_API_SERVER_COUNT
     return 1
 
