@@ -126,7 +126,7 @@ suite_tp() {
   stamp "bench_tp: Llama-3.1-8B shape, batch-1 latency and nano throughput, TP=1 vs TP=2"
   local sections=latency,throughput; have_vllm && sections=$sections,vllm
   python3 benchmarks/bench_tp.py --sections "$sections" --requests 128 --vllm-path "$VLLM_SITE" "$@" || rc=1
-  stamp "serving burst, Llama-3.2-1B shape: one engine vs --data-parallel-size 2 (one and four API servers), vLLM's beside"
+  stamp "serving burst, Llama-3.2-1B shape: one engine vs --data-parallel-size 2 (four API servers, the default, and one), vLLM's beside"
   local peer=()
   if have_vllm; then
     peer=(--launch "vllm-dp2=$(vllm_server_cmd 2048) --data-parallel-size 2" --target vllm-dp2=http://127.0.0.1:8002)
@@ -134,7 +134,7 @@ suite_tp() {
   python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
     --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 --client-procs 4 \
     --target dp1=launch --target dp2=launch:--data-parallel-size=2 \
-    --target dp2-api4=launch:--data-parallel-size=2,--api-server-count=4 "${peer[@]}" \
+    --target dp2-api1=launch:--data-parallel-size=2,--api-server-count=1 "${peer[@]}" \
     --name "dp_burst_$(device_slug)" || rc=1
   return $rc
 }
