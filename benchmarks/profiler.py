@@ -1,7 +1,7 @@
 """Where the time goes: the benchmarks say how fast, these profiles say why. One subcommand per question:
 
     python benchmarks/profiler.py kernels --engine kvscope|vllm [--shape llama-3.1-8b]
-            [--workload nano|prefill|longctx] [--kv-cache-dtype fp8]
+            [--workload nano|prefill|longctx|decode] [--kv-cache-dtype fp8]
         a whole offline run's GPU time per kernel class and top kernels, kvscope or vLLM on the same workload
         (PYTHONPATH=$HOME/vsite for vLLM)                               -> kernels_profile_<engine>_<device>_...
     python benchmarks/profiler.py decode [--shape llama-3.1-8b] [--steps 8] [--pdl 0] [--gemv-table T.json] [--tp 2]
@@ -142,6 +142,14 @@ def vllm_runner(shape: str, prompts, outs, max_model_len: int, quantization: str
     return go
 
 
+def decode_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """n requests admitted at once, prompts of 256-768 tokens and 256 output tokens each: after the first step the
+    batch decodes n sequences, the batch a server keeps at 24 req/s with outputs of 256 (8B shape: ~60)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(256, 769, (n,), generator=g).tolist()
+    return [torch.randint(0, 10000, (k,), generator=g).tolist() for k in lens], [256] * n
+
+
 def cmd_kernels(args) -> None:
     """torch.profiler records every CUDA kernel of a whole offline run (graph replays included); kernels are
     grouped into classes by name. vLLM runs in this process with its warm-up (compile, graph capture) before
@@ -152,6 +160,9 @@ def cmd_kernels(args) -> None:
     elif args.workload == "prefill":
         prompts, outs = prefill_workload(args.requests or 128)
         max_len = 4200
+    elif args.workload == "decode":
+        prompts, outs = decode_workload(args.requests or 64)
+        max_len = 2048
     else:
         prompts, outs = long_context_workload(args.requests or 200)
         max_len = 5200
@@ -855,7 +866,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("kernels", help="a whole offline run's GPU time per kernel, kvscope or vLLM")
     p.add_argument("--engine", choices=["kvscope", "vllm"], default="kvscope")
     p.add_argument("--shape", default="llama-3.1-8b")
-    p.add_argument("--workload", choices=["nano", "prefill", "longctx"], default="nano",
+    p.add_argument("--workload", choices=["nano", "prefill", "longctx", "decode"], default="nano",
                    help="longctx: nano's outputs after 2-4k-token prompts (bench_gpu.py --sections longctx)")
     p.add_argument("--requests", type=int, default=0, help="default: 256 (nano) / 128 (prefill) / 200 (longctx)")
     p.add_argument("--quantization", default="", help="fp8 etc. (both engines)")
