@@ -132,7 +132,7 @@ suite_tp() {
     peer=(--launch "vllm-dp2=$(vllm_server_cmd 2048) --data-parallel-size 2" --target vllm-dp2=http://127.0.0.1:8002)
   fi
   python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
-    --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 --client-procs 4 \
+    --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 --client-procs 4 --repeats 3 \
     --target dp1=launch --target dp2=launch:--data-parallel-size=2 \
     --target dp2-api1=launch:--data-parallel-size=2,--api-server-count=1 "${peer[@]}" \
     --name "dp_burst_$(device_slug)" || rc=1

@@ -99,3 +99,18 @@ def test_sharded_client_sends_the_same_workload_from_several_processes(srv, loop
     assert all(res["t_start"] <= r.metrics.arrival_time < r.metrics.first_token_time <= r.metrics.finished_time
                for r in res["records"])
     wait_idle(loop)
+
+
+def test_bench_serve_repeats_run_each_workload_on_fresh_prompts():
+    """--repeats N: each workload N times, named apart, each on its own seed (so other prompts: a repeat never
+    reads the run before it from the prefix cache)."""
+    from benchmarks.bench_serve import _spec, parse_args, workloads
+    runs = workloads(parse_args(["--num-prompts", "4", "--request-rate", "inf", "--client-procs", "4",
+                                 "--name", "burst", "--repeats", "3"]))
+    assert [w.name for w in runs] == ["burst-c4-r1", "burst-c4-r2", "burst-c4-r3"]
+    prompts = [[it.new_tokens for it in build_workload(_spec(w))[1]] for w in runs]
+    assert all(len(p) == 4 for p in prompts)
+    assert len({tuple(map(tuple, p)) for p in prompts}) == 3
+    assert [w.name for w in workloads(parse_args(["--name", "burst"]))] == ["burst"]
+    with pytest.raises(SystemExit):
+        workloads(parse_args(["--repeats", "0"]))
