@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -405,6 +406,29 @@ def side_by_side(results: list[dict]) -> list[dict]:
     return rows
 
 
+def repeat_medians(results: list[dict]) -> list[dict]:
+    """Per (target, workload) run more than once (--repeats): the median of the headline figures, and the
+    spread of the throughput."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["name"], re.sub(r"-r\d+$", "", r["workload"])), []).append(r)
+
+    def med(rs, get):
+        vals = [v for v in map(get, rs) if v is not None]
+        return statistics.median(vals) if vals else None
+    rows = []
+    for (name, wl), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        tok = [r["output_tok_s"] for r in rs]
+        rows.append({"target": f"{name}/{wl}", "runs": len(rs), "output tok/s": statistics.median(tok),
+                     "min": min(tok), "max": max(tok),
+                     "TTFT mean (ms)": med(rs, lambda r: (r["summary"].get("TTFT") or {}).get("mean")),
+                     "TTFT p99 (ms)": med(rs, lambda r: (r["summary"].get("TTFT") or {}).get("p99")),
+                     "chunk gap p99 (ms)": med(rs, lambda r: (r.get("chunks") or {}).get("gap_p99_ms"))})
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     runs = workloads(args)
@@ -444,6 +468,10 @@ def main(argv=None) -> list[dict]:
     print(f"{' side by side ':=^50}")
     rows = side_by_side(results)
     print_table(rows, ["metric"] + [f"{r['name']}/{r['workload']}" for r in results])
+    medians = repeat_medians(results)
+    if medians:
+        print(f"{' median of the repeats ':=^50}")
+        print_table(medians, list(medians[0]))
     cpu = "cpu"
     try:
         cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1).strip()
@@ -454,6 +482,7 @@ def main(argv=None) -> list[dict]:
     path = write_json(f"serve_{name}", {
         "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
         "client_host": f"{platform.node()} / {cpu} / {os.cpu_count()} cores", "side_by_side": rows,
+        "repeat_medians": medians,
         "results": results, "failed": failed})
     print(f"wrote {path}")
     return results

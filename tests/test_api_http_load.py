@@ -114,3 +114,15 @@ def test_bench_serve_repeats_run_each_workload_on_fresh_prompts():
     assert [w.name for w in workloads(parse_args(["--name", "burst"]))] == ["burst"]
     with pytest.raises(SystemExit):
         workloads(parse_args(["--repeats", "0"]))
+
+
+def test_bench_serve_reports_the_median_of_repeats():
+    from benchmarks.bench_serve import repeat_medians
+
+    def run(name, wl, tok, ttft):
+        return {"name": name, "workload": wl, "output_tok_s": tok, "summary": {"TTFT": {"mean": ttft, "p99": 2 * ttft}},
+                "chunks": {"gap_p99_ms": None}}
+    rows = repeat_medians([run("a", "burst-c4-r1", 10.0, 5.0), run("a", "burst-c4-r2", 30.0, 1.0),
+                           run("a", "burst-c4-r3", 20.0, 3.0), run("b", "burst-c4", 7.0, 1.0)])
+    assert rows == [{"target": "a/burst-c4", "runs": 3, "output tok/s": 20.0, "min": 10.0, "max": 30.0,
+                     "TTFT mean (ms)": 3.0, "TTFT p99 (ms)": 6.0, "chunk gap p99 (ms)": None}]
