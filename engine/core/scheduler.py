@@ -248,29 +248,6 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def schedule_waiting(self) -> SchedulerOutput:
-        """A step for waiting requests alone, best first: running requests are left out and nobody is
-        preempted (their tokens may still be in flight on the device). Empty when none fits."""
-        cfg = self.config
-        out = SchedulerOutput()
-        budget = cfg.scheduler_config.max_num_batched_tokens
-        while cfg.scheduler_config.scheduling == "continuous" and self.waiting and budget > 0 \
-                and len(self.running) < cfg.scheduler_config.max_num_seqs:
-            seq = self.waiting.peek() if self.priority else self.waiting[0]
-            num_new = self._fit_waiting(seq, budget)
-            if not num_new:
-                break
-            if self.priority:
-                self.waiting.pop()
-                bisect.insort(self.running, seq, key=self._key)
-            else:
-                self.waiting.popleft()
-                self.running.append(seq)
-            self._admit(out, seq, num_new)
-            budget -= num_new
-        out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
-        return out
-
     def _fit_waiting(self, seq: Sequence, budget: int) -> int | None:
         """Match a waiting request's cached prefix and size its first chunk: the tokens it computes now, 0
         when the free blocks are too few, None when it does not fit the budget (chunked prefill off); the
