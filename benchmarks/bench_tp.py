@@ -105,51 +105,51 @@ def main():
     if "throughput" in sections:
         attempt(throughput, M8, 1, prompts, outs)
         attempt(throughput, M8, 2, prompts, outs)
-    if "vllm" in sections:
+    def peer(shape: str, requests: int, workloads: list[str]) -> None:
+        """vLLM at TP=2 on `workloads` of the shape: its rows, or a row saying why it failed."""
         try:
-            peer = bench_vllm("llama-3.1-8b", args.vllm_path, args.requests, ["latency", "throughput"], 0, "",
-                              tensor_parallel_size=2)
-            rows.append(dict(bench="latency b=1", model="llama-3.1-8b", tp=2, config=f"vLLM {peer['version']}",
-                             ms_per_token=peer["batch1_ms_per_token"]))
-            rows.append(dict(bench="nano workload", model="llama-3.1-8b", tp=2, config=f"vLLM {peer['version']}",
-                             seconds=peer["nano_seconds"], tok_s=peer["nano_out_tok_s"]))
+            res = bench_vllm(shape, args.vllm_path, requests, workloads, 0, "", tensor_parallel_size=2)
+            config = f"vLLM {res['version']}"
+            if "latency" in workloads:
+                rows.append(dict(bench="latency b=1", model=shape, tp=2, config=config,
+                                 ms_per_token=res["batch1_ms_per_token"]))
+            rows.append(dict(bench="nano workload", model=shape, tp=2, config=config,
+                             seconds=res["nano_seconds"], tok_s=res["nano_out_tok_s"]))
         except Exception as e:  # keep the rest of the table
-            rows.append(dict(bench="vllm", model="llama-3.1-8b", tp=2, config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
+            rows.append(dict(bench="vllm", model=shape, tp=2, config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
         print(rows[-1], flush=True)
+
+    def peer_row(bench: str, shape: str) -> dict | None:
+        return next((r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == bench
+                     and r.get("model") == shape), None)
+
+    if "vllm" in sections:
+        peer("llama-3.1-8b", args.requests, ["latency", "throughput"])
     if "70b" in sections:
         p70, o70 = nano_workload(args.requests_70b)
         attempt(throughput, M70, 2, p70, o70)
     if "vllm70b" in sections:
-        try:
-            peer = bench_vllm("llama-3.1-70b", args.vllm_path, args.requests_70b, ["throughput"], 0, "",
-                              tensor_parallel_size=2)
-            rows.append(dict(bench="nano workload", model="llama-3.1-70b", tp=2, config=f"vLLM {peer['version']}",
-                             seconds=peer["nano_seconds"], tok_s=peer["nano_out_tok_s"]))
-        except Exception as e:  # keep the rest of the table
-            rows.append(dict(bench="vllm", model="llama-3.1-70b", tp=2, config=f"vLLM failed: {type(e).__name__}: {e}"[:160]))
-        print(rows[-1], flush=True)
+        peer("llama-3.1-70b", args.requests_70b, ["throughput"])
     by = {(r.get("bench"), r.get("model"), r.get("tp"), r.get("config")): r for r in rows}
     summary = {}
     a, b = by.get(("latency b=1", "llama-3.1-8b", 1, "cuda graphs")), by.get(("latency b=1", "llama-3.1-8b", 2, "cuda graphs"))
     if a and b:
         summary["8b_batch1_tp2_over_tp1"] = b["ms_per_token"] / a["ms_per_token"]
         summary["8b_batch1_target_met"] = summary["8b_batch1_tp2_over_tp1"] <= 0.62
-    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "latency b=1"]
+    v = peer_row("latency b=1", "llama-3.1-8b")
     if b and v:
-        summary["8b_batch1_tp2_over_vllm_tp2"] = b["ms_per_token"] / v[0]["ms_per_token"]
+        summary["8b_batch1_tp2_over_vllm_tp2"] = b["ms_per_token"] / v["ms_per_token"]
     a = by.get(("nano workload", "llama-3.1-8b", 1, f"{args.requests} requests"))
     b = by.get(("nano workload", "llama-3.1-8b", 2, f"{args.requests} requests"))
     if a and b:
         summary["8b_nano_tp2_over_tp1"] = b["tok_s"] / a["tok_s"]
-    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "nano workload"
-         and r.get("model") == "llama-3.1-8b"]
+    v = peer_row("nano workload", "llama-3.1-8b")
     if b and v:
-        summary["8b_nano_tp2_over_vllm_tp2"] = b["tok_s"] / v[0]["tok_s"]
+        summary["8b_nano_tp2_over_vllm_tp2"] = b["tok_s"] / v["tok_s"]
     a = by.get(("nano workload", "llama-3.1-70b", 2, f"{args.requests_70b} requests"))
-    v = [r for r in rows if str(r.get("config", "")).startswith("vLLM ") and r.get("bench") == "nano workload"
-         and r.get("model") == "llama-3.1-70b"]
+    v = peer_row("nano workload", "llama-3.1-70b")
     if a and v:
-        summary["70b_nano_tp2_over_vllm_tp2"] = a["tok_s"] / v[0]["tok_s"]
+        summary["70b_nano_tp2_over_vllm_tp2"] = a["tok_s"] / v["tok_s"]
     out = dict(device=dev, num_gpus=torch.cuda.device_count(), dtype="bfloat16", rows=rows, summary=summary,
                env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                      "NVSHMEM_DISABLE_NVLS")})

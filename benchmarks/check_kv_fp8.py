@@ -41,8 +41,8 @@ def held_out_prompts(engine: LLMEngine, n: int) -> list[list[int]]:
     return out
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
+def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Every prompt with params, stepped to the end -> the final outputs in prompt order."""
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
@@ -52,19 +52,18 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
     return [done[i] for i in ids]
 
 
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
+    return generate(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                    logprobs=TOP))
+
+
 def teacher_forced(engine: LLMEngine, prompts: list[list[int]], ref_outs: list) -> list[list[bool]]:
     """Per prompt, whether engine's greedy token equals the reference's at each generated position, every
     position given the reference's tokens before it."""
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
-    ids = [engine.add_request(p + list(r.token_ids[:-1]), params) for p, r in zip(prompts, ref_outs)]
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    outs = generate(engine, [p + list(r.token_ids[:-1]) for p, r in zip(prompts, ref_outs)],
+                    SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0))
     hits = []
-    for i, p, r in zip(ids, prompts, ref_outs):
-        o = done[i]
+    for o, p, r in zip(outs, prompts, ref_outs):
         ranks = [lp[0].rank for lp in o.prompt_logprobs[len(p):]]        # the reference's tokens 0..n-2
         hits.append([k == 1 for k in ranks] + [o.token_ids[0] == r.token_ids[-1]])
     return hits

@@ -337,8 +337,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-server-count", type=int, default=None,
                    help="API server processes sharing the port in front of the engine processes (launcher.py; "
                         "with --data-parallel-size each attaches to every replica); default: "
-                        f"{GPU_API_SERVER_COUNT} for engines on GPUs without tensor parallelism, given {GPU_API_SERVER_COUNT * 2}+ cores "
-                        "(each process streams ~10k chunks/s), else 1")
+                        f"{GPU_API_SERVER_COUNT} for engines on GPUs without tensor parallelism, given "
+                        f"{GPU_API_SERVER_COUNT * 2}+ cores (each process streams ~10k chunks/s), else 1")
     add_http_args(g)
 
 
