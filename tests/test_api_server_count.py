@@ -178,14 +178,13 @@ def test_two_api_servers_in_front_of_two_replicas_and_one_replica_killed():
     after another, spread by the kernel over the servers, reach both replicas (/metrics labels each). One replica's
     engine core killed: the launcher starts a new one, both servers attach to it, and both replicas serve again."""
     import psutil
-    from prometheus_client.parser import text_string_to_metric_families
     with _two_api_servers("--data-parallel-size", "2") as (proc, url):
         def cores() -> list:
             return [p for p in psutil.Process(proc.pid).children() if p.name() == "kvscope-core"]
 
         _serve(url, 4)
         text = httpx.get(url + "/metrics", timeout=30).text
-        per = _per_replica_tokens(text, text_string_to_metric_families)
+        per = _per_replica_tokens(text)
         assert set(per) == {"0", "1"} and sum(per.values()) == 16 and min(per.values()) > 0
         assert _samples(text)["kvscope:request_success_total"] == 4
         first = cores()
@@ -196,16 +195,17 @@ def test_two_api_servers_in_front_of_two_replicas_and_one_replica_killed():
             time.sleep(0.1)
         time.sleep(1.0)                            # the servers' receivers see the pipe close
         _healthy_within(proc, url, 240)
-        before = _per_replica_tokens(httpx.get(url + "/metrics", timeout=30).text, text_string_to_metric_families)
+        before = _per_replica_tokens(httpx.get(url + "/metrics", timeout=30).text)
         _serve(url, 8)
-        after = _per_replica_tokens(httpx.get(url + "/metrics", timeout=30).text, text_string_to_metric_families)
+        after = _per_replica_tokens(httpx.get(url + "/metrics", timeout=30).text)
         now = cores()
         assert len(now) == 2 and first[0].pid in {p.pid for p in now} and first[1].pid not in {p.pid for p in now}
         assert all(after[e] > before.get(e, 0) for e in ("0", "1"))     # both replicas served again
 
 
-def _per_replica_tokens(text: str, parse) -> dict[str, float]:
-    return {s.labels["engine"]: s.value for fam in parse(text) for s in fam.samples
+def _per_replica_tokens(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {s.labels["engine"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name == "kvscope:generation_tokens_total"}
 
 
