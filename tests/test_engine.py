@@ -263,3 +263,22 @@ def test_multi_step_admits_newcomers_in_groups(smollm2_engine_factory, prompts):
             assert first_new <= fin1, (first_new, fin1)      # admitted at the first free slot
         else:
             assert first_new > fin1, (first_new, fin1)       # waited until two slots were free
+
+
+def test_a_synchronous_step_returns_with_the_first_decode_block_launched(smollm2_engine_factory, prompts):
+    """After the prefill step, the decode block the next step would run is already launched when step()
+    returns (the clients' outputs are sent while it runs); the tokens are single steps' tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 4
+    ref = run_requests(smollm2_engine_factory(), prompts, params)
+    eng = smollm2_engine_factory(num_scheduler_steps=4)
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    eng.step()                                  # the prompts' prefill: a synchronous step
+    assert eng.multi_step.inflight is not None
+    assert [s.request_id for s in eng.multi_step.inflight.sched.seqs] == ids
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert [done[i].token_ids for i in ids] == [r.token_ids for r in ref]
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1

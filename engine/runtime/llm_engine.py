@@ -392,7 +392,23 @@ class LLMEngine:
             if self.executor is not None:
                 self.executor.check()           # (raises RankFailure when a rank died with this step)
             return self._isolate(sched, e, observe, timer, t0, t_sched)
-        return self._finish_step(sched, done, observe, timer, t0, t_sched)
+        outputs = self._finish_step(sched, done, observe, timer, t0, t_sched)
+        self._launch_next_block()
+        return outputs
+
+    def _launch_next_block(self) -> None:
+        """After a synchronous step, launch the decode block the next step would start with, before this step's
+        outputs go to the clients: the GPU runs it while they are sent and newcomers are taken in."""
+        ms = self.multi_step
+        if not ms.enabled or ms.inflight is not None or self._block_suspects or self.drafter is not None:
+            return                      # (a drafter proposes at the start of a step, before any block is planned)
+        K = ms.plan(self.arrivals_pending)
+        if not K:
+            return
+        try:
+            ms.inflight = ms.launch(K)
+        except Exception as e:  # noqa: BLE001 - single steps isolate the cause, as for a block that raised
+            self._block_failed(e)
 
     def _compute(self, sched: SchedulerOutput, observe: bool) -> "ComputedStep":
         """prepare -> execute -> [grammar masks] -> sample | verify for a scheduled batch. Commits nothing:

@@ -304,6 +304,10 @@ class MultiStepDecoder:
         return tokens
 
     # ---- one engine step -----------------------------------------------------------------------
+    def launch(self, K: int) -> InFlight:
+        """A first block of K iterations from the tokens on the host, launched now; the next `run` waits for it."""
+        return self._launch(K)
+
     def run(self, K: int, arrivals_pending: bool) -> BlockTokens:
         """Launch the next block behind the in-flight one (or a first block of K iterations), then wait for the
         in-flight block's tokens. A grammar block launched here is masked and sampled by `finish` once the
