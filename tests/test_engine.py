@@ -282,3 +282,37 @@ def test_a_synchronous_step_returns_with_the_first_decode_block_launched(smollm2
                 done[o.request_id] = o
     assert [done[i].token_ids for i in ids] == [r.token_ids for r in ref]
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
+def test_newcomers_join_behind_the_block_in_flight(smollm2_engine_factory, prompts):
+    """Requests that arrive while decode blocks run are prefilled in a mixed step launched behind the block in
+    flight, beside the running requests' next tokens (no drain, no synchronous step), and every request gets
+    the tokens it gets alone. A newcomer with prompt logprobs (not sampled on the device alone) is admitted by
+    a synchronous step instead."""
+    ref = [run_requests(smollm2_engine_factory(), [p], [GREEDY])[0].token_ids for p in prompts]
+    lp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
+    eng = smollm2_engine_factory(num_scheduler_steps=4)
+    mixed = []
+    launch = eng.multi_step._launch_mixed
+    eng.multi_step._launch_mixed = lambda prev: mixed.append(launch(prev)) or mixed[-1]
+    ids = [eng.add_request(p, GREEDY) for p in prompts[:2]]
+    done = {}
+
+    def step(n):
+        for _ in range(n):
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+    step(3)                                     # prefill, then decode blocks in flight
+    assert eng.multi_step.inflight is not None
+    ids.append(eng.add_request(prompts[2], GREEDY))
+    step(2)
+    assert len(mixed) == 1 and [s.request_id for s in mixed[0].sched.admitted] == [ids[2]]
+    assert mixed[0].sched.num_new_tokens[:2] == [1, 1]                # the running requests decode beside it
+    ids.append(eng.add_request(prompts[3], lp))
+    while eng.has_unfinished_requests():
+        step(1)
+    assert len(mixed) == 1                      # the prompt-logprobs request took a synchronous step
+    assert [done[i].token_ids for i in ids] == ref
+    assert done[ids[3]].prompt_logprobs is not None
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1

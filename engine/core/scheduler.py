@@ -396,24 +396,53 @@ class Scheduler:
             self.bm.free(seq)
         seq.num_computed_tokens = 0
 
-    def can_schedule_block(self, seqs: list[Sequence], num_tokens: int) -> bool:
-        """Whether the pool holds the blocks for num_tokens more tokens of each of seqs (a multi-step block)."""
-        need = sum(self.bm.blocks_needed(s, s.num_computed_tokens + num_tokens) for s in seqs)
+    def can_schedule_block(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+        """Whether the pool holds the blocks for num_tokens[i] more tokens of each seqs[i] (a multi-step block)."""
+        need = sum(self.bm.blocks_needed(s, s.num_computed_tokens + n) for s, n in zip(seqs, num_tokens))
         return need <= self.bm.pool.num_free
 
-    def schedule_block(self, seqs: list[Sequence], K: int, extra: int = 0) -> SchedulerOutput:
-        """A multi-step decode block: every one of seqs computes K tokens (1 known + K - 1 sampled on the way)
-        after `extra` tokens still in flight; the blocks for all of them are allocated now (check first with
-        can_schedule_block)."""
+    def schedule_block(self, seqs: list[Sequence], K: int, extra: list[int]) -> SchedulerOutput:
+        """A multi-step decode block: every seqs[i] computes K tokens (1 known + K - 1 sampled on the way)
+        after the extra[i] positions still in flight; the blocks for all of them are allocated now (check first
+        with can_schedule_block)."""
         out = SchedulerOutput()
-        for seq in seqs:
-            self.bm.allocate(seq, extra + K)
+        self._schedule_after(out, seqs, K, extra)
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
+        return out
+
+    def schedule_mixed(self, seqs: list[Sequence], extra: list[int], admissible) -> SchedulerOutput:
+        """A step launched behind an in-flight one: each seqs[i] decodes one token after its extra[i] positions
+        in flight (the caller checked the blocks), then waiting requests are admitted first come first served,
+        whole prompts only, while `admissible(seq)`, the budget, the batch and the free blocks allow. Nobody is
+        preempted: the in-flight tokens are not on the host yet."""
+        cfg = self.config.scheduler_config
+        out = SchedulerOutput()
+        self._schedule_after(out, seqs, 1, extra)
+        budget = cfg.max_num_batched_tokens - len(seqs)
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not admissible(seq) or seq.host_block_table:
+                break
+            num_new = self._fit_waiting(seq, budget)
+            if not num_new:
+                break
+            if num_new < seq.num_tokens - seq.num_computed_tokens:     # a first chunk samples nothing
+                self._undo_match(seq)
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._admit(out, seq, num_new)
+            budget -= num_new
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
+        return out
+
+    def _schedule_after(self, out: SchedulerOutput, seqs: list[Sequence], K: int, extra: list[int]) -> None:
+        for seq, e in zip(seqs, extra):
+            self.bm.allocate(seq, e + K)
             out.seqs.append(seq)
             out.num_new_tokens.append(K)
             out.num_spec_tokens.append(0)
-            out.computed_before.append(seq.num_computed_tokens + extra)
-        out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
-        return out
+            out.computed_before.append(seq.num_computed_tokens + e)
 
     @staticmethod
     def _emit(out: SchedulerOutput, seq: Sequence, num_new: int, num_spec: int) -> None:

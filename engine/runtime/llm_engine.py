@@ -577,9 +577,12 @@ class LLMEngine:
             self._block_failed(e)
             return None
         sched = blk.sched
-        self._count_iteration(len(sched.seqs), blk.K)
+        for seq in sched.admitted:              # newcomers prefilled in a mixed step launched behind a block
+            self._emit_request("scheduled", seq)
+        self._count_iteration(sum(sched.num_new_tokens) // blk.K, blk.K)
         if observe:
-            sched.phases = ["decode"] * len(sched.seqs)
+            new = {id(s) for s in sched.admitted}
+            sched.phases = ["prefill" if id(seq) in new else "decode" for seq in sched.seqs]
             sched.total_lens = [seq.num_tokens for seq in sched.seqs]
         outputs, finished, _ = self._process_outputs(sched, blk.tokens, [None] * len(sched.seqs))
         if self.drafter is not None:          # auto-off: probes from the block's tokens (the next block runs)

@@ -88,11 +88,12 @@ class ModelRunner:
         return True
 
     # ---- packing -------------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, sample_mask: list[bool], extra_logits: list[int] | None = None
-                ) -> tuple[torch.Tensor, AttentionMetadata]:
+    def prepare(self, sched: SchedulerOutput, sample_mask: list[bool], extra_logits: list[int] | None = None,
+                in_flight: int = 0) -> tuple[torch.Tensor, AttentionMetadata]:
         """Pack the step: input ids [T], and metadata. Each sequence computes tokens
         [computed_before, computed_before + num_new) of its token_ids (+ draft tokens at the end).
-        extra_logits[i] = how many positions before the last also need logits (verification)."""
+        extra_logits[i] = how many positions before the last also need logits (verification). The first
+        `in_flight` sequences decode a token still on the device: their ids are left 0 for the caller to fill."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -105,7 +106,7 @@ class ModelRunner:
             end = start + n
             bt = seq.block_table
             if n == 1 and not seq.spec_token_ids:           # a plain decode: no numpy round trip
-                ids.append(seq.token_ids[start])
+                ids.append(seq.token_ids[start] if i >= in_flight else 0)
                 positions.append(start)
                 slots.append(bt[start // bs] * bs + start % bs)
             else:

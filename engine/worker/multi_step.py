@@ -54,6 +54,18 @@ class InFlight:
     logits: torch.Tensor | None = None     # a grammar block's [B, V] logits, launched and not yet sampled
     mask_s: float = 0.0                    # host seconds its masks took (filled and applied)
     mds: list[AttentionMetadata] | None = None     # a grammar block's iterations, launched one at a time
+    advance: list[int] | None = None       # positions each request computes in it (None: K each; a mixed step's
+                                           # newcomers: their prompts)
+
+    def extra(self, seqs: list[Sequence]) -> list[int]:
+        """The positions in flight for each of seqs (those not in this block: none)."""
+        if self.advance is None:
+            return [self.K if id(s) in self._rows() else 0 for s in seqs]
+        adv = {id(s): a for s, a in zip(self.sched.seqs, self.advance)}
+        return [adv.get(id(s), 0) for s in seqs]
+
+    def _rows(self) -> set[int]:
+        return {id(s) for s in self.sched.seqs}
 
 
 @dataclass
@@ -85,6 +97,12 @@ def _in_grammar_block(seq: Sequence) -> bool:
                                                              seq.num_output_tokens >= p.min_tokens)
 
 
+def _admissible(seq: Sequence) -> bool:
+    """Whether a waiting request's first token can be sampled on the device in a step launched behind another:
+    as a block's rows (`_plain`), and no prompt logprobs."""
+    return _plain(seq) and seq.prompt_logprobs is None
+
+
 def _left(seq: Sequence, extra: int) -> int:
     """Tokens seq may still produce after the `extra` in flight (none: it ends within the block in flight)."""
     return seq.params.max_tokens - seq.num_output_tokens - extra
@@ -110,10 +128,11 @@ class MultiStepDecoder:
         return self.num_steps > 1 or self.structured_overlap
 
     # ---- planning ------------------------------------------------------------------------------
-    def plan(self, arrivals_pending: bool, ahead: InFlight | None = None) -> int:
+    def plan(self, arrivals_pending: bool, ahead: InFlight | None = None, admit: bool = True) -> int:
         """How many decode iterations the next block may run (0: take a normal step). With `ahead`, the block
         would follow that in-flight one, whose K tokens per request are not known on the host yet. A batch
-        with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0."""
+        with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0.
+        admit=False: as if no newcomer were waiting."""
         sch, sc = self.scheduler, self.config.scheduler_config
         grammar = self.structured.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
         K = self.num_steps if not grammar or self.config.structured_output_config.structured_multi_step else 1
@@ -122,8 +141,8 @@ class MultiStepDecoder:
             return 0
         if self.drafter is not None and self.drafter.blocks_fast_path(sch.running):
             return 0                                    # a request drafts (or probes) within the block
-        if self._admit_now(arrivals_pending):
-            return 0                                    # admit the newcomers with a normal step
+        if admit and self._admit_now(arrivals_pending):
+            return 0                                    # admit the newcomers with a normal (or mixed) step
         if len(sch.running) > sc.max_num_batched_tokens:
             return 0
         extra = ahead.K if ahead else 0
@@ -148,7 +167,8 @@ class MultiStepDecoder:
         if sc.multi_step_trim:                         # no iteration that every request would discard
             K = min(K, longest)
         K = min(K, room, self._time_cap()) if K > 1 else min(K, room)
-        ok = K >= 1 and sch.can_schedule_block(kept, extra + K)
+        in_flight = ahead.extra(kept) if ahead else [0] * len(kept)
+        ok = K >= 1 and sch.can_schedule_block(kept, [e + K for e in in_flight])
         return K if ok else 0
 
     def _admit_now(self, arrivals_pending: bool) -> bool:
@@ -233,7 +253,8 @@ class MultiStepDecoder:
         `_sample_grammar_block` once the tokens before it are on the host."""
         t0 = time.perf_counter()
         extra = ahead.K if ahead else 0
-        sched = self.scheduler.schedule_block(self._block_seqs(extra), K, extra)
+        seqs = self._block_seqs(extra)
+        sched = self.scheduler.schedule_block(seqs, K, ahead.extra(seqs) if ahead else [0] * len(seqs))
         self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)   # evictions to the host tier
         t_sched = time.perf_counter()
         runner = self.runner
@@ -260,6 +281,42 @@ class MultiStepDecoder:
             toks.append(ids)
         tokens = torch.stack(toks, 1)                                           # [B, K]
         return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
+
+    def _mixed_ok(self, arrivals_pending: bool, prev: InFlight) -> bool:
+        """Whether newcomers can be admitted by a step launched behind `prev` instead of a synchronous one: the
+        running requests could decode another block behind it, and the first waiting request samples on the
+        device (see `_admissible`)."""
+        sch = self.scheduler
+        return bool(sch.waiting) and self.drafter is None and prev.tokens is not None \
+            and self.structured.num_constrained == 0 \
+            and self.config.scheduler_config.scheduling_policy != "priority" \
+            and _admissible(sch.waiting[0]) and self._admit_now(arrivals_pending) \
+            and self.plan(arrivals_pending, ahead=prev, admit=False) > 0
+
+    def _launch_mixed(self, prev: InFlight) -> InFlight:
+        """One step behind `prev` without a host sync: each running request decodes a token from prev's last
+        sampled one, still on the device, and newcomers' whole prompts are prefilled beside them (vLLM's mixed
+        step, scheduled while the step before it runs)."""
+        t0 = time.perf_counter()
+        seqs = self._block_seqs(prev.K)
+        sched = self.scheduler.schedule_mixed(seqs, prev.extra(seqs), _admissible)
+        self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
+        t_sched = time.perf_counter()
+        for seq in sched.admitted:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = t_sched
+        runner, nd = self.runner, len(seqs)
+        input_ids, md = runner.prepare(sched, [True] * len(sched.seqs), in_flight=nd)
+        if nd:
+            row = {id(s): i for i, s in enumerate(prev.sched.seqs)}
+            idx = torch.tensor([row[id(s)] for s in seqs], dtype=torch.int64).to(runner.device, non_blocking=True)
+            input_ids[:nd] = prev.tokens[:, -1].index_select(0, idx)        # the decodes' ids: one each, first
+        logits = runner.execute(input_ids, md)                                    # [B, V]
+        rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
+        tokens = sample_unseeded(logits, rows, [r.params.greedy for r in rows], self.sampler.generator,
+                                 self.sampler.fused)[:, None]                    # [B, 1]
+        return InFlight(sched, 1, tokens, HostCopy(tokens), md.graphed, t0, t_sched, time.perf_counter(),
+                        advance=list(sched.num_new_tokens))
 
     def _sample_grammar_block(self, blk: InFlight) -> InFlight | None:
         """Mask and sample a grammar block's launched logits, with every token before them on the host: the
@@ -318,7 +375,10 @@ class MultiStepDecoder:
             mask_s += self.inflight.mask_s
         prev, self.inflight = self.inflight, None
         K_next = self.plan(arrivals_pending, ahead=prev)
-        nxt = self._launch(K_next, ahead=prev, sample=False) if K_next else None
+        if K_next:
+            nxt = self._launch(K_next, ahead=prev, sample=False)
+        else:
+            nxt = self._launch_mixed(prev) if self._mixed_ok(arrivals_pending, prev) else None
         self.inflight = nxt
         t_wait = time.perf_counter()
         tokens = prev.host.tolist()                                          # [B, K]: the one sync
@@ -330,7 +390,8 @@ class MultiStepDecoder:
         began = prev.t_scheduled
         if self._last_block_done is not None and prev.t_launched < self._last_block_done:
             began = self._last_block_done
-        self.observe_iteration((t_sample - began) / prev.K)
+        if prev.advance is None:                # (a mixed step's prefill is no decode iteration)
+            self.observe_iteration((t_sample - began) / prev.K)
         if self.drafter is not None:            # auto-off: the plain decode iteration it compares against
             self.drafter.observe_step(len(prev.sched.seqs), 0, (t_sample - began) / prev.K)
         self._last_block_done = t_sample if nxt is not None else None
