@@ -12,6 +12,13 @@ probe due within the block), KV cache on, every running request decoding, nothin
 admitted, and every request sampling on the device alone (greedy, or unseeded temperature / top-k / top-p /
 min-p; no penalties, logprobs or min_tokens ban). Otherwise the engine takes a normal step.
 
+Newcomers that can be admitted (and sample as a block's rows do, without prompt logprobs) join behind the block
+in flight: a mixed step is launched after it without a host sync, each running request decoding one token from
+the block's last sampled one on the device and the newcomers' whole prompts prefilled beside them (vLLM's
+scheduling of a step while the one before it runs). Its tokens are processed like a one-iteration block's, and
+the next block follows it. Anything else that waits (a first chunk of a long prompt, a swapped-out request,
+priority scheduling) drains the pipeline for a synchronous step.
+
 A batch with a constrained request (structured output) runs grammar blocks instead
 (EngineConfig.structured_overlap): each token's mask needs the previous token on the host, but the next
 forward does not. A block's first forward is launched from the in-flight block's tokens still on the
