@@ -66,13 +66,8 @@ class InFlight:
 
     def extra(self, seqs: list[Sequence]) -> list[int]:
         """The positions in flight for each of seqs (those not in this block: none)."""
-        if self.advance is None:
-            return [self.K if id(s) in self._rows() else 0 for s in seqs]
-        adv = {id(s): a for s, a in zip(self.sched.seqs, self.advance)}
+        adv = dict(zip(map(id, self.sched.seqs), self.advance or [self.K] * len(self.sched.seqs)))
         return [adv.get(id(s), 0) for s in seqs]
-
-    def _rows(self) -> set[int]:
-        return {id(s) for s in self.sched.seqs}
 
 
 @dataclass
