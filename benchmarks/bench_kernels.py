@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import re
 import sys
@@ -234,7 +235,8 @@ def bench_decode(ceil, sweep):
 def bench_prefill(ceil, sweep, fp8=False):
     scale = D ** -0.5
     L, nd = SIZES["prefill"], SIZES["mixed_decodes"]
-    sweeps = {"prefill": ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3)),
+    sweeps = {"prefill": ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3),
+                          (128, 128, 8, 2), (128, 128, 8, 3)),
               "verify": ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 32, 2, 3), (128, 64, 8, 3))}
     for q_lens, seq_lens, label in (([L] * 4, [L] * 4, f"prefill 4x{L}"),
                                     ([L // 2] * 2, [L] * 2, f"chunk 2x({L // 2} of {L})"),
@@ -266,8 +268,8 @@ def bench_prefill(ceil, sweep, fp8=False):
         kind = label.split()[0]
         if sweep and kind in sweeps:
             res = []
-            for bm, bn, warps, stages in sweeps[kind]:
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            for (bm, bn, warps, stages), heavy_first in itertools.product(sweeps[kind], (False, True)):
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, heavy_first=heavy_first)
                 try:
                     f = lambda: tk.paged_attention(q, kc, vc, md, scale, config=cfg)  # noqa: E731
                     e = rel_err(f(), ref_out)
