@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import platform
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -89,10 +91,13 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     ap.add_argument("--suite", choices=sorted(SUITES), default=None,
                     help="run these workloads (overrides --num-prompts/--request-rate/lengths)")
-    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL|launch[:ARGS]|offline",
+    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL|launch[:ARGS]|offline|null[:ITL_MS]",
                     help="a server to benchmark (repeatable, run in order): a URL, 'launch' (kvscope's server, "
-                         "started here; 'launch:--a=1,--b=2' adds server arguments) or 'offline' (kvscope's "
-                         "LLM.generate on the same requests, in process)")
+                         "started here; 'launch:--a=1,--b=2' adds server arguments), 'offline' (kvscope's "
+                         "LLM.generate on the same requests, in process) or 'null' (no engine: each stream's "
+                         "first chunk at once, then one chunk every ITL_MS, by default the mean TPOT of the target "
+                         "before it on the same workload: the client's own TTFT there, set against every other "
+                         "target's /metrics)")
     ap.add_argument("--pyspy", default=None, metavar="DIR",
                     help="record a launched kvscope server with py-spy during each run (collapsed stacks in DIR)")
     ap.add_argument("--launch", action="append", default=[], metavar="NAME=COMMAND",
@@ -226,14 +231,21 @@ def workloads(args) -> list[argparse.Namespace]:
 
 
 def parse_targets(args) -> list[tuple[str, str]]:
-    """[(name, URL | 'launch' | 'offline')]; without --target: --base-url, else a launched kvscope server."""
+    """[(name, URL | 'launch' | 'offline' | 'null[:ITL_MS]')]; without --target: --base-url, else a launched
+    kvscope server."""
     if not args.target:
         return [("target", args.base_url)] if args.base_url else [("kvscope", "launch")]
     out = []
     for t in args.target:
         name, sep, value = t.partition("=")
-        if not sep or not name or not (value in ("launch", "offline") or value.startswith(("launch:", "http://", "https://"))):
-            raise SystemExit(f"--target: expected NAME=URL|launch|offline (got {t!r})")
+        if not sep or not name or not (value in ("launch", "offline", "null")
+                                       or value.startswith(("launch:", "null:", "http://", "https://"))):
+            raise SystemExit(f"--target: expected NAME=URL|launch|offline|null[:ITL_MS] (got {t!r})")
+        if value.startswith("null:"):
+            try:
+                assert float(value[5:]) >= 0
+            except (ValueError, AssertionError):
+                raise SystemExit(f"--target {name}: null:ITL_MS takes milliseconds >= 0 (got {value[5:]!r})")
         out.append((name, value))
     return out
 
@@ -257,6 +269,40 @@ def server_cpu(pid: int) -> dict[int, tuple[str, str, float]]:
     except psutil.Error:
         pass
     return out
+
+
+def null_itl_s(value: str, results: list[dict], workload: str) -> float:
+    """The null server's seconds between chunks: null:ITL_MS's, else the mean TPOT of the last target run on the
+    same workload (the cadence the client read there), else 0 (every chunk at once)."""
+    if value.partition(":")[2]:
+        return float(value.partition(":")[2]) / 1e3
+    for r in reversed(results):
+        tpot = (r.get("summary") or {}).get("TPOT")
+        if r["workload"] == workload and not r.get("null") and tpot and tpot.get("mean") is not None:
+            return tpot["mean"] / 1e3
+    return 0.0
+
+
+def start_null_server(itl_s: float) -> tuple[multiprocessing.Process, str]:
+    """A server with no engine (openai_client.trivial_app): every stream's first chunk at once, then one chunk each
+    itl_s. A client's TTFT against it, less the server's own stamp, is what the client itself costs on this
+    workload."""
+    from benchmarks.openai_client import serve_trivial
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = multiprocessing.get_context("spawn").Process(target=serve_trivial, args=(port, None, 1, itl_s),
+                                                          daemon=True)
+    proc.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the null server did not answer in 30 s")
 
 
 def run_http(w, url: str, model: str | None, profile_pid: int | None = None, profile_out: Path | None = None,
@@ -381,6 +427,24 @@ def _num(v: str):
     return {"true": True, "false": False, "none": None}.get(v.lower(), v)
 
 
+def client_own_ttft(r: dict) -> float | None:
+    """A null-server run's mean TTFT at the client less the server's own stamp: the client's cost."""
+    srv = (r.get("server_side") or {}).get("ttft_ms")
+    ttft = (r.get("summary") or {}).get("TTFT")
+    return None if srv is None or not ttft else ttft["mean"] - srv
+
+
+def metrics_vs_client(r: dict, own_ms: float | None) -> float | None:
+    """100 * (/metrics mean TTFT - (client mean TTFT - the client's own)) / that: how far the server's own figure
+    is from what the client saw of the server."""
+    srv = (r.get("server_side") or {}).get("ttft_ms")
+    ttft = (r.get("summary") or {}).get("TTFT")
+    if srv is None or not ttft or own_ms is None or ttft["mean"] - own_ms <= 0:
+        return None
+    seen = ttft["mean"] - own_ms
+    return 100 * (srv - seen) / seen
+
+
 def side_by_side(results: list[dict]) -> list[dict]:
     """One row per metric, one column per (target, workload)."""
     cols = [f"{r['name']}/{r['workload']}" for r in results]
@@ -397,6 +461,16 @@ def side_by_side(results: list[dict]) -> list[dict]:
                  **{c: (r["summary"]["TTFT"]["mean"] - r["server_side"]["ttft_ms"])
                     if (r.get("server_side") or {}).get("ttft_ms") is not None and r.get("summary", {}).get("TTFT")
                     else None for c, r in zip(cols, results)}})
+    # a null target (no engine) on the same workload and client measures the client's own part of that gap (the
+    # last null target's, if several); what is left of the client's TTFT is the server's, which /metrics should tell
+    own = {r["workload"]: client_own_ttft(r) for r in results if r.get("null")}
+    if own:
+        rows.append({"metric": "client's own TTFT (null server, ms)",
+                     **{c: client_own_ttft(r) if r.get("null") else own.get(r["workload"])
+                        for c, r in zip(cols, results)}})
+        rows.append({"metric": "/metrics TTFT vs client's less its own (%)",
+                     **{c: metrics_vs_client(r, own.get(r["workload"])) if not r.get("null") else None
+                        for c, r in zip(cols, results)}})
     if any((r.get("server_side") or {}).get("replica_output_tokens") for r in results):
         rows.append({"metric": "output tokens per replica",
                      **{c: (r.get("server_side") or {}).get("replica_output_tokens") for c, r in zip(cols, results)}})
@@ -442,12 +516,20 @@ def main(argv=None) -> list[dict]:
                 largs = argparse.Namespace(**{**vars(args), "num_prompts": max(w.num_prompts for w in runs),
                                               "server_arg": args.server_arg + extra})
                 proc, url, _ = launch_server(largs)
+            elif value.startswith("null"):
+                url = None                                  # one null server per workload, at its cadence
             elif value != "offline":
                 url = value
                 if name in launches:
                     proc = start_command(name, launches[name], url)
             for w in runs:
                 print(f"==== {name} · {w.name or 'run'} ====", flush=True)
+                if value.startswith("null"):
+                    if proc is not None:
+                        proc.kill()
+                    itl_s = null_itl_s(value, results, w.name or "run")
+                    proc, url = start_null_server(itl_s)
+                    print(f"null server: first chunk at once, then one every {1e3 * itl_s:.2f} ms", flush=True)
                 if value == "offline":
                     if not math.isinf(w.request_rate) or any(r["name"] == name for r in results):
                         continue                  # offline has no arrival process or client: one burst run
@@ -455,14 +537,20 @@ def main(argv=None) -> list[dict]:
                 else:
                     prof = dict(profile_pid=proc.pid, profile_out=Path(args.pyspy) / f"{slug(name)}_{w.name or 'run'}.txt") \
                         if args.pyspy and value.startswith("launch") else {}
-                    r = run_http(w, url, args.model if not value.startswith("launch") and not args.target else None,
+                    r = run_http(w, url, args.model if value.startswith(("http://", "https://")) and not args.target
+                                 else None,
                                  server_pid=proc.pid if value.startswith("launch") else None, **prof)
-                results.append({"name": name, "workload": w.name or "run", **r})
+                results.append({"name": name, "workload": w.name or "run", **r,
+                                **({"null": True, "null_itl_ms": 1e3 * itl_s} if value.startswith("null") else {})})
         except (Exception, SystemExit) as e:      # one target failing keeps the others' results
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"target {name} failed: {failed[name]}", flush=True)
         finally:
-            stop_launched(proc) if value.startswith("launch") else stop_process(proc)
+            if value.startswith("null"):
+                if proc is not None:
+                    proc.kill()
+            else:
+                stop_launched(proc) if value.startswith("launch") else stop_process(proc)
     if not results:
         raise SystemExit(f"every target failed: {failed}")
     print(f"{' side by side ':=^50}")

@@ -97,32 +97,72 @@ def _chunk(i: int, tokens: int) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def trivial_app(chunks: int, tokens_per_chunk: int):
-    """An ASGI app: /v1/completions streams `chunks` chunks at once, then usage and [DONE]."""
-    per_write = 16                          # chunks per transport write, as a busy server batches them
-    bodies = [b"".join(_chunk(i * tokens_per_chunk, tokens_per_chunk) for i in range(k, min(chunks, k + per_write)))
-              for k in range(0, chunks, per_write)]
-    usage = {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m", "choices": [],
-             "usage": {"prompt_tokens": 1, "completion_tokens": chunks * tokens_per_chunk,
-                       "total_tokens": 1 + chunks * tokens_per_chunk}}
-    tail = b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"
+def trivial_app(chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: float = 0.0):
+    """An ASGI app with no engine: /v1/completions streams its tokens at once (`chunks` chunks of
+    `tokens_per_chunk` ids; chunks None: the request's max_tokens ids), then usage and [DONE]. itl_s > 0: the
+    first chunk at once and one chunk every itl_s after it, a server's decode cadence. /v1/models lists model "m";
+    /metrics gives its own mean TTFT (request read -> first chunk handed to the transport) under kvscope's name,
+    so that a client's TTFT against it, less that, is the client's own cost."""
+    per_write = 16 if itl_s <= 0 else 1     # chunks per transport write, as a busy server batches them
+    ttft = [0.0, 0]                         # sum (s), count
+
+    def stream_bodies(n: int) -> list[bytes]:
+        parts = [_chunk(i, min(tokens_per_chunk, n - i)) for i in range(0, n, tokens_per_chunk)]
+        return [b"".join(parts[k:k + per_write]) for k in range(0, len(parts), per_write)]
+
+    fixed = stream_bodies(chunks * tokens_per_chunk) if chunks is not None else None
+
+    def tail(n: int, prompt_tokens: int) -> bytes:
+        usage = {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                           "total_tokens": prompt_tokens + n}}
+        return b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"
+
+    async def answer(send, status: int, body: bytes, ctype: bytes = b"application/json"):
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
+        await send({"type": "http.response.body", "body": body})
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        while (await receive()).get("more_body"):
-            pass
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        t0 = time.perf_counter()
+        path = scope.get("path", "/v1/completions")
+        if path == "/v1/models":
+            return await answer(send, 200, json.dumps({"object": "list", "data": [
+                {"id": "m", "object": "model", "owned_by": "kvscope"}]}).encode())
+        if path == "/metrics":
+            text = ("# TYPE kvscope:time_to_first_token_seconds summary\n"
+                    f"kvscope:time_to_first_token_seconds_sum {ttft[0]}\n"
+                    f"kvscope:time_to_first_token_seconds_count {ttft[1]}\n")
+            return await answer(send, 200, text.encode(), b"text/plain; version=0.0.4")
+        req = json.loads(raw or b"{}")
+        prompt = req.get("prompt")
+        n = chunks * tokens_per_chunk if chunks is not None else int(req.get("max_tokens") or 16)
+        bodies = fixed if fixed is not None else stream_bodies(n)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for body in bodies:
+        for i, body in enumerate(bodies):
+            if i and itl_s > 0:
+                await asyncio.sleep(itl_s)
             await send({"type": "http.response.body", "body": body, "more_body": True})
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+            if i == 0:
+                ttft[0] += time.perf_counter() - t0
+                ttft[1] += 1
+        await send({"type": "http.response.body", "body": tail(n, len(prompt) if isinstance(prompt, list) else 1),
+                    "more_body": False})
     return app
 
 
-def _serve(port: int, chunks: int, tokens_per_chunk: int) -> None:
+def serve_trivial(port: int, chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: float = 0.0) -> None:
+    """Run trivial_app on 127.0.0.1:port until killed (a process target)."""
     import uvicorn
-    uvicorn.run(trivial_app(chunks, tokens_per_chunk), host="127.0.0.1", port=port, log_level="error")
+    uvicorn.run(trivial_app(chunks, tokens_per_chunk, itl_s), host="127.0.0.1", port=port, log_level="error")
 
 
 def _free_port() -> int:
@@ -165,7 +205,7 @@ def client_cost(chunks: int, tokens_per_chunk: int, requests: int, procs: int) -
     import httpx
     ctx = mp.get_context("spawn")
     port = _free_port()
-    server = ctx.Process(target=_serve, args=(port, chunks, tokens_per_chunk), daemon=True)
+    server = ctx.Process(target=serve_trivial, args=(port, chunks, tokens_per_chunk), daemon=True)
     server.start()
     url = f"http://127.0.0.1:{port}/v1"
     try:

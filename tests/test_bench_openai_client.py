@@ -71,3 +71,32 @@ def test_trivial_server_streams_every_chunk_at_once():
     chunks = [json.loads(e) for e in events[:-1]]
     ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
     assert ids == list(range(60)) and chunks[-1]["usage"]["completion_tokens"] == 60
+
+
+def test_a_null_target_measures_the_clients_own_ttft(srv, tmp_path, monkeypatch):
+    # the null server streams each request's max_tokens ids at the cadence the client read from the target before
+    # it and stamps its own TTFT; its client - server gap is the client's own cost, set against the engine server's
+    # /metrics on the same workload
+    import benchmarks.common
+    from benchmarks.bench_serve import main
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    results = main(["--target", f"kvscope={srv.url}", "--target", "null=null", "--num-prompts", "6",
+                    "--request-rate", "inf", "--input-len", "16", "--output-len", "5", "--range-ratio", "0",
+                    "--client", "aiohttp,openai", "--name", "nulltest"])
+    null = [r for r in results if r.get("null")]
+    assert [r["workload"] for r in null] == ["nulltest", "nulltest-oai"]
+    for r in null:
+        kv = next(x for x in results if x["name"] == "kvscope" and x["workload"] == r["workload"])
+        assert r["null_itl_ms"] == kv["summary"]["TPOT"]["mean"] > 0
+        assert r["completed"] == 6 and r["summary"]["output_tokens"] == 30
+        assert r["server_side"]["ttft_ms"] > 0                  # the null server's own stamps, from its /metrics
+    rows = {row["metric"]: row for row in json.loads((tmp_path / "serve_nulltest.json").read_text())["side_by_side"]}
+    own, rel = rows["client's own TTFT (null server, ms)"], rows["/metrics TTFT vs client's less its own (%)"]
+    for wl in ("nulltest", "nulltest-oai"):
+        r = next(x for x in results if x["name"] == "kvscope" and x["workload"] == wl)
+        seen = r["summary"]["TTFT"]["mean"] - own[f"kvscope/{wl}"]
+        assert own[f"kvscope/{wl}"] == own[f"null/{wl}"] > 0
+        expected = pytest.approx(100 * (r["server_side"]["ttft_ms"] - seen) / seen) if seen > 0 else None
+        assert rel[f"kvscope/{wl}"] == expected
+        assert rel[f"null/{wl}"] is None
