@@ -1,4 +1,5 @@
-"""Block accounting: randomized workloads with aborts and preemptions leave no block held; prefix-cache rules."""
+"""Block accounting: randomized workloads with aborts and preemptions leave no block held (and, greedy, give each
+request its tokens alone); prefix-cache rules."""
 import random
 
 import pytest
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 from engine import LLMEngine, SamplingParams
 from engine.core.kv_cache_manager import BlockManager
 from engine.core.sequence import Sequence
-from helpers import check_block_invariants
+from helpers import check_block_invariants, run_requests
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,44 @@ def test_lru_eviction_order_and_evicted_never_reused():
     z = _seq([1, 2, 3, 4, 6], "z")     # [1,2] still cached, [3,4] was evicted: only 2 tokens hit
     _admit(bm, z)
     assert z.num_cached_tokens == 2
+
+
+_ALONE: dict[tuple, list[int]] = {}
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), blocks=st.sampled_from([12, 256]), steps=st.sampled_from([2, 4]))
+def test_arrivals_behind_blocks_in_flight_get_their_tokens(tiny_factory, seed, blocks, steps):
+    """Greedy requests arriving at random steps while decode blocks are in flight (admitted by mixed steps behind
+    them, or by synchronous steps when a pool of 12 blocks preempts), some aborted: every request that finishes
+    has the tokens it gets alone, and no block stays held."""
+    rng = random.Random(seed)
+    eng = tiny_factory(num_kv_blocks=blocks, block_size=4, num_scheduler_steps=steps, max_num_seqs=6)
+    mixed = []
+    launch = eng.multi_step._launch_mixed
+    eng.multi_step._launch_mixed = lambda prev: mixed.append(launch(prev)) or mixed[-1]
+    pending = [([rng.randrange(49152) for _ in range(rng.randint(1, 12))], rng.randint(1, 12)) for _ in range(8)]
+    for prompt, n in pending:
+        if (tuple(prompt), n) not in _ALONE:
+            alone = tiny_factory(num_kv_blocks=64, block_size=4)
+            _ALONE[(tuple(prompt), n)] = run_requests(
+                alone, [prompt], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)])[0].token_ids
+    ids, done, aborted = {}, {}, set()
+    while pending or eng.has_unfinished_requests():
+        if pending and rng.random() < 0.4:
+            prompt, n = pending.pop(0)
+            ids[eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))] = (prompt, n)
+        if ids and rng.random() < 0.05:
+            rid = rng.choice(list(ids))
+            if rid not in done and rid not in aborted:
+                eng.abort_request(rid)
+                aborted.add(rid)
+        for o in eng.step():
+            if o.finished and o.request_id not in aborted:
+                done[o.request_id] = o
+        check_block_invariants(eng)
+    assert {rid: done[rid].token_ids for rid in ids if rid not in aborted} == \
+        {rid: _ALONE[(tuple(p), n)] for rid, (p, n) in ids.items() if rid not in aborted}
+    assert eng.block_manager.pool.num_free == blocks - 1
+    assert all(m.sched.admitted for m in mixed)         # a mixed step admits at least one newcomer
