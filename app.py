@@ -146,10 +146,10 @@ def config_from_args(args) -> EngineConfig:
     kw: dict[str, Any] = {"model": args.model or None, "device": args.device, "scheduling_policy": "priority",
                           "tensor_parallel_size": args.tensor_parallel_size,
                           "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]}
-    # on a CPU the app runs int4 weights in the GGUF's groups of 32: twice fp32's decode rate, and on the bundled
-    # SmolLM2 fp32's greedy tokens (docs/quantization.md); --set quantization=none gives fp32
+    # on a CPU the app runs int4 weights (in the GGUF's groups of 32, the CPU default): twice fp32's decode rate,
+    # and on the bundled SmolLM2 fp32's greedy tokens (docs/quantization.md); --set quantization=none gives fp32
     if args.tensor_parallel_size == 1 and args.device in ("auto", "cpu") and resolve_device(args.device).type == "cpu":
-        kw.update(quantization="int4", int4_group_size=32)
+        kw.update(quantization="int4")
     sets: dict[str, str] = {}
     for item in args.set:
         if "=" not in item:

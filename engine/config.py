@@ -67,7 +67,8 @@ class ModelConfig(_Checks):
     dtype: str = "auto"                 # weights and activations; auto: bfloat16 on cuda, float32 on cpu
     seed: int = 0                       # seeds random preset weights and unseeded sampling
     quantization: str | None = None     # decoder linears: fp8 (128x128 blocks), int8 (per channel), int4 (groups)
-    int4_group_size: int = 128          # int4: weights per (scale, min) group along K
+    int4_group_size: int | None = None  # int4: weights per (scale, min) group along K; None: 32 on the CPU (the
+    #                                     GGUF's Q4 groups, which its C++ int4 path takes), 128 on a GPU
     max_model_len: int | None = None    # longest sequence; None: the model's max_position_embeddings, at most 8192
 
     def __post_init__(self):
@@ -75,7 +76,7 @@ class ModelConfig(_Checks):
                   "device", "must be 'auto', 'cpu' or 'cuda[:N]'")
         self.need_choice("dtype")
         self.need_choice("quantization")
-        self.need(self.int4_group_size in (32, 64, 128), "int4_group_size", "must be 32, 64 or 128")
+        self.need(self.int4_group_size in (None, 32, 64, 128), "int4_group_size", "must be 32, 64 or 128")
         self.need_int("max_model_len", 2, optional=True)
 
 

@@ -245,3 +245,9 @@ def test_device_defaults():
     cfg = with_device_defaults(EngineConfig(max_num_seqs=4), torch.device("cpu"))
     assert (cfg.scheduler_config.max_num_batched_tokens, cfg.scheduler_config.max_num_seqs) == (256, 4)
     assert with_device_defaults(cfg, torch.device("cpu")) is cfg
+    # int4 groups: 32 on the CPU (its C++ path, a GGUF's grid), 128 on a GPU, the config's own where it sets them
+    int4 = EngineConfig(quantization="int4")
+    assert int4.model_config.int4_group_size is None
+    assert with_device_defaults(int4, torch.device("cpu")).model_config.int4_group_size == 32
+    assert with_device_defaults(int4, torch.device("cuda")).model_config.int4_group_size == 128
+    assert with_device_defaults(int4.replace(int4_group_size=64), torch.device("cpu")).model_config.int4_group_size == 64

@@ -51,7 +51,8 @@ def test_rescored_lm_head_gives_float_logits_to_its_top_candidates(V, K, T):
 
 
 def test_int4_engine_on_cpu_runs_projections_and_lm_head_on_the_int4_gemm(one_thread):
-    eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", int4_group_size=32, num_kv_blocks=32)
+    # no int4_group_size: on the CPU it defaults to 32, groups every projection of the model divides into
+    eng = LLMEngine(model="dummy:tiny", device="cpu", quantization="int4", num_kv_blocks=32)
     model = eng.model
     head = model.lm_head
     assert isinstance(head, RescoredLMHead) and head.q.cpu_int4 == 32

@@ -15,6 +15,9 @@ from engine.models.config import ModelArchConfig
 # step short: a newcomer (a person's chat turn) waits at most one short step, not the several seconds of a
 # 2048-token prefill chunk.
 DEVICE_DEFAULTS = {"cuda": (8192, None), "cpu": (256, 128)}
+# int4 groups where the config leaves them None: the CPU's C++ int4 path takes groups of 32 or 64 (those that divide
+# every K of a model: SmolLM2's hidden size, 576, is no multiple of 128) and 32 reproduces a GGUF's Q4 grid
+INT4_GROUP_DEFAULTS = {"cuda": 128, "cpu": 32}
 MAX_NUM_SEQS_CAP = 1024             # the most running requests a pool-derived max_num_seqs admits (vLLM's 1024)
 KV_TOKENS_PER_SEQ = 512             # pool-derived max_num_seqs: one running request per this many KV tokens
 SAMPLER_LOGITS_COPIES = 3           # a step's fp32 [rows, vocab] buffers in the sampler (probabilities, sorts)
@@ -28,6 +31,8 @@ def with_device_defaults(cfg: EngineConfig, device: torch.device) -> EngineConfi
         changes["max_num_batched_tokens"] = tokens
     if cfg.scheduler_config.max_num_seqs is None and seqs is not None:
         changes["max_num_seqs"] = seqs
+    if cfg.model_config.int4_group_size is None:
+        changes["int4_group_size"] = INT4_GROUP_DEFAULTS.get(device.type, INT4_GROUP_DEFAULTS["cpu"])
     return cfg.replace(**changes) if changes else cfg
 
 
