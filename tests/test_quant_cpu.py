@@ -169,3 +169,12 @@ def test_int4_engine_greedy_tokens_with_the_cpp_layer(one_thread):
     out, steps = greedy(True)
     assert ref_steps == 0 and steps >= 2 * 15             # every decode step of the batch and alone
     assert out == ref
+
+
+@pytest.mark.parametrize("quantization,warned", [("int8", True), ("fp8", True), ("int4", False)])
+def test_cpu_engine_says_which_formats_dequantize_at_every_call(quantization, warned, caplog):
+    import logging
+    caplog.set_level(logging.WARNING, logger="engine.runtime.llm_engine")
+    LLMEngine(model="dummy:tiny", device="cpu", quantization=quantization, num_kv_blocks=16)
+    said = [r.getMessage() for r in caplog.records if "dequantized at every call" in r.getMessage()]
+    assert len(said) == warned and all(m.startswith(quantization) for m in said)

@@ -175,6 +175,10 @@ class LLMEngine:
                                  quantization=config.model_config.quantization, fp8_activations=self.fp8_act,
                                  int4_group_size=config.model_config.int4_group_size)
         self.quantization = self.model.quantization      # the config's, or the checkpoint's (detected)
+        if self.device.type == "cpu" and self.quantization in ("fp8", "int8"):
+            log.warning("%s weights on the CPU are dequantized at every call (no CPU kernel reads them): they save "
+                        "memory but decode slower than float32 weights; int4 is the CPU's fast quantized path",
+                        self.quantization)
         if self.model.quantization:
             set_packed(self.model, self.quant_packed, config.kernel_config.quant_gemm_group_dots)
         set_tensor_cores(self.model, self.quant_tensor_cores)
