@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,9 +36,9 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from benchmarks.common import print_table, slug, write_json  # noqa: E402
-from benchmarks.serve_procs import (launch_server, start_command, start_pyspy, stop_launched,  # noqa: E402
-                                    stop_process)
+from benchmarks.common import free_port, print_table, slug, write_json  # noqa: E402
+from benchmarks.serve_procs import (ROOT, launch_server, start_command, start_pyspy,  # noqa: E402
+                                    stop_launched, stop_process, wait_ready)
 from benchmarks.serve_client import make_runner, make_spec, run_sharded, spec_kwargs  # noqa: E402
 from inspector import metrics as M  # noqa: E402
 from inspector.http_load import HttpLoadRunner, HttpTarget, format_progress  # noqa: E402
@@ -283,25 +281,17 @@ def null_itl_s(value: str, results: list[dict], workload: str) -> float:
     return 0.0
 
 
-def start_null_server(itl_s: float) -> tuple[multiprocessing.Process, str]:
+def start_null_server(itl_s: float) -> tuple[subprocess.Popen, str]:
     """A server with no engine (openai_client.trivial_app): every stream's first chunk at once, then one chunk each
     itl_s. A client's TTFT against it, less the server's own stamp, is what the client itself costs on this
     workload."""
-    from benchmarks.openai_client import serve_trivial
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = multiprocessing.get_context("spawn").Process(target=serve_trivial, args=(port, None, 1, itl_s),
-                                                          daemon=True)
-    proc.start()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from benchmarks.openai_client import serve_trivial; "
+                             f"serve_trivial({port}, None, 1, {itl_s!r})"], cwd=str(ROOT), process_group=0)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
+    if wait_ready(proc, lambda: httpx.get(url + "/v1/models", timeout=1).status_code == 200, 30, period=0.1):
+        return proc, url
+    stop_process(proc)
     raise SystemExit("the null server did not answer in 30 s")
 
 
@@ -525,8 +515,7 @@ def main(argv=None) -> list[dict]:
             for w in runs:
                 print(f"==== {name} · {w.name or 'run'} ====", flush=True)
                 if value.startswith("null"):
-                    if proc is not None:
-                        proc.kill()
+                    stop_process(proc)
                     itl_s = null_itl_s(value, results, w.name or "run")
                     proc, url = start_null_server(itl_s)
                     print(f"null server: first chunk at once, then one every {1e3 * itl_s:.2f} ms", flush=True)
@@ -546,11 +535,7 @@ def main(argv=None) -> list[dict]:
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"target {name} failed: {failed[name]}", flush=True)
         finally:
-            if value.startswith("null"):
-                if proc is not None:
-                    proc.kill()
-            else:
-                stop_launched(proc) if value.startswith("launch") else stop_process(proc)
+            stop_launched(proc) if value.startswith("launch") else stop_process(proc)
     if not results:
         raise SystemExit(f"every target failed: {failed}")
     print(f"{' side by side ':=^50}")

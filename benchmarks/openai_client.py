@@ -18,13 +18,13 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import free_port  # noqa: E402
 from engine.outputs import RequestMetrics  # noqa: E402
 from inspector.http_load import HttpLoadRunner, _HttpError  # noqa: E402
 from inspector.load import LoadItem  # noqa: E402
@@ -165,12 +165,6 @@ def serve_trivial(port: int, chunks: int | None = None, tokens_per_chunk: int = 
     uvicorn.run(trivial_app(chunks, tokens_per_chunk, itl_s), host="127.0.0.1", port=port, log_level="error")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _client_cost(url: str, requests: int) -> dict:
     from openai import AsyncOpenAI
     import httpx
@@ -204,7 +198,7 @@ def client_cost(chunks: int, tokens_per_chunk: int, requests: int, procs: int) -
     """The openai client's cost against the trivial server: `procs` processes, each `requests` streams at once."""
     import httpx
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     server = ctx.Process(target=serve_trivial, args=(port, chunks, tokens_per_chunk), daemon=True)
     server.start()
     url = f"http://127.0.0.1:{port}/v1"
