@@ -663,13 +663,13 @@ class StepCounter:
         self.c = dict(block_iters=0, blocks=0, cold_blocks=0, plain_steps=0, verify_steps=0, draft_tokens=0,
                       accepted=0, prefill_steps=0)
         eng.events.subscribe(self.on_event)
-        launch = eng.multi_step._launch
+        launch = eng.multi_step.launch
 
         def counted(K, ahead=None, sample=True):
             if ahead is None:
                 self.c["cold_blocks"] += 1
             return launch(K, ahead, sample)
-        eng.multi_step._launch = counted
+        eng.multi_step.launch = counted
 
     def on_event(self, ev):
         if not hasattr(ev, "num_decode_steps"):

@@ -49,13 +49,13 @@ def _run(target, prompts, sp, monkeypatch=None, **cfg):
     if monkeypatch is not None:
         # auto-off's decisions without this machine's step timings (a GPU-like verify / iteration cost ratio)
         monkeypatch.setattr(Drafter, "cost_ratio", lambda self, batch, k: 1.6)
-        launch = MultiStepDecoder._launch
+        launch = MultiStepDecoder.launch
 
         def counted(self, K, ahead=None, sample=True):
             if ahead is None:
                 cold[0] += 1
             return launch(self, K, ahead, sample)
-        monkeypatch.setattr(MultiStepDecoder, "_launch", counted)
+        monkeypatch.setattr(MultiStepDecoder, "launch", counted)
     for p in prompts:
         eng.add_request(p, sp)
     outs = drain(eng)

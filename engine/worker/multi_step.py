@@ -99,6 +99,11 @@ def _in_grammar_block(seq: Sequence) -> bool:
                                                              seq.num_output_tokens >= p.min_tokens)
 
 
+def _in_flight(ahead: InFlight | None, seqs: list[Sequence]) -> list[int]:
+    """Each of seqs' positions still in flight in `ahead` (none without a block ahead)."""
+    return ahead.extra(seqs) if ahead else [0] * len(seqs)
+
+
 def _admissible(seq: Sequence) -> bool:
     """Whether a waiting request's first token can be sampled on the device in a step launched behind another:
     as a block's rows (`_plain`), and no prompt logprobs."""
@@ -169,7 +174,7 @@ class MultiStepDecoder:
         if sc.multi_step_trim:                         # no iteration that every request would discard
             K = min(K, longest)
         K = min(K, room, self._time_cap()) if K > 1 else min(K, room)
-        in_flight = ahead.extra(kept) if ahead else [0] * len(kept)
+        in_flight = _in_flight(ahead, kept)
         ok = K >= 1 and sch.can_schedule_block(kept, [e + K for e in in_flight])
         return K if ok else 0
 
@@ -248,7 +253,7 @@ class MultiStepDecoder:
                 max_seqlen_q=1, max_seqlen_k=max(lens), block_size=bs))
         return mds
 
-    def _launch(self, K: int, ahead: InFlight | None = None, sample: bool = True) -> InFlight:
+    def launch(self, K: int, ahead: InFlight | None = None, sample: bool = True) -> InFlight:
         """Schedule and launch K iterations without a host sync. After an in-flight block, the first input
         ids are that block's last sampled tokens, gathered on the device. A grammar block (a constrained
         request in the batch) launches its first forward only, sampled here or, with sample=False, by
@@ -256,7 +261,7 @@ class MultiStepDecoder:
         t0 = time.perf_counter()
         extra = ahead.K if ahead else 0
         seqs = self._block_seqs(extra)
-        sched = self.scheduler.schedule_block(seqs, K, ahead.extra(seqs) if ahead else [0] * len(seqs))
+        sched = self.scheduler.schedule_block(seqs, K, _in_flight(ahead, seqs))
         self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)   # evictions to the host tier
         t_sched = time.perf_counter()
         runner = self.runner
@@ -363,22 +368,18 @@ class MultiStepDecoder:
         return tokens
 
     # ---- one engine step -----------------------------------------------------------------------
-    def launch(self, K: int) -> InFlight:
-        """A first block of K iterations from the tokens on the host, launched now; the next `run` waits for it."""
-        return self._launch(K)
-
     def run(self, K: int, arrivals_pending: bool) -> BlockTokens:
         """Launch the next block behind the in-flight one (or a first block of K iterations), then wait for the
         in-flight block's tokens. A grammar block launched here is masked and sampled by `finish` once the
         engine has post-processed these tokens."""
         mask_s = 0.0
         if self.inflight is None:
-            self.inflight = self._launch(K)
+            self.inflight = self.launch(K)
             mask_s += self.inflight.mask_s
         prev, self.inflight = self.inflight, None
         K_next = self.plan(arrivals_pending, ahead=prev)
         if K_next:
-            nxt = self._launch(K_next, ahead=prev, sample=False)
+            nxt = self.launch(K_next, ahead=prev, sample=False)
         else:
             nxt = self._launch_mixed(prev) if self._mixed_ok(arrivals_pending, prev) else None
         self.inflight = nxt
