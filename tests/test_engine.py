@@ -284,17 +284,52 @@ def test_a_synchronous_step_returns_with_the_first_decode_block_launched(smollm2
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
 
 
+def test_a_burst_is_admitted_by_mixed_steps_launched_back_to_back(smollm2_engine_factory, prompts):
+    """Prompts that wait together (a burst) are admitted by mixed steps each launched behind the one before it,
+    without a host sync between them: whole prompts within the token budget, beside the decodes of those admitted
+    before. A prompt longer than the budget takes a synchronous step for its first chunk; the mixed step after it
+    computes the rest. Every request gets the tokens it gets alone and every block comes back."""
+    tokenize = smollm2_engine_factory().tokenize
+    prompts = [tokenize(p) for p in prompts]
+    ref = [run_requests(smollm2_engine_factory(), [p], [GREEDY])[0].token_ids for p in prompts]
+    long_prompt = prompts[3] + prompts[0]
+    budget = len(prompts[0]) + len(prompts[1]) + 4
+    assert len(long_prompt) > budget and len(long_prompt) - budget + 4 + len(prompts[1]) <= budget
+    ref_long = run_requests(smollm2_engine_factory(), [long_prompt], [GREEDY])[0].token_ids
+    eng = smollm2_engine_factory(num_scheduler_steps=4, max_num_batched_tokens=budget)
+    mixed, steps = [], []
+    launch = eng.multi_step.launch_mixed
+    eng.multi_step.launch_mixed = lambda prev=None: mixed.append((prev, launch(prev))) or mixed[-1][1]
+    eng.events.subscribe(lambda e: steps.append(e) if getattr(e, "kind", "") == "step" else None)
+    ids = [eng.add_request(p, GREEDY) for p in [long_prompt] + prompts]
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert [outs[i].token_ids for i in ids] == [ref_long] + ref
+    first, rest = mixed[0][1].sched, mixed[1:]
+    assert mixed[0][0] is None and first.seqs[0].request_id == ids[0]      # after the first chunk's step
+    assert first.num_new_tokens[0] == len(long_prompt) - budget           # the rest of the long prompt
+    admitted = [s.request_id for _, m in mixed for s in m.sched.admitted]
+    assert admitted == ids[1:]                                             # every other prompt by a mixed step
+    assert all(prev is not None for prev, _ in rest)                       # each behind the one before it
+    assert all(sum(m.sched.num_new_tokens) <= budget for _, m in mixed)
+    assert sum(1 for e in steps if e.num_prefill_tokens and e.num_decode_steps == 1 and not e.cuda_graph) >= 1
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
 def test_newcomers_join_behind_the_block_in_flight(smollm2_engine_factory, prompts):
     """Requests that arrive while decode blocks run are prefilled in a mixed step launched behind the block in
     flight, beside the running requests' next tokens (no drain, no synchronous step), and every request gets
-    the tokens it gets alone. A newcomer with prompt logprobs (not sampled on the device alone) is admitted by
-    a synchronous step instead."""
+    the tokens it gets alone. The first prompts, with nothing in flight, are a mixed step too. A newcomer with
+    prompt logprobs (not sampled on the device alone) is admitted by a synchronous step instead."""
     ref = [run_requests(smollm2_engine_factory(), [p], [GREEDY])[0].token_ids for p in prompts]
     lp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
     eng = smollm2_engine_factory(num_scheduler_steps=4)
     mixed = []
-    launch = eng.multi_step._launch_mixed
-    eng.multi_step._launch_mixed = lambda prev: mixed.append(launch(prev)) or mixed[-1]
+    launch = eng.multi_step.launch_mixed
+    eng.multi_step.launch_mixed = lambda prev=None: mixed.append((prev, launch(prev))) or mixed[-1][1]
     ids = [eng.add_request(p, GREEDY) for p in prompts[:2]]
     done = {}
 
@@ -304,15 +339,18 @@ def test_newcomers_join_behind_the_block_in_flight(smollm2_engine_factory, promp
                 if o.finished:
                     done[o.request_id] = o
     step(3)                                     # prefill, then decode blocks in flight
+    assert len(mixed) == 1 and mixed[0][0] is None                    # the prompts: nothing was in flight
+    assert [s.request_id for s in mixed[0][1].sched.admitted] == ids
     assert eng.multi_step.inflight is not None
     ids.append(eng.add_request(prompts[2], GREEDY))
     step(2)
-    assert len(mixed) == 1 and [s.request_id for s in mixed[0].sched.admitted] == [ids[2]]
-    assert mixed[0].sched.num_new_tokens[:2] == [1, 1]                # the running requests decode beside it
+    assert len(mixed) == 2 and mixed[1][0] is not None                # behind the block in flight
+    assert [s.request_id for s in mixed[1][1].sched.admitted] == [ids[2]]
+    assert mixed[1][1].sched.num_new_tokens[:2] == [1, 1]             # the running requests decode beside it
     ids.append(eng.add_request(prompts[3], lp))
     while eng.has_unfinished_requests():
         step(1)
-    assert len(mixed) == 1                      # the prompt-logprobs request took a synchronous step
+    assert len(mixed) == 2                      # the prompt-logprobs request took a synchronous step
     assert [done[i].token_ids for i in ids] == ref
     assert done[ids[3]].prompt_logprobs is not None
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1

@@ -410,37 +410,41 @@ class Scheduler:
         out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
         return out
 
-    def schedule_mixed(self, seqs: list[Sequence], extra: list[int], admissible) -> SchedulerOutput:
-        """A step launched behind an in-flight one: each seqs[i] decodes one token after its extra[i] positions
-        in flight (the caller checked the blocks), then waiting requests are admitted first come first served,
-        whole prompts only, while `admissible(seq)`, the budget, the batch and the free blocks allow. Nobody is
-        preempted: the in-flight tokens are not on the host yet."""
+    def schedule_mixed(self, seqs: list[Sequence], extra: list[int], admissible,
+                       num_new: list[int] | None = None) -> SchedulerOutput:
+        """A step launched without a host sync: each seqs[i] computes num_new[i] tokens (default one, a decode)
+        after its extra[i] positions in flight (the caller checked the blocks), then waiting requests are admitted
+        first come first served, whole prompts only, while `admissible(seq)`, the budget, the batch and the free
+        blocks allow. Nobody is preempted: tokens in flight are not on the host yet."""
         cfg = self.config.scheduler_config
         out = SchedulerOutput()
-        self._schedule_after(out, seqs, 1, extra)
-        budget = cfg.max_num_batched_tokens - len(seqs)
+        num_new = num_new or [1] * len(seqs)
+        self._schedule_after(out, seqs, num_new, extra)
+        budget = cfg.max_num_batched_tokens - sum(num_new)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if not admissible(seq) or seq.host_block_table:
                 break
-            num_new = self._fit_waiting(seq, budget)
-            if not num_new:
+            n = self._fit_waiting(seq, budget)
+            if not n:
                 break
-            if num_new < seq.num_tokens - seq.num_computed_tokens:     # a first chunk samples nothing
+            if n < seq.num_tokens - seq.num_computed_tokens:           # a first chunk samples nothing
                 self._undo_match(seq)
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            self._admit(out, seq, num_new)
-            budget -= num_new
+            self._admit(out, seq, n)
+            budget -= n
         out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
         return out
 
-    def _schedule_after(self, out: SchedulerOutput, seqs: list[Sequence], K: int, extra: list[int]) -> None:
-        for seq, e in zip(seqs, extra):
-            self.bm.allocate(seq, e + K)
+    def _schedule_after(self, out: SchedulerOutput, seqs: list[Sequence], K: int | list[int],
+                        extra: list[int]) -> None:
+        """seqs[i] computes K tokens (K[i] for a list) after its extra[i] positions in flight."""
+        for seq, k, e in zip(seqs, K if isinstance(K, list) else [K] * len(seqs), extra):
+            self.bm.allocate(seq, e + k)
             out.seqs.append(seq)
-            out.num_new_tokens.append(K)
+            out.num_new_tokens.append(k)
             out.num_spec_tokens.append(0)
             out.computed_before.append(seq.num_computed_tokens + e)
 

@@ -364,8 +364,11 @@ class LLMEngine:
             self.drafter.propose(self.scheduler.running)
         if self._block_suspects:
             self._block_suspects &= self.seqs.keys()
-        K = ms.plan(self.arrivals_pending) if ms.enabled and ms.inflight is None and not self._block_suspects else 0
-        if K or ms.inflight is not None:
+        K = mixed = 0
+        if ms.enabled and ms.inflight is None and not self._block_suspects:
+            K = ms.plan(self.arrivals_pending)
+            mixed = not K and ms.mixed_ok(self.arrivals_pending)
+        if K or mixed or ms.inflight is not None:
             outputs = self._block_step(K, observe, timer)
             if outputs is not None:
                 return outputs                  # (None: the block raised; a single step isolates the cause)
@@ -407,10 +410,11 @@ class LLMEngine:
         if not ms.enabled or ms.inflight is not None or self._block_suspects or self.drafter is not None:
             return                      # (a drafter proposes at the start of a step, before any block is planned)
         K = ms.plan(self.arrivals_pending)
-        if not K:
+        mixed = not K and ms.mixed_ok(self.arrivals_pending)
+        if not (K or mixed):
             return
         try:
-            ms.inflight = ms.launch(K)
+            ms.inflight = ms.launch(K) if K else ms.launch_mixed()
         except Exception as e:  # noqa: BLE001 - single steps isolate the cause, as for a block that raised
             self._block_failed(e)
 

@@ -289,30 +289,62 @@ class MultiStepDecoder:
         tokens = torch.stack(toks, 1)                                           # [B, K]
         return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
 
-    def _mixed_ok(self, arrivals_pending: bool, prev: InFlight) -> bool:
-        """Whether newcomers can be admitted by a step launched behind `prev` instead of a synchronous one: the
-        running requests could decode another block behind it, and the first waiting request samples on the
-        device (see `_admissible`)."""
-        sch = self.scheduler
-        return bool(sch.waiting) and self.drafter is None and prev.tokens is not None \
-            and self.structured.num_constrained == 0 \
-            and self.config.scheduler_config.scheduling_policy != "priority" \
-            and _admissible(sch.waiting[0]) and self._admit_now(arrivals_pending) \
-            and self.plan(arrivals_pending, ahead=prev, admit=False) > 0
+    def mixed_ok(self, arrivals_pending: bool, prev: InFlight | None = None) -> bool:
+        """Whether newcomers can be admitted by a mixed step launched without a host sync instead of by a
+        synchronous step: the first waiting request samples on the device (see `_admissible`) and its whole prompt
+        fits the step beside the running requests' tokens, which are decodes that could run another block behind
+        `prev`, or, with nothing in flight, decodes and the rest of prompts whose first chunk a synchronous step
+        computed (`_first_mixed`)."""
+        sch, sc = self.scheduler, self.config.scheduler_config
+        if not (sch.waiting and self.drafter is None and self.structured.num_constrained == 0
+                and sc.scheduling_policy != "priority" and _admissible(sch.waiting[0])
+                and not sch.waiting[0].host_block_table and self._admit_now(arrivals_pending)):
+            return False
+        if prev is None:
+            plan = self._first_mixed()
+            if plan is None:
+                return False
+            seqs, todo = plan
+        else:
+            if prev.tokens is None or not self.plan(arrivals_pending, ahead=prev, admit=False):
+                return False
+            seqs = self._block_seqs(prev.K)
+            todo = [e + 1 for e in prev.extra(seqs)]
+        first = sch.waiting[0]
+        return first.num_tokens <= sc.max_num_batched_tokens - len(seqs) \
+            and sch.can_schedule_block(seqs + [first], todo + [first.num_tokens])
 
-    def _launch_mixed(self, prev: InFlight) -> InFlight:
-        """One step behind `prev` without a host sync: each running request decodes a token from prev's last
-        sampled one, still on the device, and newcomers' whole prompts are prefilled beside them (vLLM's mixed
-        step, scheduled while the step before it runs)."""
+    def _first_mixed(self) -> tuple[list[Sequence], list[int]] | None:
+        """With nothing in flight: the running requests and the tokens each computes in a mixed step (one for a
+        decode, the rest of its prompt for a request a synchronous step prefilled in part), or None when one of
+        them needs the host (not `_plain`, prompt logprobs) or multi-step decoding is off."""
+        if self.num_steps <= 1 or not self.config.cache_config.enable_kv_cache:
+            return None
+        seqs = list(self.scheduler.running)
+        todo = [s.num_tokens - s.num_computed_tokens for s in seqs]
+        if any(n < 1 or not _admissible(s) for s, n in zip(seqs, todo)):
+            return None
+        return seqs, todo
+
+    def launch_mixed(self, prev: InFlight | None = None) -> InFlight:
+        """One step launched without a host sync, behind `prev` or with nothing in flight (vLLM's mixed step,
+        scheduled while the step before it runs). Behind `prev` each running request decodes a token from prev's
+        last sampled one, still on the device; with nothing in flight the running requests' ids are on the host.
+        Newcomers' whole prompts are prefilled beside them."""
         t0 = time.perf_counter()
-        seqs = self._block_seqs(prev.K)
-        sched = self.scheduler.schedule_mixed(seqs, prev.extra(seqs), _admissible)
+        if prev is None:
+            seqs, todo = self._first_mixed()
+            sched = self.scheduler.schedule_mixed(seqs, [0] * len(seqs), _admissible, todo)
+        else:
+            seqs = self._block_seqs(prev.K)
+            sched = self.scheduler.schedule_mixed(seqs, prev.extra(seqs), _admissible)
         self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
         t_sched = time.perf_counter()
         for seq in sched.admitted:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = t_sched
-        runner, nd = self.runner, len(seqs)
+        runner = self.runner
+        nd = len(seqs) if prev is not None else 0                               # decodes whose ids are on the device
         input_ids, md = runner.prepare(sched, [True] * len(sched.seqs), in_flight=nd)
         if nd:
             row = {id(s): i for i, s in enumerate(prev.sched.seqs)}
@@ -374,14 +406,14 @@ class MultiStepDecoder:
         engine has post-processed these tokens."""
         mask_s = 0.0
         if self.inflight is None:
-            self.inflight = self.launch(K)
+            self.inflight = self.launch(K) if K else self.launch_mixed(None)
             mask_s += self.inflight.mask_s
         prev, self.inflight = self.inflight, None
         K_next = self.plan(arrivals_pending, ahead=prev)
         if K_next:
             nxt = self.launch(K_next, ahead=prev, sample=False)
         else:
-            nxt = self._launch_mixed(prev) if self._mixed_ok(arrivals_pending, prev) else None
+            nxt = self.launch_mixed(prev) if self.mixed_ok(arrivals_pending, prev) else None
         self.inflight = nxt
         t_wait = time.perf_counter()
         tokens = prev.host.tolist()                                          # [B, K]: the one sync
