@@ -93,9 +93,11 @@ def parse_args(argv=None):
                     help="a server to benchmark (repeatable, run in order): a URL, 'launch' (kvscope's server, "
                          "started here; 'launch:--a=1,--b=2' adds server arguments), 'offline' (kvscope's "
                          "LLM.generate on the same requests, in process) or 'null' (no engine: each stream's "
-                         "first chunk at once, then one chunk every ITL_MS, by default the mean TPOT of the target "
-                         "before it on the same workload: the client's own TTFT there, set against every other "
-                         "target's /metrics)")
+                         "first chunk at once, then one chunk every ITL_MS, by default the mean chunk gap and "
+                         "tokens per chunk of the target before it on the same workload: the client's own TTFT "
+                         "there, set against every other target's /metrics)")
+    ap.add_argument("--null-workers", type=int, default=4,
+                    help="processes of a null target's server (as kvscope's API server processes on a GPU)")
     ap.add_argument("--pyspy", default=None, metavar="DIR",
                     help="record a launched kvscope server with py-spy during each run (collapsed stacks in DIR)")
     ap.add_argument("--launch", action="append", default=[], metavar="NAME=COMMAND",
@@ -269,25 +271,27 @@ def server_cpu(pid: int) -> dict[int, tuple[str, str, float]]:
     return out
 
 
-def null_itl_s(value: str, results: list[dict], workload: str) -> float:
-    """The null server's seconds between chunks: null:ITL_MS's, else the mean TPOT of the last target run on the
-    same workload (the cadence the client read there), else 0 (every chunk at once)."""
+def null_cadence(value: str, results: list[dict], workload: str) -> tuple[float, int]:
+    """The null server's (seconds between chunks, tokens per chunk): null:ITL_MS's (one token a chunk), else the
+    mean chunk gap and the rounded tokens per chunk of the last target run on the same workload (the stream the
+    client parsed there), else (0, 1): every chunk at once."""
     if value.partition(":")[2]:
-        return float(value.partition(":")[2]) / 1e3
+        return float(value.partition(":")[2]) / 1e3, 1
     for r in reversed(results):
-        tpot = (r.get("summary") or {}).get("TPOT")
-        if r["workload"] == workload and not r.get("null") and tpot and tpot.get("mean") is not None:
-            return tpot["mean"] / 1e3
-    return 0.0
+        itl = (r.get("summary") or {}).get("ITL")
+        if r["workload"] == workload and not r.get("null") and itl and itl.get("mean") is not None:
+            return itl["mean"] / 1e3, max(1, round((r.get("chunks") or {}).get("tokens_per_chunk") or 1))
+    return 0.0, 1
 
 
-def start_null_server(itl_s: float) -> tuple[subprocess.Popen, str]:
-    """A server with no engine (openai_client.trivial_app): every stream's first chunk at once, then one chunk each
-    itl_s. A client's TTFT against it, less the server's own stamp, is what the client itself costs on this
-    workload."""
+def start_null_server(itl_s: float, tokens_per_chunk: int, workers: int) -> tuple[subprocess.Popen, str]:
+    """A server with no engine (openai_client.trivial_app) in `workers` processes: every stream's first chunk at
+    once, then one chunk of tokens_per_chunk tokens each itl_s. A client's TTFT against it, less the server's own
+    stamp, is what the client itself costs on this workload."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", "from benchmarks.openai_client import serve_trivial; "
-                             f"serve_trivial({port}, None, 1, {itl_s!r})"], cwd=str(ROOT), process_group=0)
+                             f"serve_trivial({port}, None, {tokens_per_chunk}, {itl_s!r}, {workers})"],
+                            cwd=str(ROOT), process_group=0)
     url = f"http://127.0.0.1:{port}"
     if wait_ready(proc, lambda: httpx.get(url + "/v1/models", timeout=1).status_code == 200, 30, period=0.1):
         return proc, url
@@ -516,9 +520,10 @@ def main(argv=None) -> list[dict]:
                 print(f"==== {name} · {w.name or 'run'} ====", flush=True)
                 if value.startswith("null"):
                     stop_process(proc)
-                    itl_s = null_itl_s(value, results, w.name or "run")
-                    proc, url = start_null_server(itl_s)
-                    print(f"null server: first chunk at once, then one every {1e3 * itl_s:.2f} ms", flush=True)
+                    itl_s, per_chunk = null_cadence(value, results, w.name or "run")
+                    proc, url = start_null_server(itl_s, per_chunk, args.null_workers)
+                    print(f"null server ({args.null_workers} processes): first chunk at once, then one of "
+                          f"{per_chunk} token(s) every {1e3 * itl_s:.2f} ms", flush=True)
                 if value == "offline":
                     if not math.isinf(w.request_rate) or any(r["name"] == name for r in results):
                         continue                  # offline has no arrival process or client: one burst run
@@ -530,7 +535,8 @@ def main(argv=None) -> list[dict]:
                                  else None,
                                  server_pid=proc.pid if value.startswith("launch") else None, **prof)
                 results.append({"name": name, "workload": w.name or "run", **r,
-                                **({"null": True, "null_itl_ms": 1e3 * itl_s} if value.startswith("null") else {})})
+                                **({"null": True, "null_itl_ms": 1e3 * itl_s, "null_tokens_per_chunk": per_chunk}
+                                   if value.startswith("null") else {})})
         except (Exception, SystemExit) as e:      # one target failing keeps the others' results
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"target {name} failed: {failed[name]}", flush=True)

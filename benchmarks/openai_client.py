@@ -97,14 +97,15 @@ def _chunk(i: int, tokens: int) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def trivial_app(chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: float = 0.0):
+def trivial_app(chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: float = 0.0, ttft=None):
     """An ASGI app with no engine: /v1/completions streams its tokens at once (`chunks` chunks of
     `tokens_per_chunk` ids; chunks None: the request's max_tokens ids), then usage and [DONE]. itl_s > 0: the
     first chunk at once and one chunk every itl_s after it, a server's decode cadence. /v1/models lists model "m";
     /metrics gives its own mean TTFT (request read -> first chunk handed to the transport) under kvscope's name,
-    so that a client's TTFT against it, less that, is the client's own cost."""
+    so that a client's TTFT against it, less that, is the client's own cost. ttft: the [sum (s), count] it adds
+    to (shared by the processes of serve_trivial)."""
     per_write = 16 if itl_s <= 0 else 1     # chunks per transport write, as a busy server batches them
-    ttft = [0.0, 0]                         # sum (s), count
+    ttft = ttft if ttft is not None else [0.0, 0]
 
     def stream_bodies(n: int) -> list[bytes]:
         parts = [_chunk(i, min(tokens_per_chunk, n - i)) for i in range(0, n, tokens_per_chunk)]
@@ -159,10 +160,45 @@ def trivial_app(chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: flo
     return app
 
 
-def serve_trivial(port: int, chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: float = 0.0) -> None:
-    """Run trivial_app on 127.0.0.1:port until killed (a process target)."""
+class _SharedSum:
+    """[sum, count] in shared memory, for trivial_app's TTFT stamps in several processes."""
+
+    def __init__(self):
+        self.values = mp.get_context("fork").Array("d", 2)
+
+    def __getitem__(self, i):
+        return self.values[i]
+
+    def __setitem__(self, i, v):
+        self.values[i] = v
+
+
+def serve_trivial(port: int, chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: float = 0.0,
+                  workers: int = 1) -> None:
+    """Run trivial_app on 127.0.0.1:port until killed (a process target). workers > 1: that many processes
+    accept on one listening socket (as a server with several API processes spreads its streams), their TTFT
+    stamps summed in shared memory."""
+    import socket
+
     import uvicorn
-    uvicorn.run(trivial_app(chunks, tokens_per_chunk, itl_s), host="127.0.0.1", port=port, log_level="error")
+    if workers <= 1:
+        uvicorn.run(trivial_app(chunks, tokens_per_chunk, itl_s), host="127.0.0.1", port=port, log_level="error")
+        return
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(4096)
+    stamps = _SharedSum()
+    app = trivial_app(chunks, tokens_per_chunk, itl_s, stamps)
+
+    def serve():
+        server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+        asyncio.run(server.serve(sockets=[sock]))
+    procs = [mp.get_context("fork").Process(target=serve, daemon=True) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
 
 
 async def _client_cost(url: str, requests: int) -> dict:

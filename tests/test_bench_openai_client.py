@@ -74,8 +74,8 @@ def test_trivial_server_streams_every_chunk_at_once():
 
 
 def test_a_null_target_measures_the_clients_own_ttft(srv, tmp_path, monkeypatch):
-    # the null server streams each request's max_tokens ids at the cadence the client read from the target before
-    # it and stamps its own TTFT; its client - server gap is the client's own cost, set against the engine server's
+    # the null server (two processes here) streams each request's max_tokens ids at the cadence and in the chunks
+    # the client read from the target before it and stamps its own TTFT (summed over its processes); its client - server gap is the client's own cost, set against the engine server's
     # /metrics on the same workload
     import benchmarks.common
     from benchmarks.bench_serve import main
@@ -83,12 +83,13 @@ def test_a_null_target_measures_the_clients_own_ttft(srv, tmp_path, monkeypatch)
     monkeypatch.delenv("OUT", raising=False)
     results = main(["--target", f"kvscope={srv.url}", "--target", "null=null", "--num-prompts", "6",
                     "--request-rate", "inf", "--input-len", "16", "--output-len", "5", "--range-ratio", "0",
-                    "--client", "aiohttp,openai", "--name", "nulltest"])
+                    "--client", "aiohttp,openai", "--name", "nulltest", "--null-workers", "2"])
     null = [r for r in results if r.get("null")]
     assert [r["workload"] for r in null] == ["nulltest", "nulltest-oai"]
     for r in null:
         kv = next(x for x in results if x["name"] == "kvscope" and x["workload"] == r["workload"])
-        assert r["null_itl_ms"] == kv["summary"]["TPOT"]["mean"] > 0
+        assert r["null_itl_ms"] == kv["summary"]["ITL"]["mean"] > 0       # the target's chunk gap
+        assert r["null_tokens_per_chunk"] == max(1, round(kv["chunks"]["tokens_per_chunk"]))
         assert r["completed"] == 6 and r["summary"]["output_tokens"] == 30
         assert r["server_side"]["ttft_ms"] > 0                  # the null server's own stamps, from its /metrics
     rows = {row["metric"]: row for row in json.loads((tmp_path / "serve_nulltest.json").read_text())["side_by_side"]}
