@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import os
 import re
 import sys
@@ -268,8 +267,8 @@ def bench_prefill(ceil, sweep, fp8=False):
         kind = label.split()[0]
         if sweep and kind in sweeps:
             res = []
-            for (bm, bn, warps, stages), heavy_first in itertools.product(sweeps[kind], (False, True)):
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, heavy_first=heavy_first)
+            for bm, bn, warps, stages in sweeps[kind]:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 try:
                     f = lambda: tk.paged_attention(q, kc, vc, md, scale, config=cfg)  # noqa: E731
                     e = rel_err(f(), ref_out)

@@ -45,14 +45,11 @@ def test_paged_attention(dtype, case):
         _check_attention(*make_batch(q_lens, seq_lens, bs=bs, dtype=dtype, **shp), dtype)
 
 
-@pytest.mark.parametrize("block_m,block_n,apart,heavy_first", [(16, 16, True, False), (64, 16, False, False),
-                                                                 (16, 16, True, True)])
-def test_paged_attention_tilings(block_m, block_n, apart, heavy_first):
+@pytest.mark.parametrize("block_m,block_n,apart", [(16, 16, True), (64, 16, False)])
+def test_paged_attention_tilings(block_m, block_n, apart):
     # small tiles: every causal diagonal offset modulo the key tile occurs (tile starts 2, 6, 10, 14, ...);
-    # apart=False: the prefill kernel also serves the decode (one real query in its tile); heavy_first: the
-    # programs map to tiles in reverse
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, decodes_apart=apart,
-               heavy_first=heavy_first)
+    # apart=False: the prefill kernel also serves the decode (one real query in its tile)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1, decodes_apart=apart)
     batch = make_batch([30, 1, 5], [32, 17, 40], bs=4, dtype=torch.float32, **SMALL)
     _check_attention(*batch, torch.float32, config=cfg)
 

@@ -183,10 +183,10 @@ def check_paged_attention():
     from engine.kernels import decode_attention, paged_attention
     compile_sm90(paged_attention._prefill_kernel,
                  dict(G=4, GP=4, BQ=32, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, SKIP_DECODES=True,
-                      DOT_PREC="tf32", F16_DOT=False, HEAVY_FIRST=False))
-    compile_sm90(paged_attention._prefill_kernel,                  # an fp8 cache, products in fp16, tiles reversed
+                      DOT_PREC="tf32", F16_DOT=False))
+    compile_sm90(paged_attention._prefill_kernel,                  # an fp8 cache, products in fp16
                  dict(G=4, GP=4, BQ=32, BLOCK_M=128, BLOCK_N=64, BLOCK_SIZE=16, D=128, BD=128, SKIP_DECODES=True,
-                      DOT_PREC="tf32", F16_DOT=True, HEAVY_FIRST=True),
+                      DOT_PREC="tf32", F16_DOT=True),
                  {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"}, num_warps=8, num_stages=3)
     compile_sm90(decode_attention._decode_kernel,
                  dict(G=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, D=64, BD=64, NUM_SPLITS=4, VARLEN=True,

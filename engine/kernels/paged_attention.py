@@ -28,11 +28,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    SKIP_DECODES: tl.constexpr, DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr,
-                    HEAVY_FIRST: tl.constexpr = False):
+                    SKIP_DECODES: tl.constexpr, DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr):
     pid = tl.program_id(0)
-    if HEAVY_FIRST:     # programs start in launch order: a sequence's last (longest) tiles first, the short ones last
-        pid = tl.num_programs(0) - 1 - pid
     kvh = tl.program_id(1)
     # sequence i owns programs [cu_q[i] // BQ + i, cu_q[i+1] // BQ + i + 1): at least cdiv(q_len, BQ)
     # A trailing sequence with no queries (a mixed CUDA graph's unused slots: cu_q[j] = T) owns just program
@@ -126,7 +123,7 @@ def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes):
         G=G, GP=GP, BQ=BQ, BLOCK_M=max(16, BQ * GP), BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
         BD=triton.next_power_of_2(D), SKIP_DECODES=skip_decodes, DOT_PREC=_dot_prec(q.dtype),
         F16_DOT=pcfg.get("f16_dot", False) and f16_dot_applies(q.dtype, k_cache.dtype),
-        HEAVY_FIRST=pcfg.get("heavy_first", False), num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+        num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

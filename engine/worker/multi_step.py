@@ -16,8 +16,11 @@ Newcomers that can be admitted (and sample as a block's rows do, without prompt 
 in flight: a mixed step is launched after it without a host sync, each running request decoding one token from
 the block's last sampled one on the device and the newcomers' whole prompts prefilled beside them (vLLM's
 scheduling of a step while the one before it runs). Its tokens are processed like a one-iteration block's, and
-the next block follows it. Anything else that waits (a first chunk of a long prompt, a swapped-out request,
-priority scheduling) drains the pipeline for a synchronous step.
+the next block (or, while newcomers still wait, the next mixed step) follows it. With nothing in flight, a mixed
+step takes the running requests' ids from the host and computes the rest of any prompt a synchronous step chunked,
+so that a burst is prefilled by mixed steps launched back to back, the GPU never waiting for the host between
+them. Anything else that waits (a prompt longer than the step's budget, a swapped-out request, priority
+scheduling) drains the pipeline for a synchronous step.
 
 A batch with a constrained request (structured output) runs grammar blocks instead
 (EngineConfig.structured_overlap): each token's mask needs the previous token on the host, but the next
