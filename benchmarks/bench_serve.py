@@ -360,7 +360,15 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
     rows = [dict(request_id=r.request_id, prompt_len=r.prompt_len, output_len=r.output_len,
                  ttft_ms=None if r.metrics.ttft is None else 1000 * r.metrics.ttft,
                  e2el_ms=None if r.metrics.e2e is None else 1000 * r.metrics.e2e,
+                 send_to_arrival_ms=None if r.server_arrival is None
+                 else 1000 * (r.server_arrival - r.metrics.arrival_time),
                  num_chunks=len(r.metrics.token_times)) for r in records]
+    sends = sorted(x["send_to_arrival_ms"] for x in rows if x["send_to_arrival_ms"] is not None)
+    send_to_arrival = {"n": len(sends), "mean_ms": sum(sends) / len(sends), "p50_ms": _pct(sends, 50),
+                       "p99_ms": _pct(sends, 99)} if sends else None
+    if send_to_arrival:
+        print(f"client send -> server arrival (x-kvscope-arrival-time), {len(sends)} requests: mean "
+              f"{send_to_arrival['mean_ms']:.2f} ms, p99 {send_to_arrival['p99_ms']:.2f} ms", flush=True)
     gaps = sorted(((b - a) * 1e3, a - t0, r.request_id) for r in records
                   for a, b in zip(r.metrics.token_times, r.metrics.token_times[1:]))
     itl_tail = {"over_10ms": sum(g > 10 for g, _, _ in gaps), "over_15ms": sum(g > 15 for g, _, _ in gaps),
@@ -376,6 +384,7 @@ def run_http(w, url: str, model: str | None, profile_pid: int | None = None, pro
     if api and n_chunks:                           # every API server process's CPU, per chunk streamed
         chunks["api_cpu_us_per_chunk"] = 1e6 * sum(p["cpu_s"] for p in api) / n_chunks
     return {"target": target.v1, "model": model_name, "duration_s": wall, "itl_tail": itl_tail, "chunks": chunks,
+            "send_to_arrival": send_to_arrival,
             "client": w.client,
             "client_procs": w.client_procs, "warm_connections": w.warm_connections,
             "output_tok_s": s["output_tokens"] / wall, "completed": s["completed"],
@@ -439,6 +448,18 @@ def metrics_vs_client(r: dict, own_ms: float | None) -> float | None:
     return 100 * (srv - seen) / seen
 
 
+def metrics_vs_client_less_send(r: dict) -> float | None:
+    """100 * (/metrics mean TTFT - (client mean TTFT - mean send -> arrival)) / that: the server's own figure against
+    what the client saw from the moment each of its requests reached the server (its arrival header)."""
+    srv = (r.get("server_side") or {}).get("ttft_ms")
+    ttft = (r.get("summary") or {}).get("TTFT")
+    send = (r.get("send_to_arrival") or {}).get("mean_ms")
+    if srv is None or not ttft or send is None or ttft["mean"] - send <= 0:
+        return None
+    seen = ttft["mean"] - send
+    return 100 * (srv - seen) / seen
+
+
 def side_by_side(results: list[dict]) -> list[dict]:
     """One row per metric, one column per (target, workload)."""
     cols = [f"{r['name']}/{r['workload']}" for r in results]
@@ -455,6 +476,14 @@ def side_by_side(results: list[dict]) -> list[dict]:
                  **{c: (r["summary"]["TTFT"]["mean"] - r["server_side"]["ttft_ms"])
                     if (r.get("server_side") or {}).get("ttft_ms") is not None and r.get("summary", {}).get("TTFT")
                     else None for c, r in zip(cols, results)}})
+    # per request, the client's send stamp against the server's arrival stamp (its response header): the part of
+    # that gap spent before the server had the request (the client building and sending it, the server accepting it)
+    if any(r.get("send_to_arrival") for r in results):
+        rows.append({"metric": "client send -> server arrival mean / p99 (ms)",
+                     **{c: (f"{r['send_to_arrival']['mean_ms']:.1f} / {r['send_to_arrival']['p99_ms']:.1f}"
+                            if r.get("send_to_arrival") else None) for c, r in zip(cols, results)}})
+        rows.append({"metric": "/metrics TTFT vs client's from arrival (%)",
+                     **{c: None if r.get("null") else metrics_vs_client_less_send(r) for c, r in zip(cols, results)}})
     # a null target (no engine) on the same workload and client measures the client's own part of that gap (the
     # last null target's, if several); what is left of the client's TTFT is the server's, which /metrics should tell
     own = {r["workload"]: client_own_ttft(r) for r in results if r.get("null")}

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import free_port  # noqa: E402
 from engine.outputs import RequestMetrics  # noqa: E402
-from inspector.http_load import HttpLoadRunner, _HttpError  # noqa: E402
+from inspector.http_load import HttpLoadRunner, _arrival_stamp, _HttpError  # noqa: E402
 from inspector.load import LoadItem  # noqa: E402
 from inspector.recorder import RequestRecord  # noqa: E402
 
@@ -59,6 +59,7 @@ class OpenAIClientRunner(HttpLoadRunner):
             stream = await self._client().completions.create(
                 model=self.model, prompt=prompt, max_tokens=it.max_tokens, temperature=spec.temperature,
                 seed=spec.seed, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            server_arrival = _arrival_stamp(stream.response.headers)
             async for chunk in stream:
                 now = time.perf_counter()
                 for ch in chunk.choices:
@@ -80,7 +81,8 @@ class OpenAIClientRunner(HttpLoadRunner):
         m.num_cached_tokens = int(getattr(details, "cached_tokens", 0) or 0)
         out_len = usage.completion_tokens if usage is not None else (len(out_ids) or len(m.token_times))
         rec = RequestRecord(request_id=rid, prompt_len=int(usage.prompt_tokens if usage else len(prompt)),
-                            output_len=int(out_len), finish_reason=finish or "stop", metrics=m)
+                            output_len=int(out_len), finish_reason=finish or "stop", metrics=m,
+                            server_arrival=server_arrival)
         with self._lock:
             self.records.append(rec)
             self._finished += 1
@@ -147,7 +149,7 @@ def trivial_app(chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: flo
         n = chunks * tokens_per_chunk if chunks is not None else int(req.get("max_tokens") or 16)
         bodies = fixed if fixed is not None else stream_bodies(n)
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+                    "headers": [(b"content-type", b"text/event-stream"), (b"x-kvscope-arrival-time", b"%.6f" % t0)]})
         for i, body in enumerate(bodies):
             if i and itl_s > 0:
                 await asyncio.sleep(itl_s)

@@ -43,6 +43,16 @@ _run_ids = itertools.count(1)
 DEFAULT_VOCAB = 32000        # random prompt ids stay below this unless the server says more (/v1/models)
 
 
+def _arrival_stamp(headers) -> float | None:
+    """The server's arrival stamp of a request (kvscope's `x-kvscope-arrival-time` response header: its
+    time.perf_counter(), this machine's clock when client and server share it), or None."""
+    v = headers.get("x-kvscope-arrival-time")
+    try:
+        return float(v) if v is not None else None
+    except ValueError:
+        return None
+
+
 @dataclass
 class HttpTarget:
     """Where to send load. base_url: "http://127.0.0.1:8000" (with or without a trailing /v1)."""
@@ -272,6 +282,7 @@ class HttpLoadRunner(RunState):
         finish = None
         n_chunks = 0
         async with client.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+            server_arrival = _arrival_stamp(r.headers)
             if r.status != 200:
                 raw = (await r.read()).decode("utf-8", "replace")
                 try:
@@ -314,7 +325,8 @@ class HttpLoadRunner(RunState):
         if out_len is None:
             out_len = len(out_ids) or n_chunks
         rec = RequestRecord(request_id=rid, prompt_len=int((usage or {}).get("prompt_tokens") or len(prompt)),
-                            output_len=int(out_len), finish_reason=finish or "stop", metrics=m)
+                            output_len=int(out_len), finish_reason=finish or "stop", metrics=m,
+                            server_arrival=server_arrival)
         with self._lock:
             self.records.append(rec)
             self._finished += 1

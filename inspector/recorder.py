@@ -26,6 +26,7 @@ class RequestRecord:
     output_len: int
     finish_reason: str | None
     metrics: RequestMetrics
+    server_arrival: float | None = None     # over HTTP: the server's arrival stamp (x-kvscope-arrival-time)
 
     @classmethod
     def from_output(cls, out: Any) -> "RequestRecord":

@@ -101,3 +101,25 @@ def test_a_null_target_measures_the_clients_own_ttft(srv, tmp_path, monkeypatch)
         expected = pytest.approx(100 * (r["server_side"]["ttft_ms"] - seen) / seen) if seen > 0 else None
         assert rel[f"kvscope/{wl}"] == expected
         assert rel[f"null/{wl}"] is None
+
+
+def test_each_request_carries_the_servers_arrival_stamp(srv, tmp_path, monkeypatch):
+    # both clients read the server's arrival stamp (x-kvscope-arrival-time, one perf_counter clock on this machine)
+    # of every request: after the client's send stamp and before its first chunk; the side-by-side table sets
+    # /metrics' mean TTFT against the client's less the mean send -> arrival
+    import benchmarks.common
+    from benchmarks.bench_serve import main
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    results = main(["--target", f"kvscope={srv.url}", "--num-prompts", "6", "--request-rate", "inf",
+                    "--input-len", "16", "--output-len", "5", "--range-ratio", "0", "--client", "aiohttp,openai",
+                    "--name", "arrivaltest"])
+    rows = {row["metric"]: row for row in json.loads((tmp_path / "serve_arrivaltest.json").read_text())["side_by_side"]}
+    for r in results:
+        sends = [x["send_to_arrival_ms"] for x in r["requests"]]
+        assert len(sends) == 6 and all(0 < s < x["ttft_ms"] for s, x in zip(sends, r["requests"]))
+        assert r["send_to_arrival"]["mean_ms"] == pytest.approx(sum(sends) / 6)
+        assert r["send_to_arrival"]["p99_ms"] == max(sends)
+        seen = r["summary"]["TTFT"]["mean"] - r["send_to_arrival"]["mean_ms"]
+        assert rows["/metrics TTFT vs client's from arrival (%)"][f"kvscope/{r['workload']}"] == \
+            pytest.approx(100 * (r["server_side"]["ttft_ms"] - seen) / seen)

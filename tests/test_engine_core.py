@@ -277,6 +277,27 @@ def test_incremental_detokenization_is_utf8_safe(tok):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_tokens_that_add_no_text_do_not_grow_the_decode_window(tok):
+    """A long run of skipped special tokens (a dummy-weight model's favourite) or of bytes that never form a
+    character leaves at most 4 tokens held back, so each token decodes a window of bounded length; the text is
+    what decoding the whole output gives."""
+    from engine.runtime import detokenizer
+    calls = []
+    for ids, skip in (([tok.all_special_ids[0]] * 200, True), ([tok.convert_tokens_to_ids("Ã")] * 200, True)):
+        seq = Sequence("r", None, [1, 2, 3], SamplingParams(skip_special_tokens=skip), 0.0)
+        det = detokenizer.Detokenizer(tok)
+        decode = det._decode
+        det._decode = lambda window, skip, decode=decode: calls.append(len(window)) or decode(window, skip)
+        det.start(seq)
+        for t in ids:
+            seq.append_token(t)
+            det.update(seq)
+            assert seq.num_tokens - seq.read_offset <= detokenizer._MAX_PENDING
+        assert max(calls) <= 2 * detokenizer._MAX_PENDING + 6
+        whole = tok.decode(ids, skip_special_tokens=skip)
+        assert seq.text.replace("\ufffd", "") == whole.replace("\ufffd", "")
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_detokenizer_rust_path_matches_transformers_decode(tok, skip):
     """The fast path (the Rust tokenizer behind the HF one) streams exactly the text transformers' decode

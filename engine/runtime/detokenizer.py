@@ -9,6 +9,7 @@ from __future__ import annotations
 from engine.core.sequence import Sequence
 
 _CONTEXT = 6  # prompt tokens decoded ahead of the output, so leading spaces come out right
+_MAX_PENDING = 4  # tokens held back waiting for text: a UTF-8 character spans at most 4 byte tokens
 
 
 class Detokenizer:
@@ -40,7 +41,10 @@ class Detokenizer:
         ids = seq.token_ids
         prefix = self._decode(ids[seq.prefix_offset:seq.read_offset], skip)
         full = self._decode(ids[seq.prefix_offset:], skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        # Tokens that add no text yet are held back: an incomplete UTF-8 character. Past _MAX_PENDING of them
+        # nothing will complete it (or they decode to nothing: skipped special tokens), and the window moves on
+        # anyway, so that decoding stays O(1) a token.
+        if (len(full) > len(prefix) and not full.endswith("\ufffd")) or len(ids) - seq.read_offset > _MAX_PENDING:
             new = full[len(prefix):]
             seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
             seq.text += new

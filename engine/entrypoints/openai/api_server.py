@@ -61,10 +61,15 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 GPU_API_SERVER_COUNT = 4        # --api-server-count on a GPU (docs/serving.md, "One API server process or four")
 
 
+ARRIVAL_HEADER = b"x-kvscope-arrival-time"
+
+
 class ApiMiddleware:
     """Stamps arrival and counts API responses by endpoint and status: a request whose client left before
     any response counts as 499 (client closed request), one the connection guard timed out as 408, neither
-    as a server error. Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnects pass through
+    as a server error. Every response carries the arrival stamp (`x-kvscope-arrival-time`, time.perf_counter()
+    seconds, the clock of every process on this machine), so that a client on the same machine can set its
+    send time against it. Pure ASGI (no BaseHTTPMiddleware), so streaming and disconnects pass through
     untouched; paths outside /v1 (e.g. a mounted Gradio UI) are not touched at all."""
 
     def __init__(self, app, server: OpenAIServing):
@@ -95,6 +100,8 @@ class ApiMiddleware:
             nonlocal status
             if msg["type"] == "http.response.start":
                 status = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", []),
+                                          (ARRIVAL_HEADER, b"%.6f" % state["kvscope_arrival"])]}
             await send(msg)
 
         try:
