@@ -125,7 +125,7 @@ def bench_latency(bw: float, cfg: dict, configs: list[str]) -> list[dict]:
     rows = []
     for name in configs:
         sw = LATENCY_CONFIGS[name]
-        llm = LLM(MODEL, max_model_len=4096, max_num_seqs=8, **sw)
+        llm = LLM(MODEL, max_model_len=4096, max_num_seqs=8, skip_tokenizer_init=True, **sw)
         prompt = list(range(1000, 1128))
         sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
         llm.generate([list(range(2000, 2128))], sp, use_tqdm=False)   # warm-up (another prompt: no cache hit)
@@ -158,7 +158,9 @@ def timed_generate(llm: LLM, prompts, outs) -> tuple[float, int]:
 
 def run_engine(prompts, outs, max_model_len: int = 2048, info: dict | None = None, **cfg) -> tuple[float, int]:
     """(seconds, output tokens) of the workload on a fresh engine; `info` gets its KV pool's block count."""
-    llm = LLM(MODEL, max_model_len=max_model_len, max_num_seqs=256, max_num_batched_tokens=16384, **cfg)
+    # no tokenizer, as vLLM's runs (skip_tokenizer_init, detokenize=False): neither engine detokenizes random ids
+    llm = LLM(MODEL, max_model_len=max_model_len, max_num_seqs=256, max_num_batched_tokens=16384,
+              **{"skip_tokenizer_init": True, **cfg})
     if info is not None:
         info["num_blocks"] = llm.engine.num_blocks
     # warm-up at the workload's lengths (reversed prompts: no prefix-cache hits later): Triton specializes kernels

@@ -404,7 +404,8 @@ def run_offline(w, args) -> dict:
     """kvscope's LLM.generate on the same requests (the workload's arrival times are ignored: all at once)."""
     from engine import LLM, SamplingParams
     from inspector.load import build_workload
-    cfg = {a.split("=", 1)[0].lstrip("-").replace("-", "_"): a.split("=", 1)[1] for a in args.server_arg if "=" in a}
+    cfg = {a.split("=", 1)[0].lstrip("-").replace("-", "_"): a.split("=", 1)[1] if "=" in a else "true"
+           for a in args.server_arg if a.startswith("--") and not a.startswith("--no-")}
     llm = LLM(args.model, device=args.device, **{k: _num(v) for k, v in cfg.items()})
     prefix, items = build_workload(_spec(w), w.vocab_size, (), llm.engine.tokenizer if w.prompts == "text" else None)
     prompts = [prefix + it.new_tokens for it in items]

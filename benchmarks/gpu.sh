@@ -85,7 +85,7 @@ suite_serving() {
   # every server workload from one client process and from four (a single Python client falls behind in the
   # burst, and its own delays would count as the server's)
   python3 benchmarks/bench_serve.py --suite serving --model dummy:llama-3.2-1b --device cuda \
-    --server-arg=--max-model-len=4096 --launch "vllm=$vllm" --target vllm=http://127.0.0.1:8002 \
+    --server-arg=--max-model-len=4096 --server-arg=--skip-tokenizer-init --launch "vllm=$vllm" --target vllm=http://127.0.0.1:8002 \
     --target kvscope=launch --target offline=offline --client-procs 1,4 --name "serving_suite_$(device_slug)" "$@"
 }
 
@@ -132,7 +132,8 @@ suite_tp() {
     peer=(--launch "vllm-dp2=$(vllm_server_cmd 2048) --data-parallel-size 2" --target vllm-dp2=http://127.0.0.1:8002)
   fi
   python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
-    --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 --client-procs 4 --repeats 3 \
+    --num-prompts 512 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 \
+    --server-arg=--skip-tokenizer-init --client-procs 4 --repeats 3 \
     --target dp1=launch --target dp2=launch:--data-parallel-size=2 \
     --target dp2-api1=launch:--data-parallel-size=2,--api-server-count=1 "${peer[@]}" \
     --name "dp_burst_$(device_slug)" || rc=1

@@ -22,6 +22,10 @@
     python benchmarks/profiler.py spec-times --device cuda --model dummy:llama-3.2-1b
         every engine.step() of a speculative engine timed and classed            -> spec_step_times_<device><tag>
 
+    python benchmarks/profiler.py host [--batch 512] [--out-len 200] [--skip-tokenizer-init]
+        the engine process's host work for one decode iteration of a large batch, by phase, per request: what a
+        server's decode block costs the host while the GPU runs the next one (no model forward)  -> profile_host_<cpu>
+
 Each prints a table and writes its JSON to benchmarks/results/.
 """
 from __future__ import annotations
@@ -858,6 +862,62 @@ SPEC_FLAGS = ("method flags as bench_spec.py's: +noshadow, +long, +main, +everyb
               "+confirm / +noconfirm, +prefetch / +noprefetch")
 
 
+# ---- host: the engine process's host work for one decode iteration -------------------------------------------
+
+def cmd_host(args) -> None:
+    """One decode iteration of `batch` requests, `out_len` tokens into their outputs, phase by phase on the host:
+    planning the block (scheduler), packing its inputs (MultiStepDecoder._prepare), processing its tokens
+    (OutputProcessor: stop checks, detokenization, outputs) and encoding them for the API servers (core_proc). The
+    tokens are drawn at random from the tokenizer's vocabulary; no forward runs, so any device measures its host."""
+    import marshal
+    import random
+    import statistics
+    from engine import LLMEngine, SamplingParams
+    from engine.runtime.core_proc import encode_output
+    eng = LLMEngine(model=args.model, device="cpu", max_num_seqs=max(args.batch, 8), max_model_len=1024,
+                    max_num_batched_tokens=max(2048, 16 * args.batch), num_scheduler_steps=2,
+                    skip_tokenizer_init=args.skip_tokenizer_init)
+    rng = random.Random(0)
+    vocab = eng.detok.vocab_limit or 32000          # (no tokenizer: ids as the tokenizer's would be)
+    for _ in range(args.batch):
+        eng.add_request([rng.randrange(vocab) for _ in range(16)],
+                        SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0))
+    sch, op, ms = eng.scheduler, eng.output_processor, eng.multi_step
+    sched = sch.schedule()                     # the prompts, computed without a forward
+    op.process(sched, [[rng.randrange(vocab)] for _ in sched.seqs], [None] * len(sched.seqs))
+    for _ in range(args.out_len):
+        sched = sch.schedule()
+        op.process(sched, [[rng.randrange(vocab)] for _ in sched.seqs], [None] * len(sched.seqs))
+    phases = defaultdict(list)
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        seqs = list(sch.running)
+        blk = sch.schedule_block(seqs, 1, [0] * len(seqs))
+        t1 = time.perf_counter()
+        ms._prepare(blk, 1)
+        t2 = time.perf_counter()
+        outs, _, _ = op.process(blk, [[rng.randrange(vocab)] for _ in blk.seqs], [None] * len(blk.seqs))
+        t3 = time.perf_counter()
+        enc = [encode_output(o, 0) for o in outs]
+        t4 = time.perf_counter()
+        marshal.dumps(("out", enc, {}))
+        t5 = time.perf_counter()
+        for k, a, b in (("schedule", t0, t1), ("prepare", t1, t2), ("process outputs", t2, t3),
+                        ("encode", t3, t4), ("marshal", t4, t5), ("total", t0, t5)):
+            phases[k].append(b - a)
+    n = len(sch.running)
+    rows = [dict(phase=k, ms=1e3 * statistics.median(v), us_per_request=1e6 * statistics.median(v) / n,
+                 us_per_request_min=1e6 * min(v) / n) for k, v in phases.items()]
+    print(f"{n} requests decoding, {sch.running[0].num_output_tokens} tokens into their outputs; median (and "
+          f"least) of {args.reps} iterations")
+    print_table(rows, ["phase", "ms", "us_per_request", "us_per_request_min"])
+    cpu = device_name("cpu")
+    write_json(f"profile_host_{slug(cpu)}{'_notok' if args.skip_tokenizer_init else ''}",
+               dict(cpu=cpu, batch=n, out_len=args.out_len, model=args.model,
+                    skip_tokenizer_init=args.skip_tokenizer_init, rows=rows))
+    eng.close()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python benchmarks/profiler.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{kernels,decode,steps,tiers,structured,launch,"
@@ -917,6 +977,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("launch", help="host cost of a grammar iteration's launches, GPU idle vs busy")
     p.add_argument("--batch", type=int, default=32)
     p.set_defaults(fn=cmd_launch)
+
+    p = sub.add_parser("host", help="the engine's host work for one decode iteration of a large batch, by phase")
+    p.add_argument("--model", default="dummy:tiny")
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--out-len", type=int, default=200)
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: no detokenization")
+    p.set_defaults(fn=cmd_host)
 
     p = sub.add_parser("spec-steps", help="CPU: the kinds of steps a speculative engine takes")
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")

@@ -53,8 +53,9 @@ part_shape() {  # part_shape PART SHAPE
   python3 -c "from pathlib import Path; from benchmarks.vllm_offline import write_config; \
 write_config('$2', Path('$cfg'))"
   target_args "$(vllm_cmd "$cfg" --load-format dummy --skip-tokenizer-init --max-model-len 4096)"
+  # no tokenizer on either server: vLLM's runs with --skip-tokenizer-init, so kvscope's does too
   python3 benchmarks/bench_serve.py --suite serving --model "dummy:$2" --device cuda \
-    --server-arg=--max-model-len=4096 "${TARGET_ARGS[@]}" --client aiohttp,openai --client-procs 4 \
+    --server-arg=--max-model-len=4096 --server-arg=--skip-tokenizer-init "${TARGET_ARGS[@]}" --client aiohttp,openai --client-procs 4 \
     --name "serving_suite_$1_${TARGETS//,/-}_$(device_slug)" "${REST[@]}"
 }
 

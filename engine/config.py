@@ -70,8 +70,10 @@ class ModelConfig(_Checks):
     int4_group_size: int | None = None  # int4: weights per (scale, min) group along K; None: 32 on the CPU (the
     #                                     GGUF's Q4 groups, which its C++ int4 path takes), 128 on a GPU
     max_model_len: int | None = None    # longest sequence; None: the model's max_position_embeddings, at most 8192
+    skip_tokenizer_init: bool = False   # no tokenizer: prompts are token ids, outputs token ids without text (vLLM's)
 
     def __post_init__(self):
+        self.need_bool("skip_tokenizer_init")
         self.need(isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
                   "device", "must be 'auto', 'cpu' or 'cuda[:N]'")
         self.need_choice("dtype")

@@ -21,7 +21,7 @@ from webui import forms
 VALUES = {
     "model": ("dummy:tiny", "dummy:tiny"), "device": ("cpu", "cpu"), "dtype": ("float16", "float16"),
     "seed": ("7", 7), "quantization": ("int8", "int8"), "int4_group_size": ("64", 64),
-    "max_model_len": ("1024", 1024),
+    "max_model_len": ("1024", 1024), "skip_tokenizer_init": ("true", True),
     "block_size": ("32", 32), "num_kv_blocks": ("64", 64), "gpu_memory_utilization": ("0.5", 0.5),
     "cpu_kv_cache_gib": ("0.25", 0.25), "enable_kv_cache": ("false", False),
     "enable_prefix_caching": ("false", False), "kv_cache_layout": ("contiguous", "contiguous"),

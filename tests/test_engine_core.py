@@ -329,3 +329,23 @@ def test_stop_string_spanning_tokens(tok):
     assert stop is None and streamable_len(seq) == len("Hell")        # "o" held back: it may start the stop
     seq, pieces, stop = _stream(tok, ids, params)
     assert stop == "o wor" and seq.text == "Hell" and len(pieces) == 2   # matched across the token boundary
+
+
+def test_skip_tokenizer_init_serves_token_ids_without_text():
+    """skip_tokenizer_init (vLLM's): no tokenizer is loaded; token-id prompts give the same greedy tokens as with
+    one and no text; a text prompt is refused naming the field."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_tok = LLMEngine(model=None, device="cpu", cpu_kv_cache_gib=0.1)
+    prompt = with_tok.tokenize("The capital of France is")
+    ref = drain_one(with_tok, prompt, params)
+    eng = LLMEngine(model=None, device="cpu", cpu_kv_cache_gib=0.1, skip_tokenizer_init=True)
+    assert eng.tokenizer is None
+    out = drain_one(eng, prompt, params)
+    assert out.token_ids == ref.token_ids and ref.text and out.text == ""
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("The capital of France is", params)
+
+
+def drain_one(eng, prompt, params):
+    rid = eng.add_request(prompt, params)
+    return drain(eng)[rid]

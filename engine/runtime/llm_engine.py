@@ -190,7 +190,7 @@ class LLMEngine:
         self.model.set_kernel_options(config)
         if ex is not None:
             ex.wait_loaded()
-        self.tokenizer = load_tokenizer(tok_folder)
+        self.tokenizer = None if config.model_config.skip_tokenizer_init else load_tokenizer(tok_folder)
         self.weight_bytes = resident_bytes(self.model)
         sized = config.cache_config.num_kv_blocks is None
         if ex is not None and sized:
