@@ -119,8 +119,11 @@ def test_preemption_victim_is_most_recently_admitted_and_rejoins_the_front():
     assert "preempted" in kinds and kinds[-1] == "finished"
 
 
-def test_static_batch_runs_until_all_finish():
-    eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=64, scheduling="static", max_num_seqs=4)
+@pytest.mark.parametrize("steps", [1, 4])
+def test_static_batch_runs_until_all_finish(steps):
+    # steps=4: multi-step decode blocks, which must not admit the newcomer by a mixed step either
+    eng = LLMEngine(model="dummy:tiny", device="cpu", num_kv_blocks=64, scheduling="static", max_num_seqs=4,
+                    num_scheduler_steps=steps)
     a = eng.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
     eng.step()
     b = eng.add_request([8, 9], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -191,8 +191,8 @@ class MultiStepDecoder:
                 and sch.waiting.peek().params.priority < sch.running[-1].params.priority:
             return True                     # a better request waits: a normal step lets the scheduler preempt
         free = sc.max_num_seqs - len(sch.running)
-        if free <= 0 or not (sch.waiting or arrivals_pending):
-            return False
+        if free <= 0 or not (sch.waiting or arrivals_pending) or (sc.scheduling == "static" and sch.running):
+            return False                    # (static batching admits only into an empty batch)
         want = len(sch.waiting) + (1 if arrivals_pending else 0)
         need = sc.multi_step_admit_min if sc.multi_step_admit_min is not None else max(1, sc.max_num_seqs // 32)
         return free >= min(want, need)
