@@ -438,26 +438,15 @@ def client_own_ttft(r: dict) -> float | None:
     return None if srv is None or not ttft else ttft["mean"] - srv
 
 
-def metrics_vs_client(r: dict, own_ms: float | None) -> float | None:
-    """100 * (/metrics mean TTFT - (client mean TTFT - the client's own)) / that: how far the server's own figure
-    is from what the client saw of the server."""
+def metrics_vs_client(r: dict, less_ms: float | None) -> float | None:
+    """100 * (/metrics mean TTFT - (client mean TTFT - less_ms)) / that: how far the server's own figure is from what
+    the client saw of the server, once less_ms (the client's own cost, or its requests' mean send -> arrival) is
+    taken off the client's."""
     srv = (r.get("server_side") or {}).get("ttft_ms")
     ttft = (r.get("summary") or {}).get("TTFT")
-    if srv is None or not ttft or own_ms is None or ttft["mean"] - own_ms <= 0:
+    if srv is None or not ttft or less_ms is None or ttft["mean"] - less_ms <= 0:
         return None
-    seen = ttft["mean"] - own_ms
-    return 100 * (srv - seen) / seen
-
-
-def metrics_vs_client_less_send(r: dict) -> float | None:
-    """100 * (/metrics mean TTFT - (client mean TTFT - mean send -> arrival)) / that: the server's own figure against
-    what the client saw from the moment each of its requests reached the server (its arrival header)."""
-    srv = (r.get("server_side") or {}).get("ttft_ms")
-    ttft = (r.get("summary") or {}).get("TTFT")
-    send = (r.get("send_to_arrival") or {}).get("mean_ms")
-    if srv is None or not ttft or send is None or ttft["mean"] - send <= 0:
-        return None
-    seen = ttft["mean"] - send
+    seen = ttft["mean"] - less_ms
     return 100 * (srv - seen) / seen
 
 
@@ -484,7 +473,9 @@ def side_by_side(results: list[dict]) -> list[dict]:
                      **{c: (f"{r['send_to_arrival']['mean_ms']:.1f} / {r['send_to_arrival']['p99_ms']:.1f}"
                             if r.get("send_to_arrival") else None) for c, r in zip(cols, results)}})
         rows.append({"metric": "/metrics TTFT vs client's from arrival (%)",
-                     **{c: None if r.get("null") else metrics_vs_client_less_send(r) for c, r in zip(cols, results)}})
+                     **{c: None if r.get("null") else metrics_vs_client(r, (r.get("send_to_arrival") or {})
+                                                                          .get("mean_ms"))
+                        for c, r in zip(cols, results)}})
     # a null target (no engine) on the same workload and client measures the client's own part of that gap (the
     # last null target's, if several); what is left of the client's TTFT is the server's, which /metrics should tell
     own = {r["workload"]: client_own_ttft(r) for r in results if r.get("null")}
