@@ -44,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token, from the prefill (no prefix-cache hit)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True             # False: outputs carry token ids and no text (no stop strings then)
     priority: int = 0                   # EngineConfig.scheduling_policy="priority": lower is scheduled sooner
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100] (OpenAI's)
     # constrain the output to a JSON schema / regex / choice / grammar (a dict of the same fields works too);
@@ -93,6 +94,8 @@ class SamplingParams:
                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              "prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(isinstance(self.detokenize, bool), "detokenize", "must be a bool")
+        need(self.detokenize or not self.stop, "detokenize", "must be True for stop strings (they match text)")
         need(all(_is_int(t) and 0 <= t < 2 ** 63 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints (token ids)")
         need(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(

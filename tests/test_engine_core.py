@@ -352,3 +352,13 @@ def test_skip_tokenizer_init_serves_token_ids_without_text():
 def drain_one(eng, prompt, params):
     rid = eng.add_request(prompt, params)
     return drain(eng)[rid]
+
+
+def test_detokenize_false_gives_token_ids_without_text():
+    eng = LLMEngine(model=None, device="cpu", cpu_kv_cache_gib=0.1)
+    prompt = eng.tokenize("The capital of France is")
+    ref = drain_one(eng, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    out = drain_one(eng, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False))
+    assert out.token_ids == ref.token_ids and ref.text and out.text == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["."])

@@ -51,6 +51,32 @@ def test_same_tokens_as_in_process(core):
     assert chunks[-1].finished and chunks[-1].token_ids == ref[0].token_ids
 
 
+def test_text_decoded_in_the_server_process_is_the_engines(core):
+    """Without stop strings the text is decoded in this (the API server's) process from the token ids, the engine
+    process sent detokenize=False; with a stop string the engine decodes it, to stop there. Either way the text,
+    whole and streamed, is what the engine in-process gives."""
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with EngineLoop(CFG) as loop:
+        ref = [loop.submit(p, plain).result(60) for p in PROMPTS]
+        stop = ref[1].text.split()[-1]                                  # a word the greedy output repeats
+        stopping = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+        ref_stop = loop.submit(PROMPTS[1], stopping).result(60)
+    # (the first prompt's output is special tokens: no text)
+    assert ref[1].text and ref[2].text and ref_stop.finish_reason == "stop" and len(ref_stop.text) < len(ref[1].text)
+    sent_text = []                                  # the text the engine process sent with its token ids
+    deliver = core._deliver
+    core._deliver = lambda encoded: sent_text.extend(e[1] for e in encoded) or deliver(encoded)
+    try:
+        for p, r in zip(PROMPTS, ref):
+            chunks = list(core.submit(p, plain))
+            assert "".join(c.delta_text for c in chunks) == chunks[-1].text == r.text
+        assert sent_text and not any(sent_text)
+        assert core.submit(PROMPTS[1], stopping).result(60).text == ref_stop.text
+        assert any(sent_text)
+    finally:
+        core._deliver = deliver
+
+
 def test_http_stream_and_metrics(srv, core):
     with httpx.Client(timeout=60) as c:
         r = c.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True,

@@ -7,6 +7,11 @@ What the OpenAI server calls on an EngineLoop (`submit_many`, `submit`, `abort`,
 outputs arrive in an ordinary `RequestStream`. One receiver thread reads the connection and hands each step's
 outputs to the event loops that follow them, one `call_soon_threadsafe` per step.
 
+The text of a request without stop strings is decoded here, from the token ids the engine sends (as vLLM's front
+end does): the engine process is sent `detokenize=False`, so its one thread, which every request's next token
+waits on, does none of it; with several API server processes the decoding is spread over them. A request with
+stop strings is decoded in the engine, which must see the text to stop.
+
 If the engine process dies, every open stream fails at once with a clear error (clients see it within
 the receiver's poll interval), the client reports itself unhealthy, starts a fresh engine process, and
 serves again once it is ready.
@@ -37,6 +42,7 @@ from types import SimpleNamespace
 from engine.runtime.async_engine import _END, EngineLoop, RequestStream, _call_soon, _put_many, admit_batch
 from engine.config import EngineConfig
 from engine.ipc import set_nodelay
+from engine.runtime.detokenizer import Detokenizer
 from engine.runtime.input_processor import InputProcessor
 from engine.runtime.llm_engine import EngineOverloaded, LLMEngine
 from engine.models.loader import load_tokenizer, resolve
@@ -75,15 +81,20 @@ class FrontendEngine:
 
 
 class _Acc:
-    """A request's output so far, rebuilt from the core's deltas."""
-    __slots__ = ("prompt", "prompt_ids", "text", "token_ids", "logprobs", "metrics", "prompt_logprobs")
+    """A request's output so far, rebuilt from the core's deltas; `detok`: the sequence whose text is decoded here
+    (None: the engine sends the text)."""
+    __slots__ = ("prompt", "prompt_ids", "text", "token_ids", "logprobs", "metrics", "prompt_logprobs", "detok")
 
-    def __init__(self, seq: Sequence):
+    def __init__(self, seq: Sequence, detok: Detokenizer | None):
         self.prompt, self.prompt_ids = seq.prompt, seq.prompt_token_ids
         self.text, self.token_ids = "", []
         self.logprobs = [] if seq.params.logprobs is not None else None
         self.metrics = seq.metrics
         self.prompt_logprobs = None
+        self.detok = None
+        if detok is not None:
+            self.detok = Sequence(seq.request_id, None, seq.prompt_token_ids, seq.params, 0.0)
+            detok.start(self.detok)
 
 
 class _CoreProcess:
@@ -173,8 +184,9 @@ class EngineCoreClient:
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        tok_folder = resolve(config.model_config.model)[2]
+        tok_folder = None if config.model_config.skip_tokenizer_init else resolve(config.model_config.model)[2]
         self._tokenizer = load_tokenizer(tok_folder)
+        self._detok = Detokenizer(self._tokenizer)
         self.proc = None                          # the engine process, when this client started it
         self._reattach = reattach                 # attached: blocks until the next engine process's pipe
         if attach is not None:
@@ -268,13 +280,17 @@ class EngineCoreClient:
                         min(self._stats.get("num_waiting", 0) + self._sent_since_stats, len(self._streams)),
                         lambda: f"core-{self._id_prefix}-{next(self._ids)}")
             streams = []
+            sent = []
             for seq in seqs:
                 stream = RequestStream(self, seq.request_id)
                 self._streams[seq.request_id] = stream
-                self._acc[seq.request_id] = _Acc(seq)
+                params = asdict(seq.params)
+                here = self._tokenizer is not None and seq.params.detokenize and not seq.params.stop
+                params["detokenize"] = seq.params.detokenize and not here      # decoded here, not in the engine
+                self._acc[seq.request_id] = _Acc(seq, self._detok if here else None)
                 streams.append(stream)
-            msg = ("add", [(s.request_id, s.prompt_token_ids, asdict(s.params), s.metrics.arrival_time)
-                           for s in seqs])
+                sent.append((seq.request_id, seq.prompt_token_ids, params, seq.metrics.arrival_time))
+            msg = ("add", sent)
             try:
                 self._conn.send_bytes(marshal.dumps(msg))
                 self._sent_since_stats += len(seqs)
@@ -335,6 +351,9 @@ class EngineCoreClient:
                     self._streams.pop(rid, None)
             if acc is None or stream is None:
                 continue
+            if acc.detok is not None:
+                acc.detok.token_ids.extend(delta_ids)
+                delta_text = self._detok.update(acc.detok)
             acc.text += delta_text
             acc.token_ids = acc.token_ids + delta_ids
             if lps is not None and acc.logprobs is not None:

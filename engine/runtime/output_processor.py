@@ -61,7 +61,7 @@ class OutputProcessor:
                     stop_str = check_stop_strings(seq, self.detok.update(seq))
                     if stop_str is not None:
                         break
-            if stop_str is None:
+            if stop_str is None and seq.params.detokenize:
                 stop_str = check_stop_strings(seq, self.detok.update(seq))
             if stop_str is not None:
                 seq.stop_reason = stop_str
