@@ -308,13 +308,15 @@ class MultiStepDecoder:
             if plan is None:
                 return False
             seqs, todo = plan
+            step = sum(todo)                            # tokens the step computes for the running requests
         else:
             if prev.tokens is None or not self.plan(arrivals_pending, ahead=prev, admit=False):
                 return False
             seqs = self._block_seqs(prev.K)
-            todo = [e + 1 for e in prev.extra(seqs)]
+            todo = [e + 1 for e in prev.extra(seqs)]    # positions to hold: those in flight and the next
+            step = len(seqs)
         first = sch.waiting[0]
-        return first.num_tokens <= sc.max_num_batched_tokens - len(seqs) \
+        return first.num_tokens <= sc.max_num_batched_tokens - step \
             and sch.can_schedule_block(seqs + [first], todo + [first.num_tokens])
 
     def _first_mixed(self) -> tuple[list[Sequence], list[int]] | None:
