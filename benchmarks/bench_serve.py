@@ -274,13 +274,14 @@ def server_cpu(pid: int) -> dict[int, tuple[str, str, float]]:
 def null_cadence(value: str, results: list[dict], workload: str) -> tuple[float, int]:
     """The null server's (seconds between chunks, tokens per chunk): null:ITL_MS's (one token a chunk), else the
     mean chunk gap and the rounded tokens per chunk of the last target run on the same workload (the stream the
-    client parsed there), else (0, 1): every chunk at once."""
+    client parsed there; no gap when each of its requests came in one chunk), else (0, 1): every chunk at once."""
     if value.partition(":")[2]:
         return float(value.partition(":")[2]) / 1e3, 1
     for r in reversed(results):
-        itl = (r.get("summary") or {}).get("ITL")
-        if r["workload"] == workload and not r.get("null") and itl and itl.get("mean") is not None:
-            return itl["mean"] / 1e3, max(1, round((r.get("chunks") or {}).get("tokens_per_chunk") or 1))
+        chunks = r.get("chunks") or {}
+        if r["workload"] == workload and not r.get("null") and chunks.get("tokens_per_chunk"):
+            itl = ((r.get("summary") or {}).get("ITL") or {}).get("mean")
+            return (itl or 0.0) / 1e3, max(1, round(chunks["tokens_per_chunk"]))
     return 0.0, 1
 
 

@@ -162,19 +162,6 @@ def trivial_app(chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: flo
     return app
 
 
-class _SharedSum:
-    """[sum, count] in shared memory, for trivial_app's TTFT stamps in several processes."""
-
-    def __init__(self):
-        self.values = mp.get_context("fork").Array("d", 2)
-
-    def __getitem__(self, i):
-        return self.values[i]
-
-    def __setitem__(self, i, v):
-        self.values[i] = v
-
-
 def serve_trivial(port: int, chunks: int | None = None, tokens_per_chunk: int = 1, itl_s: float = 0.0,
                   workers: int = 1) -> None:
     """Run trivial_app on 127.0.0.1:port until killed (a process target). workers > 1: that many processes
@@ -190,8 +177,7 @@ def serve_trivial(port: int, chunks: int | None = None, tokens_per_chunk: int = 
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(4096)
-    stamps = _SharedSum()
-    app = trivial_app(chunks, tokens_per_chunk, itl_s, stamps)
+    app = trivial_app(chunks, tokens_per_chunk, itl_s, mp.get_context("fork").Array("d", 2))   # [sum, count]
 
     def serve():
         server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
