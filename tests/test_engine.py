@@ -235,7 +235,7 @@ def test_multi_step_time_cap(smollm2_engine_factory, prompts):
         steps, blocks = [], []
         eng.events.subscribe(lambda e: steps.append(e) if e.kind == "step" else None)
         run_block = eng.multi_step.run
-        eng.multi_step.run = lambda K, pending: blocks.append(K) or run_block(K, pending)
+        eng.multi_step.run = lambda K, pending, mixed=None: blocks.append(K) or run_block(K, pending, mixed)
         results[cap] = [o.token_ids for o in run_requests(eng, prompts, params)]
         assert eng.multi_step.decode_iter_s is not None and eng.multi_step.decode_iter_s > 0
         k = max(e.num_decode_steps for e in steps)
@@ -299,7 +299,7 @@ def test_a_burst_is_admitted_by_mixed_steps_launched_back_to_back(smollm2_engine
     eng = smollm2_engine_factory(num_scheduler_steps=4, max_num_batched_tokens=budget)
     mixed, steps = [], []
     launch = eng.multi_step.launch_mixed
-    eng.multi_step.launch_mixed = lambda prev=None: mixed.append((prev, launch(prev))) or mixed[-1][1]
+    eng.multi_step.launch_mixed = lambda plan, prev=None: mixed.append((prev, launch(plan, prev))) or mixed[-1][1]
     eng.events.subscribe(lambda e: steps.append(e) if getattr(e, "kind", "") == "step" else None)
     ids = [eng.add_request(p, GREEDY) for p in [long_prompt] + prompts]
     outs = {}
@@ -329,7 +329,7 @@ def test_newcomers_join_behind_the_block_in_flight(smollm2_engine_factory, promp
     eng = smollm2_engine_factory(num_scheduler_steps=4)
     mixed = []
     launch = eng.multi_step.launch_mixed
-    eng.multi_step.launch_mixed = lambda prev=None: mixed.append((prev, launch(prev))) or mixed[-1][1]
+    eng.multi_step.launch_mixed = lambda plan, prev=None: mixed.append((prev, launch(plan, prev))) or mixed[-1][1]
     ids = [eng.add_request(p, GREEDY) for p in prompts[:2]]
     done = {}
 

@@ -406,19 +406,18 @@ class Scheduler:
         after the extra[i] positions still in flight; the blocks for all of them are allocated now (check first
         with can_schedule_block)."""
         out = SchedulerOutput()
-        self._schedule_after(out, seqs, K, extra)
+        self._schedule_after(out, seqs, [K] * len(seqs), extra)
         out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
         return out
 
     def schedule_mixed(self, seqs: list[Sequence], extra: list[int], admissible,
-                       num_new: list[int] | None = None) -> SchedulerOutput:
-        """A step launched without a host sync: each seqs[i] computes num_new[i] tokens (default one, a decode)
-        after its extra[i] positions in flight (the caller checked the blocks), then waiting requests are admitted
+                       num_new: list[int]) -> SchedulerOutput:
+        """A step launched without a host sync: each seqs[i] computes num_new[i] tokens (one for a decode) after
+        its extra[i] positions in flight (the caller checked the blocks), then waiting requests are admitted
         first come first served, whole prompts only, while `admissible(seq)`, the budget, the batch and the free
         blocks allow. Nobody is preempted: tokens in flight are not on the host yet."""
         cfg = self.config.scheduler_config
         out = SchedulerOutput()
-        num_new = num_new or [1] * len(seqs)
         self._schedule_after(out, seqs, num_new, extra)
         budget = cfg.max_num_batched_tokens - sum(num_new)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -438,10 +437,10 @@ class Scheduler:
         out.blocks_to_swap_out, out.blocks_to_swap_in = self.bm.pop_copies()
         return out
 
-    def _schedule_after(self, out: SchedulerOutput, seqs: list[Sequence], K: int | list[int],
+    def _schedule_after(self, out: SchedulerOutput, seqs: list[Sequence], num_new: list[int],
                         extra: list[int]) -> None:
-        """seqs[i] computes K tokens (K[i] for a list) after its extra[i] positions in flight."""
-        for seq, k, e in zip(seqs, K if isinstance(K, list) else [K] * len(seqs), extra):
+        """seqs[i] computes num_new[i] tokens after its extra[i] positions in flight."""
+        for seq, k, e in zip(seqs, num_new, extra):
             self.bm.allocate(seq, e + k)
             out.seqs.append(seq)
             out.num_new_tokens.append(k)

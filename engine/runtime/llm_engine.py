@@ -364,12 +364,12 @@ class LLMEngine:
             self.drafter.propose(self.scheduler.running)
         if self._block_suspects:
             self._block_suspects &= self.seqs.keys()
-        K = mixed = 0
+        K, mixed = 0, None
         if ms.enabled and ms.inflight is None and not self._block_suspects:
             K = ms.plan(self.arrivals_pending)
-            mixed = not K and ms.mixed_ok(self.arrivals_pending)
+            mixed = None if K else ms.mixed_plan(self.arrivals_pending)
         if K or mixed or ms.inflight is not None:
-            outputs = self._block_step(K, observe, timer)
+            outputs = self._block_step(K, observe, timer, mixed)
             if outputs is not None:
                 return outputs                  # (None: the block raised; a single step isolates the cause)
 
@@ -410,11 +410,11 @@ class LLMEngine:
         if not ms.enabled or ms.inflight is not None or self._block_suspects or self.drafter is not None:
             return                      # (a drafter proposes at the start of a step, before any block is planned)
         K = ms.plan(self.arrivals_pending)
-        mixed = not K and ms.mixed_ok(self.arrivals_pending)
+        mixed = None if K else ms.mixed_plan(self.arrivals_pending)
         if not (K or mixed):
             return
         try:
-            ms.inflight = ms.launch(K) if K else ms.launch_mixed()
+            ms.inflight = ms.launch(K) if K else ms.launch_mixed(mixed)
         except Exception as e:  # noqa: BLE001 - single steps isolate the cause, as for a block that raised
             self._block_failed(e)
 
@@ -576,11 +576,12 @@ class LLMEngine:
                                               error=f"{type(err).__name__}: {err}", failed=[],
                                               num_requests=len(self.scheduler.running), num_retries=0))
 
-    def _block_step(self, K: int, observe: bool, timer) -> list[RequestOutput] | None:
-        """A step of pipelined multi-step decode: the next block is launched behind the in-flight one, whose
-        tokens are then processed as one step of K tokens per request. None: the blocks raised and were dropped."""
+    def _block_step(self, K: int, observe: bool, timer, mixed=None) -> list[RequestOutput] | None:
+        """A step of pipelined multi-step decode: the next block is launched behind the in-flight one (or, with
+        nothing in flight, the first: K iterations, or the mixed step `mixed` plans), whose tokens are then
+        processed as one step of K tokens per request. None: the blocks raised and were dropped."""
         try:
-            blk = self.multi_step.run(K, self.arrivals_pending)
+            blk = self.multi_step.run(K, self.arrivals_pending, mixed)
         except Exception as e:  # noqa: BLE001 - single steps isolate the cause (until these requests end)
             self._block_failed(e)
             return None

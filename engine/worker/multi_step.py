@@ -88,6 +88,9 @@ class BlockTokens:
     mask_s: float                   # host seconds of grammar masks in this step
 
 
+MixedPlan = tuple[list[Sequence], list[int], list[int]]   # (running requests, positions in flight, tokens computed)
+
+
 def _plain(seq: Sequence) -> bool:
     p = seq.params
     return (seq.matcher is None and not p.needs_penalties and p.logprobs is None
@@ -292,32 +295,33 @@ class MultiStepDecoder:
         tokens = torch.stack(toks, 1)                                           # [B, K]
         return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
 
-    def mixed_ok(self, arrivals_pending: bool, prev: InFlight | None = None) -> bool:
-        """Whether newcomers can be admitted by a mixed step launched without a host sync instead of by a
-        synchronous step: the first waiting request samples on the device (see `_admissible`) and its whole prompt
-        fits the step beside the running requests' tokens, which are decodes that could run another block behind
-        `prev`, or, with nothing in flight, decodes and the rest of prompts whose first chunk a synchronous step
-        computed (`_first_mixed`)."""
+    def mixed_plan(self, arrivals_pending: bool, prev: InFlight | None = None) -> MixedPlan | None:
+        """The running requests' part of a mixed step launched without a host sync, if newcomers can be admitted by
+        one instead of by a synchronous step: the first waiting request samples on the device (see `_admissible`)
+        and its whole prompt fits the step beside the running requests' tokens, which are decodes that could run
+        another block behind `prev`, or, with nothing in flight, decodes and the rest of prompts whose first chunk a
+        synchronous step computed (`_first_mixed`). -> (running requests, positions each has in flight, tokens each
+        computes), or None: a synchronous step."""
         sch, sc = self.scheduler, self.config.scheduler_config
         if not (sch.waiting and self.drafter is None and self.structured.num_constrained == 0
                 and sc.scheduling_policy != "priority" and _admissible(sch.waiting[0])
                 and not sch.waiting[0].host_block_table and self._admit_now(arrivals_pending)):
-            return False
+            return None
         if prev is None:
-            plan = self._first_mixed()
-            if plan is None:
-                return False
-            seqs, todo = plan
-            step = sum(todo)                            # tokens the step computes for the running requests
+            first_mixed = self._first_mixed()
+            if first_mixed is None:
+                return None
+            seqs, todo = first_mixed
+            extra = [0] * len(seqs)
         else:
             if prev.tokens is None or not self.plan(arrivals_pending, ahead=prev, admit=False):
-                return False
+                return None
             seqs = self._block_seqs(prev.K)
-            todo = [e + 1 for e in prev.extra(seqs)]    # positions to hold: those in flight and the next
-            step = len(seqs)
+            extra, todo = prev.extra(seqs), [1] * len(seqs)
         first = sch.waiting[0]
-        return first.num_tokens <= sc.max_num_batched_tokens - step \
-            and sch.can_schedule_block(seqs + [first], todo + [first.num_tokens])
+        fits = first.num_tokens <= sc.max_num_batched_tokens - sum(todo) and sch.can_schedule_block(
+            seqs + [first], [e + n for e, n in zip(extra, todo)] + [first.num_tokens])
+        return (seqs, extra, todo) if fits else None
 
     def _first_mixed(self) -> tuple[list[Sequence], list[int]] | None:
         """With nothing in flight: the running requests and the tokens each computes in a mixed step (one for a
@@ -331,18 +335,14 @@ class MultiStepDecoder:
             return None
         return seqs, todo
 
-    def launch_mixed(self, prev: InFlight | None = None) -> InFlight:
-        """One step launched without a host sync, behind `prev` or with nothing in flight (vLLM's mixed step,
-        scheduled while the step before it runs). Behind `prev` each running request decodes a token from prev's
-        last sampled one, still on the device; with nothing in flight the running requests' ids are on the host.
-        Newcomers' whole prompts are prefilled beside them."""
+    def launch_mixed(self, plan: MixedPlan, prev: InFlight | None = None) -> InFlight:
+        """One step launched without a host sync (vLLM's mixed step, scheduled while the step before it runs), from
+        `mixed_plan(..., prev)`: behind `prev` each running request decodes a token from prev's last sampled one,
+        still on the device; with nothing in flight the running requests' ids are on the host. Newcomers' whole
+        prompts are prefilled beside them."""
         t0 = time.perf_counter()
-        if prev is None:
-            seqs, todo = self._first_mixed()
-            sched = self.scheduler.schedule_mixed(seqs, [0] * len(seqs), _admissible, todo)
-        else:
-            seqs = self._block_seqs(prev.K)
-            sched = self.scheduler.schedule_mixed(seqs, prev.extra(seqs), _admissible)
+        seqs, extra, todo = plan
+        sched = self.scheduler.schedule_mixed(seqs, extra, _admissible, todo)
         self.runner.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
         t_sched = time.perf_counter()
         for seq in sched.admitted:
@@ -405,20 +405,21 @@ class MultiStepDecoder:
         return tokens
 
     # ---- one engine step -----------------------------------------------------------------------
-    def run(self, K: int, arrivals_pending: bool) -> BlockTokens:
-        """Launch the next block behind the in-flight one (or a first block of K iterations), then wait for the
-        in-flight block's tokens. A grammar block launched here is masked and sampled by `finish` once the
-        engine has post-processed these tokens."""
+    def run(self, K: int, arrivals_pending: bool, mixed: MixedPlan | None = None) -> BlockTokens:
+        """Launch the next block behind the in-flight one (or, with nothing in flight, a first block of K iterations
+        or, K = 0, the mixed step `mixed` plans), then wait for the in-flight block's tokens. A grammar block
+        launched here is masked and sampled by `finish` once the engine has post-processed these tokens."""
         mask_s = 0.0
         if self.inflight is None:
-            self.inflight = self.launch(K) if K else self.launch_mixed(None)
+            self.inflight = self.launch(K) if K else self.launch_mixed(mixed)
             mask_s += self.inflight.mask_s
         prev, self.inflight = self.inflight, None
         K_next = self.plan(arrivals_pending, ahead=prev)
         if K_next:
             nxt = self.launch(K_next, ahead=prev, sample=False)
         else:
-            nxt = self.launch_mixed(prev) if self.mixed_ok(arrivals_pending, prev) else None
+            plan = self.mixed_plan(arrivals_pending, prev)
+            nxt = self.launch_mixed(plan, prev) if plan else None
         self.inflight = nxt
         t_wait = time.perf_counter()
         tokens = prev.host.tolist()                                          # [B, K]: the one sync
