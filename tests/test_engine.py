@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from engine import SamplingParams
-from helpers import run_requests
+from helpers import drain, run_requests
 
 pytestmark = pytest.mark.slow
 
@@ -242,6 +242,46 @@ def test_multi_step_time_cap(smollm2_engine_factory, prompts):
         assert k == (1 if cap < 1 else 4), (cap, k)
         assert len(blocks) >= (8 if cap < 1 else 2), blocks      # decode went through blocks, not plain steps
     assert results[1e-6] == results[1e6]
+
+
+def test_multi_step_time_cap_hides_the_host_round_trip(smollm2_engine_factory):
+    """A block runs as many iterations as multi_step_max_ms allows at the measured time per iteration, but, unless
+    newcomers wait, never fewer than hide the host's measured round trip between blocks (capped by
+    num_scheduler_steps)."""
+    ms = smollm2_engine_factory(num_scheduler_steps=8, multi_step_max_ms=4.0).multi_step
+    assert ms._time_cap() == 1                          # nothing measured yet: a first block of one iteration
+    for iter_ms, host_ms, want in [(1.0, 0.5, 4),       # the budget's fit; the host hides behind one iteration
+                                   (3.0, 0.5, 2),       # one iteration fits: two, or the GPU idles per round trip
+                                   (5.0, 0.5, 1),       # longer than the budget, host hidden: one each
+                                   (5.0, 12.0, 3),      # host-bound: enough iterations to cover 12 ms
+                                   (5.0, 100.0, 8),     # ... up to num_scheduler_steps
+                                   (1.0, 6.5, 7)]:      # the host's need beats the budget's fit
+        ms.decode_iter_s, ms.host_round_s = iter_ms / 1e3, host_ms / 1e3
+        assert ms._time_cap() == want, (iter_ms, host_ms)
+        assert ms._time_cap(host=False) == min(want, 4 if iter_ms < 2 else 2 if iter_ms < 4 else 1)
+    ms.host_round_s = None                              # (on a CPU blocks run synchronously: never measured)
+    ms.decode_iter_s = 5e-3
+    assert ms._time_cap() == 1
+
+
+def test_a_block_covers_the_host_round_trip_unless_newcomers_wait(smollm2_engine_factory, prompts):
+    """Behind a decode block in flight, the next block's length covers the host's round trip; once a newcomer
+    waits (the batch full, so no step admits it), the budget alone decides, as it does behind a mixed step."""
+    eng = smollm2_engine_factory(num_scheduler_steps=8, multi_step_max_ms=4.0, max_num_seqs=2)
+    ms = eng.multi_step
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for p in prompts[:2]:
+        eng.add_request(p, params)
+    while ms.inflight is None or ms.inflight.advance is not None:
+        eng.step()
+    ahead = ms.inflight
+    ms.decode_iter_s, ms.host_round_s = 5e-3, 20e-3        # iterations longer than the budget, a slow host
+    assert ms.plan(False, ahead=ahead) == 4
+    assert ms.plan(True, ahead=ahead) == 1                  # a request is on its way in
+    eng.add_request(prompts[2], params)
+    assert ms.plan(False, ahead=ahead) == 1
+    drain(eng)
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
 
 
 def test_multi_step_admits_newcomers_in_groups(smollm2_engine_factory, prompts):

@@ -11,11 +11,12 @@ import torch
 
 
 class HostCopy:
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, timed: bool = False):
+        """timed: the event can time the GPU's work from an earlier timing event (Event.elapsed_time)."""
         if t.is_cuda:
             self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self.host.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(enable_timing=timed)
             self.event.record()
         else:
             self.host, self.event = t, None

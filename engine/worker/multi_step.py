@@ -34,8 +34,8 @@ a one-iteration block allows any sampling parameter but logprobs, a longer one n
 on the host (penalties, min_tokens).
 """
 from __future__ import annotations
-from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -66,6 +66,7 @@ class InFlight:
     mds: list[AttentionMetadata] | None = None     # a grammar block's iterations, launched one at a time
     advance: list[int] | None = None       # positions each request computes in it (None: K each; a mixed step's
                                            # newcomers: their prompts)
+    began: torch.cuda.Event | None = None  # recorded on the GPU ahead of a decode block's first forward
 
     def extra(self, seqs: list[Sequence]) -> list[int]:
         """The positions in flight for each of seqs (those not in this block: none)."""
@@ -134,6 +135,8 @@ class MultiStepDecoder:
         self.drafter = None
         self.inflight: InFlight | None = None      # a launched block
         self.decode_iter_s: float | None = None    # measured seconds per decode iteration (multi_step_max_ms)
+        self.host_round_s: float | None = None     # measured host seconds from one block's tokens to the launch
+                                                   # of the block after the next (multi_step_max_ms)
         self._last_block_done: float | None = None
 
     @property
@@ -179,7 +182,9 @@ class MultiStepDecoder:
             longest = max(longest, _left(seq, extra))
         if sc.multi_step_trim:                         # no iteration that every request would discard
             K = min(K, longest)
-        K = min(K, room, self._time_cap()) if K > 1 else min(K, room)
+        # with newcomers at the door (or just let in), the budget alone: they wait for this block
+        calm = ahead is not None and ahead.advance is None and not sch.waiting and not arrivals_pending
+        K = min(K, room, self._time_cap(host=calm)) if K > 1 else min(K, room)
         in_flight = _in_flight(ahead, kept)
         ok = K >= 1 and sch.can_schedule_block(kept, [e + K for e in in_flight])
         return K if ok else 0
@@ -200,24 +205,34 @@ class MultiStepDecoder:
         need = sc.multi_step_admit_min if sc.multi_step_admit_min is not None else max(1, sc.max_num_seqs // 32)
         return free >= min(want, need)
 
-    def _time_cap(self) -> int:
+    def _time_cap(self, host: bool = True) -> int:
         """Iterations that fit EngineConfig.multi_step_max_ms at the measured time per iteration: a block's
-        tokens reach the clients together, so its length is the inter-token latency they see."""
+        tokens reach the clients together, so its length is the inter-token latency they see. With `host`, a
+        block never runs fewer iterations than hide the host's round trip (post-processing the block before it,
+        launching the next): with fewer, the GPU idles through every round trip and the clients wait longer,
+        not less."""
         budget = self.config.scheduler_config.multi_step_max_ms
         if not budget:
             return self.num_steps
         if self.decode_iter_s is None:
             return 1                                    # a first block of one iteration measures it
         fit = int(budget / 1e3 / self.decode_iter_s)
-        # An iteration longer than the budget runs alone in its block: it outlasts the host's round trip
-        # (post-processing the block before it, launching the next), which stays hidden behind it. Shorter
-        # iterations run at least two per block, or the GPU would idle through every round trip.
-        return fit if fit >= 2 else (1 if fit == 0 else 2)
+        # Shorter iterations than the budget run at least two per block, or the GPU would idle through every
+        # round trip however short.
+        fit = fit if fit >= 2 else (1 if fit == 0 else 2)
+        cover = math.ceil(self.host_round_s / self.decode_iter_s) if host and self.host_round_s else 1
+        return max(1, min(self.num_steps, max(fit, cover)))
 
     def observe_iteration(self, seconds: float) -> None:
         """Fold one decode iteration's measured time into the running estimate (recent batches weigh most)."""
         est = self.decode_iter_s
         self.decode_iter_s = seconds if est is None else 0.5 * est + 0.5 * seconds
+
+    def observe_host_round(self, seconds: float) -> None:
+        """Fold one host round trip (a block's tokens in hand -> the block after the next launched) into its
+        running estimate."""
+        est = self.host_round_s
+        self.host_round_s = seconds if est is None else 0.5 * est + 0.5 * seconds
 
     def _block_seqs(self, extra: int) -> list[Sequence]:
         """The requests a block computes: with EngineConfig.multi_step_trim, not those ending in the block in
@@ -287,13 +302,17 @@ class MultiStepDecoder:
             return self._sample_grammar_block(blk) if sample else blk
         rows = [SampleRow(s.params, [], s.num_prompt_tokens, s.num_output_tokens) for s in sched.seqs]
         greedy = [r.params.greedy for r in rows]
+        began = torch.cuda.Event(enable_timing=True) if ids.is_cuda else None
+        if began is not None:
+            began.record()
         toks = []
         for md in mds:
             logits = runner.execute(ids, md)                                    # [B, V]
             ids = sample_unseeded(logits, rows, greedy, self.sampler.generator, self.sampler.fused)
             toks.append(ids)
         tokens = torch.stack(toks, 1)                                           # [B, K]
-        return InFlight(sched, K, tokens, HostCopy(tokens), mds[0].graphed, t0, t_sched, time.perf_counter())
+        return InFlight(sched, K, tokens, HostCopy(tokens, timed=began is not None), mds[0].graphed, t0, t_sched,
+                        time.perf_counter(), began=began)
 
     def mixed_plan(self, arrivals_pending: bool, prev: InFlight | None = None) -> MixedPlan | None:
         """The running requests' part of a mixed step launched without a host sync, if newcomers can be admitted by
@@ -421,20 +440,24 @@ class MultiStepDecoder:
             plan = self.mixed_plan(arrivals_pending, prev)
             nxt = self.launch_mixed(plan, prev) if plan else None
         self.inflight = nxt
+        if nxt is not None and nxt.began is not None and self._last_block_done is not None:
+            self.observe_host_round(nxt.t_launched - self._last_block_done)     # (a GPU's blocks run behind it)
         t_wait = time.perf_counter()
         tokens = prev.host.tolist()                                          # [B, K]: the one sync
         if self.runner.executor is not None:
             self.runner.executor.check()        # a rank that died mid-block leaves these tokens meaningless
         t_sample = time.perf_counter()
-        # the GPU ran this block from its launch, or from the end of the block before it when it was queued
+        # the device ran this block from its launch, or from the end of the block before it when it was queued
         # behind that one
         began = prev.t_scheduled
         if self._last_block_done is not None and prev.t_launched < self._last_block_done:
             began = self._last_block_done
+        wall_s = (t_sample - began) / prev.K    # (behind a slow host: the host's round trip per iteration)
         if prev.advance is None:                # (a mixed step's prefill is no decode iteration)
-            self.observe_iteration((t_sample - began) / prev.K)
+            gpu = prev.began is not None
+            self.observe_iteration(prev.began.elapsed_time(prev.host.event) / 1e3 / prev.K if gpu else wall_s)
         if self.drafter is not None:            # auto-off: the plain decode iteration it compares against
-            self.drafter.observe_step(len(prev.sched.seqs), 0, (t_sample - began) / prev.K)
+            self.drafter.observe_step(len(prev.sched.seqs), 0, wall_s)
         self._last_block_done = t_sample if nxt is not None else None
         return BlockTokens(prev.sched, prev.K, tokens, prev.graphed, prev.t_start, prev.t_scheduled,
                            prev.t_launched, t_wait, t_sample, mask_s)
