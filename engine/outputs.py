@@ -51,7 +51,7 @@ class Logprob:
     rank: int | None = None             # 1 = the most likely token (prompt logprobs)
 
 
-@dataclass
+@dataclass(slots=True, weakref_slot=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

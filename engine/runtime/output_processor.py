@@ -130,16 +130,16 @@ class OutputProcessor:
         return logits[keep.to(logits.device)]
 
     def make_output(self, seq: Sequence, added: list[int]) -> RequestOutput:
-        upto = streamable_len(seq)
-        delta = seq.text[seq.sent_text_len:upto]
-        seq.sent_text_len = max(seq.sent_text_len, upto)
-        out_ids = seq.output_token_ids
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text[:upto], token_ids=out_ids, delta_text=delta, delta_token_ids=list(added),
-            finished=seq.is_finished, finish_reason=seq.finish_reason, metrics=seq.metrics,
-            logprobs=seq.logprobs, stop_reason=seq.stop_reason, num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=seq.prompt_logprobs)
+        """seq's output after this step; `added` (its new token ids) becomes the output's own."""
+        text, delta = seq.text, ""
+        if text:                                # (no text without detokenization: nothing to hold back)
+            upto = streamable_len(seq)
+            delta = text[seq.sent_text_len:upto]
+            seq.sent_text_len = max(seq.sent_text_len, upto)
+            text = text[:upto]
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text, seq.output_token_ids, delta,
+                             added, seq.is_finished, seq.finish_reason, seq.metrics, seq.logprobs,
+                             seq.prompt_logprobs, seq.stop_reason, seq.num_cached_tokens)
 
 
 def consume_grammar(seq: Sequence, tok: int) -> tuple[str | None, str | None]:
