@@ -56,6 +56,10 @@ class StepEvent:
     #   embedding, attention, mlp, norms, lm_head, sampling, forward (whole model), postprocess
     cuda_graph: bool = False         # decode step replayed from a captured CUDA graph
     num_decode_steps: int = 1        # > 1: a multi-step decode (each request computed this many tokens)
+    block_plan: dict | None = None   # a decode block under multi_step_max_ms: why it runs num_decode_steps iterations:
+    #   iteration_ms (estimated time per iteration), budget_iterations (what the budget allows), host_round_ms
+    #   (the host's work between blocks; None where blocks run synchronously), cover_iterations (what hides it;
+    #   None while newcomers wait)
     spec: dict | None = None         # {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
     #                                   "accepted_per_pos": list[int]} when speculative decoding ran
     memory: dict | None = None       # bytes after the step: allocated, max_allocated, kv_pool, kv_reserved,

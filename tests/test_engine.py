@@ -240,6 +240,9 @@ def test_multi_step_time_cap(smollm2_engine_factory, prompts):
         assert eng.multi_step.decode_iter_s is not None and eng.multi_step.decode_iter_s > 0
         k = max(e.num_decode_steps for e in steps)
         assert k == (1 if cap < 1 else 4), (cap, k)
+        plans = [e for e in steps if e.block_plan]              # each block says why it runs that many iterations
+        assert plans and all(e.block_plan["host_round_ms"] is None for e in plans)   # (on a CPU: synchronous)
+        assert all(e.num_decode_steps == min(4, e.block_plan["budget_iterations"]) for e in plans)
         assert len(blocks) >= (8 if cap < 1 else 2), blocks      # decode went through blocks, not plain steps
     assert results[1e-6] == results[1e6]
 

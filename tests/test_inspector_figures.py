@@ -213,3 +213,16 @@ def test_timeline_names_multi_step_iterations(engine_run):
     snap.steps[-1] = replace(snap.steps[-1], num_decode_steps=8)
     hov = traces(F.timeline_spec(snap), "bar", "prefill tokens")[0]["hovertext"]
     assert hov[-1].endswith("8 decode iterations") and "iterations" not in " ".join(hov[:-1])
+
+
+def test_timeline_explains_a_decode_blocks_length(engine_run):
+    from dataclasses import replace
+    snap = engine_run.snapshot()
+    plan = dict(iteration_ms=5.0, budget_iterations=1, host_round_ms=21.0, cover_iterations=5)
+    snap.steps[-1] = replace(snap.steps[-1], num_decode_steps=5, block_plan=plan)
+    snap.steps[-2] = replace(snap.steps[-2], num_decode_steps=1, block_plan=dict(plan, cover_iterations=None))
+    hov = traces(F.timeline_spec(snap), "bar", "prefill tokens")[0]["hovertext"]
+    assert "5 decode iterations<br>5.0 ms an iteration: the budget allows 1, hiding the host's 21.0 ms" in hov[-1]
+    assert "1 decode iteration<br>" in hov[-2] and "newcomers wait" in hov[-2]
+    assert "iteration" not in " ".join(hov[:-2])
+

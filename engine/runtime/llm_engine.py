@@ -611,7 +611,7 @@ class LLMEngine:
             if blk.mask_s + next_mask_s:
                 timings["grammar mask"] = blk.mask_s + next_mask_s
             self._emit_step(sched, blk.t_start, t_end, finished, timings, cuda_graph=blk.graphed,
-                            num_decode_steps=blk.K, rank_timings=self.collect_rank_timings())
+                            num_decode_steps=blk.K, rank_timings=self.collect_rank_timings(), block_plan=blk.plan)
         else:
             self.block_manager.pop_step_stats()
         return outputs
@@ -641,7 +641,8 @@ class LLMEngine:
             self.events.emit(request_event(kind, seq, self.step_index, finish_reason, message))
 
     def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str], timings: dict,
-                   cuda_graph: bool = False, num_decode_steps: int = 1, rank_timings: dict | None = None) -> None:
+                   cuda_graph: bool = False, num_decode_steps: int = 1, rank_timings: dict | None = None,
+                   block_plan: dict | None = None) -> None:
         self.events.emit(step_event(
             sched, self.step_index, t0, t1, finished,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -649,7 +650,8 @@ class LLMEngine:
             num_decode_steps=num_decode_steps,
             spec=self.drafter.pop_step_stats() if self.drafter is not None else None,
             memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
-            rank_timings=rank_timings, **self.block_manager.pop_step_stats(), **self._swap_bytes()))
+            rank_timings=rank_timings, block_plan=block_plan, **self.block_manager.pop_step_stats(),
+            **self._swap_bytes()))
 
     def _swap_bytes(self) -> dict:
         out, inn = self.runner.pop_swap_bytes()

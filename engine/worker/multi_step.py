@@ -67,6 +67,7 @@ class InFlight:
     advance: list[int] | None = None       # positions each request computes in it (None: K each; a mixed step's
                                            # newcomers: their prompts)
     began: torch.cuda.Event | None = None  # recorded on the GPU ahead of a decode block's first forward
+    plan: dict | None = None               # why a decode block runs K iterations (MultiStepDecoder._time_cap)
 
     def extra(self, seqs: list[Sequence]) -> list[int]:
         """The positions in flight for each of seqs (those not in this block: none)."""
@@ -87,6 +88,7 @@ class BlockTokens:
     t_wait: float                   # the host began waiting for the tokens
     t_sample: float                 # they arrived
     mask_s: float                   # host seconds of grammar masks in this step
+    plan: dict | None = None        # the block's length, and why (StepEvent.block_plan)
 
 
 MixedPlan = tuple[list[Sequence], list[int], list[int]]   # (running requests, positions in flight, tokens computed)
@@ -137,6 +139,7 @@ class MultiStepDecoder:
         self.decode_iter_s: float | None = None    # measured seconds per decode iteration (multi_step_max_ms)
         self.host_round_s: float | None = None     # measured host seconds from one block's tokens to the launch
                                                    # of the block after the next (multi_step_max_ms)
+        self._plan_note: dict | None = None        # the last _time_cap's reasons, for the block launched next
         self._last_block_done: float | None = None
 
     @property
@@ -150,6 +153,7 @@ class MultiStepDecoder:
         with a constrained request gets a grammar block (with EngineConfig.structured_overlap) or 0.
         admit=False: as if no newcomer were waiting."""
         sch, sc = self.scheduler, self.config.scheduler_config
+        self._plan_note = None
         grammar = self.structured.num_constrained > 0 and any(s.matcher is not None for s in sch.running)
         K = self.num_steps if not grammar or self.config.structured_output_config.structured_multi_step else 1
         if (not self.structured_overlap if grammar else K <= 1) or not self.config.cache_config.enable_kv_cache \
@@ -221,6 +225,9 @@ class MultiStepDecoder:
         # round trip however short.
         fit = fit if fit >= 2 else (1 if fit == 0 else 2)
         cover = math.ceil(self.host_round_s / self.decode_iter_s) if host and self.host_round_s else 1
+        self._plan_note = dict(iteration_ms=1e3 * self.decode_iter_s, budget_iterations=fit,
+                               host_round_ms=None if self.host_round_s is None else 1e3 * self.host_round_s,
+                               cover_iterations=cover if host else None)
         return max(1, min(self.num_steps, max(fit, cover)))
 
     def observe_iteration(self, seconds: float) -> None:
@@ -312,7 +319,7 @@ class MultiStepDecoder:
             toks.append(ids)
         tokens = torch.stack(toks, 1)                                           # [B, K]
         return InFlight(sched, K, tokens, HostCopy(tokens, timed=began is not None), mds[0].graphed, t0, t_sched,
-                        time.perf_counter(), began=began)
+                        time.perf_counter(), began=began, plan=self._plan_note)
 
     def mixed_plan(self, arrivals_pending: bool, prev: InFlight | None = None) -> MixedPlan | None:
         """The running requests' part of a mixed step launched without a host sync, if newcomers can be admitted by
@@ -460,7 +467,7 @@ class MultiStepDecoder:
             self.drafter.observe_step(len(prev.sched.seqs), 0, wall_s)
         self._last_block_done = t_sample if nxt is not None else None
         return BlockTokens(prev.sched, prev.K, tokens, prev.graphed, prev.t_start, prev.t_scheduled,
-                           prev.t_launched, t_wait, t_sample, mask_s)
+                           prev.t_launched, t_wait, t_sample, mask_s, prev.plan)
 
     def finish(self) -> float:
         """After post-processing: sample a grammar block launched by `run` -> host seconds of its masks."""

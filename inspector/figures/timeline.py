@@ -67,7 +67,7 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
             w = [max(1e-4, s.end - s.start) for s in steps]
         hov = [f"step {s.step}: {len(s.scheduled)} seqs, {s.num_prefill_tokens}+{s.num_decode_tokens} tok, "
                f"{(s.end - s.start) * 1e3:.1f} ms{' (graph)' if s.cuda_graph else ''}"
-               + (f", {s.num_decode_steps} decode iterations" if getattr(s, "num_decode_steps", 1) > 1 else "")
+               + _block_text(s)
                + (f"<br>preempted {', '.join(s.preempted[:4])}" if s.preempted else "") for s in steps]
         data.append(dict(type="bar", x=x, y=[s.num_prefill_tokens for s in steps], width=w, name="prefill tokens",
                          marker=dict(color=PHASE_COLORS["prefill"], line=dict(width=0)), hovertext=hov,
@@ -103,3 +103,19 @@ def _prio(r) -> str:
     p = getattr(r, "priority", None)
     s = getattr(r, "structured", None)
     return ("" if p is None else f" · priority {p}") + (f" · constrained ({s})" if s else "")
+
+
+def _block_text(s) -> str:
+    """A decode block's iterations and, under multi_step_max_ms, why that many (StepEvent.block_plan)."""
+    k, plan = getattr(s, "num_decode_steps", 1), getattr(s, "block_plan", None)
+    if k <= 1 and not plan:
+        return ""
+    text = f", {k} decode iteration{'s' if k > 1 else ''}"
+    if plan:
+        text += f"<br>{plan['iteration_ms']:.1f} ms an iteration: the budget allows {plan['budget_iterations']}"
+        if plan["cover_iterations"] is not None and plan["host_round_ms"] is not None:
+            text += (f", hiding the host's {plan['host_round_ms']:.1f} ms between blocks takes "
+                     f"{plan['cover_iterations']}")
+        elif plan["host_round_ms"] is not None:
+            text += " (newcomers wait: the budget alone)"
+    return text
