@@ -186,8 +186,10 @@ class MultiStepDecoder:
             longest = max(longest, _left(seq, extra))
         if sc.multi_step_trim:                         # no iteration that every request would discard
             K = min(K, longest)
-        # with newcomers at the door (or just let in), the budget alone: they wait for this block
-        calm = ahead is not None and ahead.advance is None and not sch.waiting and not arrivals_pending
+        # with newcomers at the door (or just let in), the budget alone: they wait for this block (and a grammar
+        # block's iterations are paced by the host's masks, not hidden behind the GPU)
+        calm = ahead is not None and ahead.advance is None and not sch.waiting and not arrivals_pending \
+            and not grammar
         K = min(K, room, self._time_cap(host=calm)) if K > 1 else min(K, room)
         in_flight = _in_flight(ahead, kept)
         ok = K >= 1 and sch.can_schedule_block(kept, [e + K for e in in_flight])
