@@ -137,6 +137,12 @@ suite_tp() {
     --target dp1=launch --target dp2=launch:--data-parallel-size=2 \
     --target dp2-api1=launch:--data-parallel-size=2,--api-server-count=1 "${peer[@]}" \
     --name "dp_burst_$(device_slug)" || rc=1
+  stamp "the same burst at 2,048 prompts: one engine vs --data-parallel-size 2, vLLM's beside (the clients' start weighs a quarter as much)"
+  python3 benchmarks/bench_serve.py --model dummy:llama-3.2-1b --device cuda --request-rate inf \
+    --num-prompts 2048 --input-len 512 --output-len 128 --server-arg=--max-model-len=2048 \
+    --server-arg=--skip-tokenizer-init --client-procs 4 --repeats 2 \
+    --target dp1=launch --target dp2=launch:--data-parallel-size=2 "${peer[@]}" \
+    --name "dp_burst_2048_$(device_slug)" || rc=1
   return $rc
 }
 
