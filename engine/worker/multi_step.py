@@ -94,6 +94,11 @@ class BlockTokens:
 MixedPlan = tuple[list[Sequence], list[int], list[int]]   # (running requests, positions in flight, tokens computed)
 
 
+def _fold(estimate: float | None, seconds: float) -> float:
+    """A running estimate with `seconds` folded in, the recent weighing most."""
+    return seconds if estimate is None else 0.5 * estimate + 0.5 * seconds
+
+
 def _plain(seq: Sequence) -> bool:
     p = seq.params
     return (seq.matcher is None and not p.needs_penalties and p.logprobs is None
@@ -234,14 +239,12 @@ class MultiStepDecoder:
 
     def observe_iteration(self, seconds: float) -> None:
         """Fold one decode iteration's measured time into the running estimate (recent batches weigh most)."""
-        est = self.decode_iter_s
-        self.decode_iter_s = seconds if est is None else 0.5 * est + 0.5 * seconds
+        self.decode_iter_s = _fold(self.decode_iter_s, seconds)
 
     def observe_host_round(self, seconds: float) -> None:
         """Fold one host round trip (a block's tokens in hand -> the block after the next launched) into its
         running estimate."""
-        est = self.host_round_s
-        self.host_round_s = seconds if est is None else 0.5 * est + 0.5 * seconds
+        self.host_round_s = _fold(self.host_round_s, seconds)
 
     def _block_seqs(self, extra: int) -> list[Sequence]:
         """The requests a block computes: with EngineConfig.multi_step_trim, not those ending in the block in
@@ -458,10 +461,10 @@ class MultiStepDecoder:
         t_sample = time.perf_counter()
         # the device ran this block from its launch, or from the end of the block before it when it was queued
         # behind that one
-        began = prev.t_scheduled
+        start = prev.t_scheduled
         if self._last_block_done is not None and prev.t_launched < self._last_block_done:
-            began = self._last_block_done
-        wall_s = (t_sample - began) / prev.K    # (behind a slow host: the host's round trip per iteration)
+            start = self._last_block_done
+        wall_s = (t_sample - start) / prev.K    # (behind a slow host: the host's round trip per iteration)
         if prev.advance is None:                # (a mixed step's prefill is no decode iteration)
             gpu = prev.began is not None
             self.observe_iteration(prev.began.elapsed_time(prev.host.event) / 1e3 / prev.K if gpu else wall_s)
