@@ -1,14 +1,18 @@
 """Tensor parallelism on a multi-GPU machine, bf16, random weights, all in one run:
 
+  allreduce   one all-reduce of 8 KiB .. 8 MiB (bf16) between two GPUs, NCCL against the one-shot custom
+              all-reduce, µs a call from CUDA-graph replays
   latency     Llama-3.1-8B shape, batch 1: 128-token prompt, 256 new tokens, ms/token at TP=1 and TP=2
-              (target: TP=2 <= 0.62x TP=1), plus TP=2 eager with step timings: all-reduce ms per step
-  throughput  nano-vllm's workload (bench_gpu.nano_workload) on the 8B shape at TP=1 and TP=2
+              (target: TP=2 <= 0.62x TP=1), TP=2 with NCCL for every all-reduce, plus TP=2 eager with step
+              timings: all-reduce ms per step
+  throughput  nano-vllm's workload (bench_gpu.nano_workload) on the 8B shape at TP=1 and TP=2 (and TP=2 with
+              NCCL for every all-reduce)
   vllm        vLLM at TP=2 on the same two workloads (benchmarks/vllm_offline.py in its own process;
               --vllm-path is prepended to its PYTHONPATH)
   70b         the Llama-3.1-70B shape at TP=2 serving the same workload (141 GB of weights: one H200 cannot)
   vllm70b     vLLM at TP=2 on the 70B shape, the same workload
 
-    python benchmarks/bench_tp.py [--sections latency,throughput,vllm,70b,vllm70b] [--requests 256] [--requests-70b 256]
+    python benchmarks/bench_tp.py [--sections allreduce,latency,throughput,vllm,70b,vllm70b] [--requests 256] [--requests-70b 256]
         [--tag _70b]
 Prints a table last; writes benchmarks/results/tp_<device>[<tag>].json.
 """
@@ -47,7 +51,8 @@ def latency(model: str, tp: int, timed: bool = False, **cfg) -> dict:
     out = llm.generate([list(range(1000, 1128))], sp, use_tqdm=False)[0]
     whole = (time.perf_counter() - t) / 256
     m = out.metrics
-    row = dict(bench="latency b=1", model=model.split(":")[1], tp=tp, config="eager, timed" if timed else "cuda graphs",
+    config = ("eager, timed" if timed else "cuda graphs") + (", NCCL all-reduce" if cfg.get("disable_custom_all_reduce") else "")
+    row = dict(bench="latency b=1", model=model.split(":")[1], tp=tp, config=config,
                ms_per_token=whole * 1e3, decode_step_ms=(m.last_token_time - m.first_token_time) / 255 * 1e3,
                ttft_ms=m.ttft * 1e3, start_s=start_s)
     if timed:
@@ -62,13 +67,15 @@ def latency(model: str, tp: int, timed: bool = False, **cfg) -> dict:
     return row
 
 
-def throughput(model: str, tp: int, prompts, outs) -> dict:
+def throughput(model: str, tp: int, prompts, outs, **cfg) -> dict:
     t0 = time.perf_counter()
-    llm = LLM(model, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384, tensor_parallel_size=tp)
+    llm = LLM(model, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384, tensor_parallel_size=tp,
+              **cfg)
     start_s = time.perf_counter() - t0
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)
     dt, n = timed_generate(llm, prompts, outs)
-    row = dict(bench="nano workload", model=model.split(":")[1], tp=tp, config=f"{len(prompts)} requests",
+    config = f"{len(prompts)} requests" + (", NCCL all-reduce" if cfg.get("disable_custom_all_reduce") else "")
+    row = dict(bench="nano workload", model=model.split(":")[1], tp=tp, config=config,
                seconds=dt, out_tokens=n, tok_s=n / dt, start_s=start_s,
                num_kv_blocks=llm.engine.num_blocks, preemptions=llm.engine.scheduler.num_preemptions)
     llm.engine.close()
@@ -77,7 +84,7 @@ def throughput(model: str, tp: int, prompts, outs) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="latency,throughput,70b")
+    ap.add_argument("--sections", default="allreduce,latency,throughput,70b")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--requests-70b", type=int, default=256)
     ap.add_argument("--vllm-path", default=os.path.expanduser("~/vsite"), help="prepended to vLLM's PYTHONPATH")
@@ -97,14 +104,22 @@ def main():
             rows.append(dict(bench=fn.__name__, model=a[0], tp=a[1], config=f"failed: {type(e).__name__}: {e}"[:160]))
             print(rows[-1], flush=True)
 
+    if "allreduce" in sections:
+        from benchmarks.allreduce_ranks import run
+        for r in run("bench")[0]:
+            rows.append(dict(bench="all-reduce", config=f"{r['kib']} KiB bf16", nccl_us=r["nccl_us"],
+                             custom_us=r["custom_us"]))
+            print(rows[-1], flush=True)
     if "latency" in sections:
         attempt(latency, M8, 1)
         attempt(latency, M8, 2)
+        attempt(latency, M8, 2, disable_custom_all_reduce=True)
         attempt(latency, M8, 2, timed=True, enable_cuda_graphs=False)
     prompts, outs = nano_workload(args.requests)
     if "throughput" in sections:
         attempt(throughput, M8, 1, prompts, outs)
         attempt(throughput, M8, 2, prompts, outs)
+        attempt(throughput, M8, 2, prompts, outs, disable_custom_all_reduce=True)
     def peer(shape: str, requests: int, workloads: list[str]) -> None:
         """vLLM at TP=2 on `workloads` of the shape: its rows, or a row saying why it failed."""
         try:
@@ -155,7 +170,7 @@ def main():
                                                      "NVSHMEM_DISABLE_NVLS")})
     path = write_json(f"tp_{slug(dev)}{args.tag}", out)
     print(f"\ndevice: {dev} x{torch.cuda.device_count()}; bf16; json: {path}")
-    print_table(rows, ["bench", "model", "tp", "config", "ms_per_token", "decode_step_ms", "seconds", "tok_s",
+    print_table(rows, ["bench", "model", "tp", "config", "nccl_us", "custom_us", "ms_per_token", "decode_step_ms", "seconds", "tok_s",
                        "all_reduce_ms_per_step", "rank1_all_reduce_ms_per_step", "forward_ms_per_step", "start_s"])
     print(json.dumps(summary, indent=2))
 

@@ -145,10 +145,12 @@ class ParallelConfig(_Checks):
     """How the model is split over devices."""
     tensor_parallel_size: int = 1       # ranks sharding the model (a worker process per extra rank; NCCL or gloo)
     data_parallel_size: int = 1         # server: engine replicas (each on its own GPUs) behind one API, requests routed
+    disable_custom_all_reduce: bool = False  # NCCL for every all-reduce (else one-shot over peer memory up to 8 MiB)
 
     def __post_init__(self):
         self.need_int("tensor_parallel_size", 1, 64)
         self.need_int("data_parallel_size", 1, 64)
+        self.need_bool("disable_custom_all_reduce")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ VALUES = {
     "multi_step_admit_min": ("2", 2),
     "tensor_parallel_size": ("2", 2),
     "data_parallel_size": ("2", 2),
+    "disable_custom_all_reduce": ("true", True),
     "speculative_method": ("ngram", "ngram"), "num_speculative_tokens": ("5", 5),
     "num_speculative_tokens_max": ("8", 8), "draft_model": ("dummy:tiny", "dummy:tiny"), "ngram_min": ("2", 2),
     "ngram_max": ("6", 6), "draft_layers": ("4", 4), "speculative_auto_off": ("false", False),

@@ -22,6 +22,8 @@ def run_tp(model: str | None, tp: int, vocab: int, **cfg):
         ids = add_random_requests(eng, (5, 300, 37, 129, 1, 250), max_tokens=24, vocab=vocab)
         outs = drain(eng)
         graphed = eng.runner.graphs is not None and eng.runner.graphs.captured
+        if tp > 1:                                     # two GPUs of one machine: the one-shot all-reduce
+            assert (eng.executor.tp.custom is None) == bool(cfg.get("disable_custom_all_reduce"))
         return [outs[i].token_ids for i in ids], (eng.executor.pids if eng.executor else []), eng.num_blocks, graphed
     finally:
         eng.close()
@@ -41,6 +43,20 @@ def test_tensor_parallel_2_matches_1_fp32_llama_1b_shape():
     assert graphed and blocks > 0
     assert out == ref
     assert_gone(pids)
+
+
+def test_tensor_parallel_2_matches_1_with_nccl_alone():
+    ref, _, _, _ = run_tp("dummy:llama-3.2-1b", 1, 128000)
+    out, pids, _, _ = run_tp("dummy:llama-3.2-1b", 2, 128000, disable_custom_all_reduce=True)
+    assert out == ref
+    assert_gone(pids)
+
+
+def test_custom_all_reduce_matches_nccl():
+    """bf16 and fp32 tensors of odd sizes up to the 8 MiB limit, both receive slots, and replays of a CUDA graph
+    that captured two calls: the same bits as NCCL's sum, on both ranks."""
+    from benchmarks.allreduce_ranks import run
+    assert run("check") == ["ok", "ok"]
 
 
 def test_tensor_parallel_2_matches_1_fp32_bundled_smollm2():

@@ -226,6 +226,8 @@ FIELD_HELP.update({
                             "GPUs, gloo on CPU); num_heads must split by KV-head groups",
     "data_parallel_size": "API server / LLM: engine replicas, each on its own GPUs, requests routed by load and "
                           "cached prefix (the app runs one engine: 1)",
+    "disable_custom_all_reduce": "tensor parallel on one machine's GPUs: NCCL for every all-reduce; off = "
+                                 "activations up to 8 MiB summed by one kernel over peer-mapped memory",
     "structured_mask_threads": "llguidance threads filling a step's masks; 0 or empty: llguidance's default",
     "multi_step_admit_min": "full batch: newcomers wait for this many free slots; 0 or empty: max_num_seqs // 32",
 })

@@ -94,7 +94,8 @@ class TPExecutor:
                     (torch.device("cuda", local_rank) if device.type == "cuda" else device)
                 self.devices.append(f"{dev}" + (f" on {self.peers[i][2]}" if launch is not None else ""))
                 send(c, "args", dict(args, device=str(dev)))
-            self.tp: TensorParallel = init_group(0, size, store, device)
+            self.tp: TensorParallel = init_group(0, size, store, device,
+                                                  not args["config"]["disable_custom_all_reduce"])
         except BaseException:
             self.shutdown()
             raise

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.distributed.custom_all_reduce import CustomAllReduce
+
 # a collective waits this long for a peer before it fails (a dead peer on gloo fails at once: its socket closes)
 COLLECTIVE_TIMEOUT_S = 120
 ABORT_WAIT_S = 10.0           # how long leaving a group after a peer died may hold the caller
@@ -19,9 +21,12 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     backend: str | None = None          # "nccl" | "gloo" | None (size 1)
+    custom: CustomAllReduce | None = None   # the one-shot all-reduce for small tensors (one machine, CUDA)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place."""
+        if self.custom is not None and self.custom.fits(x):
+            return self.custom(x)
         if self.size > 1:
             torch.distributed.all_reduce(x)
         return x
@@ -65,10 +70,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", base + rank)
 
 
-def init_group(rank: int, size: int, store: "torch.distributed.Store", device: torch.device) -> TensorParallel:
-    """Join the engine's process group (its keys under their own prefix of the rendezvous store). NVLink
+_custom: CustomAllReduce | None = None      # this process's engine's (one tensor-parallel engine per process)
+
+
+def init_group(rank: int, size: int, store: "torch.distributed.Store", device: torch.device,
+               custom_all_reduce: bool = True) -> TensorParallel:
+    """Join the engine's process group (its keys under their own prefix of the rendezvous store) and, on CUDA
+    with every rank on this machine, map the one-shot all-reduce's buffers (custom_all_reduce). NVLink
     multicast (NVLS) stays off: it is not available on the lent multi-GPU machines, and nothing here calls
     cuMulticastCreate."""
+    global _custom
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     # a dead worker is handled here (executor.py aborts the group and fails the requests); NCCL's own
     # error handling would take the engine process down with it
@@ -83,12 +94,22 @@ def init_group(rank: int, size: int, store: "torch.distributed.Store", device: t
     torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("kvscope/pg", store),
                                          rank=rank, world_size=size,
                                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
-    return TensorParallel(rank, size, backend)
+    if device.type == "cuda" and custom_all_reduce and size > 1:
+        _custom = CustomAllReduce.create(rank, size, device, torch.distributed.PrefixStore("kvscope/custom_ar", store))
+    return TensorParallel(rank, size, backend, _custom)
 
 
 def abort_group(force: bool = False) -> None:
     """Leave the process group; force: even when a peer is gone (an NCCL collective waiting on it returns)."""
+    global _custom
     dist = torch.distributed
+    if _custom is not None:
+        if force:           # kernels still queued read its buffers: they stay mapped until the process exits
+            _custom.abort()
+        else:
+            torch.cuda.synchronize()
+            _custom.close()
+        _custom = None
     if not dist.is_initialized():
         return
     c10d = dist.distributed_c10d

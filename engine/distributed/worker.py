@@ -106,7 +106,8 @@ def _serve(launch: EnvLaunch, store, conn) -> None:
     config = EngineConfig(**args["config"])
     device = torch.device(args["device"])
     dtype = getattr(torch, args["dtype"])
-    tp: TensorParallel = init_group(launch.rank, launch.world_size, store, device)
+    tp: TensorParallel = init_group(launch.rank, launch.world_size, store, device,
+                                    not config.parallel_config.disable_custom_all_reduce)
     ops = get_ops(args["kernels"])
     weights = None if args["weights"] is None else Path(args["weights"])
     model = build_model(args["hf_config"], weights, ops, device, dtype, max_pos=args["max_pos"],
