@@ -1,14 +1,19 @@
 """The inspector over data-parallel replicas: events of two real `dummy:tiny` CPU engines (engine_index 0 and 1) give
-per-replica tracks, step coordinates, block maps, block tables, batch / queue panels and KV usage lines; with one
-engine nothing of it appears."""
+per-replica tracks, step coordinates, block maps, block tables, batch / queue panels and KV usage lines; the app's
+EngineHost with data_parallel_size=2 routes load over both replicas with the API server's router, frees every
+replica's blocks, and shows each replica; with one engine nothing of it appears."""
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from engine.config import EngineConfig
 from inspector import figures as F
+from inspector import load as L
 from inspector.recorder import Recorder, kv_replicas
+from webui.host import EngineHost
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,3 +130,58 @@ def test_one_engine_shows_no_replicas(engine_run):
     assert len(traces(specs["block_map"], "blocks")) == 1
     assert sorted(k for k in specs["timeline"]["layout"] if k.startswith("yaxis")) == ["yaxis", "yaxis2", "yaxis3"]
     assert [d["name"] for d in traces(specs["throughput"]) if "KV" in d["name"]] == ["KV usage %"]
+
+
+@pytest.fixture(scope="module")
+def host():
+    cfg = EngineConfig(model="dummy:tiny", device="cpu", data_parallel_size=2, num_kv_blocks=40, max_num_seqs=4)
+    h = EngineHost(cfg, refresh_s=3600).start()
+    yield h
+    h.shutdown()
+
+
+def run_load(loop, recorder, **kw) -> None:
+    spec = L.LoadSpec(rate=float("inf"), prompt_len=L.LengthDist("uniform", 8, 24), output_len=L.LengthDist("fixed", 6, 6),
+                      **kw)
+    runner = L.LoadRunner(loop, spec, recorder=recorder).start()
+    assert runner.wait(120) and runner.progress()["finished"] == spec.num_requests
+
+
+def test_host_routes_load_over_both_replicas_and_frees_their_blocks(host):
+    loop = host.require_loop()
+    assert "2 data-parallel replicas" in host.describe() and len(loop.engines) == 2
+    run_load(loop, host.recorder, num_requests=8, seed=1)
+    # equally loaded replicas take turns: the second request goes to replica 1 whether or not the first finished
+    assert {r.engine_index for r in host.publish().snapshot.requests} == {0, 1}
+    routed = loop.router.prefix_routed
+    run_load(loop, host.recorder, num_requests=4, seed=2, shared_prefix_len=2 * BS)
+    assert loop.router.prefix_routed > routed      # the second request joins the first one's cached prefix
+    pub = host.publish()
+    homes = {r.request_id: r.engine_index for r in pub.snapshot.requests}
+    assert len(homes) == 12
+    per = pub.stats["replicas"]
+    assert [s["finished"] for s in per] == [sum(1 for e in homes.values() if e == r) for r in range(2)]
+    assert [s["num_free_blocks"] for s in per] == [s["num_blocks"] - 1 for s in per]
+    assert [len(kv["block_tables"]) for kv in kv_replicas(pub.kv)] == [0, 0]
+    assert "replica 0: running 0, waiting 0" in host.status_line() and "replica 1:" in host.status_line()
+    plots = {k: json.loads(v) for k, v in pub.plots.items()}
+    assert len(traces(plots["block_map"], "blocks")) == 2
+    assert len(traces(plots["timeline"], "running")) == 2
+    assert len(traces(plots["throughput"], "replica 1 KV usage %")) == 1
+
+
+def test_memory_pressure_preset_loads_every_replica(host):
+    info = host.engine_info(measure=False)
+    assert info.num_replicas == 2
+    one = L.preset("Memory pressure (preemption)", replace(info, num_replicas=1))
+    assert L.preset("Memory pressure (preemption)", info).num_requests == 2 * one.num_requests
+
+
+def test_host_restarts_with_one_engine_and_shows_no_replicas(host):
+    host.restart(host.config.replace(data_parallel_size=1))
+    assert len(host.loop.engines) == 1 and "replica" not in host.describe()
+    host.loop.generate([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), timeout=60)
+    pub = host.publish()
+    assert pub.snapshot.num_replicas == 1 and "replicas" not in pub.kv
+    for name in ("block_map", "timeline", "throughput", "memory", "timings"):
+        assert "replica" not in pub.plots[name], name
