@@ -10,6 +10,7 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
+from inspector import export as X
 from inspector import figures as F
 from inspector import load as L
 from inspector.recorder import Recorder, kv_replicas
@@ -120,6 +121,19 @@ def test_throughput_memory_and_timings_per_replica(two_replicas):
     assert len({d["yaxis"] for d in traces(tim, "attention")}) == 2
 
 
+def test_exports_put_each_replicas_steps_on_its_own_track(two_replicas):
+    _, snap = two_replicas
+    df = X.steps_frame(snap)
+    assert df["engine_index"].tolist() == [s.engine_index for s in snap.steps]
+    trace = X.chrome_trace(snap)["traceEvents"]
+    for r in range(2):
+        steps = [e for e in trace if e.get("cat") == "step" and e["tid"] == 2 * r + 1]
+        assert [e["name"] for e in steps] == [f"step {s.step}" for s in snap.steps if s.engine_index == r]
+        assert {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2 * r + 1,
+                "args": {"name": f"replica {r} steps"}} in trace
+        assert any(e["name"] == f"replica {r} KV usage" and e["ph"] == "C" for e in trace)
+
+
 def test_one_engine_shows_no_replicas(engine_run):
     snap = engine_run.snapshot()
     assert snap.num_replicas == 1
@@ -130,6 +144,7 @@ def test_one_engine_shows_no_replicas(engine_run):
     assert len(traces(specs["block_map"], "blocks")) == 1
     assert sorted(k for k in specs["timeline"]["layout"] if k.startswith("yaxis")) == ["yaxis", "yaxis2", "yaxis3"]
     assert [d["name"] for d in traces(specs["throughput"]) if "KV" in d["name"]] == ["KV usage %"]
+    assert "replica" not in X.chrome_trace_json(snap) and "engine_index" not in X.steps_frame(snap)
 
 
 @pytest.fixture(scope="module")
