@@ -1,13 +1,14 @@
 """kvscope app: a Gradio playground and live inspector over the engine, in one process.
 
     python app.py [--host 127.0.0.1] [--port 7860] [--model PATH|dummy:NAME] [--device auto|cpu|cuda]
-                  [--set FIELD=VALUE ...] [--api-only] [--api-key KEY] [--request-timeout S]
+                  [--data-parallel-size N] [--set FIELD=VALUE ...] [--api-only] [--api-key KEY] [--request-timeout S]
                   [--allow-unauthenticated] [--header-timeout S] [--body-timeout S] [--max-connections N]
 
 Structure (one-way flow):
-  webui/host.py  EngineHost owns the EngineLoop (engine on its own thread), the inspector Recorder subscribed to
-                 its events, the current load run and compare job, and ONE producer thread that turns the latest
-                 snapshot into serialised Plotly figures about once a second.
+  webui/host.py  EngineHost owns the EngineLoop (engine on its own thread; data-parallel: a DPEngineLoop, a thread
+                 per replica), the inspector Recorder subscribed to their events, the current load run and compare
+                 job, and ONE producer thread that turns the latest snapshot into serialised Plotly figures about
+                 once a second.
   webui/ui.py    Gradio Blocks, one module per tab; timer handlers only read the producer's latest snapshot
                  (cheap, no per-tab queueing, concurrency_limit=None); request handlers call the engine's public API.
   create_app     a FastAPI app with the Gradio UI mounted at "/"; the serving API (another module) registers its
@@ -124,6 +125,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks sharing the model (NCCL over consecutive GPUs from --device, gloo on CPU)")
+    ap.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engine replicas in this process, each on its own GPU from --device (all on the CPU), "
+                         "requests routed by load and cached prefix; the inspector shows each replica")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="any EngineConfig field, e.g. --set num_kv_blocks=256 (repeatable)")
     ap.add_argument("--api-only", action="store_true", help="serve only the HTTP serving API (no UI)")
@@ -145,6 +149,7 @@ def config_from_args(args) -> EngineConfig:
     # engine's defaults (scheduling_policy=fcfs, multi_step_max_ms=none)
     kw: dict[str, Any] = {"model": args.model or None, "device": args.device, "scheduling_policy": "priority",
                           "tensor_parallel_size": args.tensor_parallel_size,
+                          "data_parallel_size": args.data_parallel_size,
                           "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]}
     # on a CPU the app runs int4 weights (in the GGUF's groups of 32, the CPU default): twice fp32's decode rate,
     # and on the bundled SmolLM2 fp32's greedy tokens (docs/quantization.md); --set quantization=none gives fp32

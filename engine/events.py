@@ -7,6 +7,7 @@ Two kinds of records, both plain dataclasses (cheap, picklable, JSON-able via `t
   finished, aborted, rejected, failed).
 - `StepFailureEvent`: an engine step raised; the requests that made it raise were failed, the others ran on.
 
+Each record carries the `engine_index` of the data-parallel replica that emitted it (0 for a single engine).
 All times are `time.perf_counter()` seconds (the same clock as `RequestMetrics`). Listeners are called
 synchronously on the engine thread: they must be quick (append to a buffer) and must not raise; an
 exception in a listener is caught and logged, never propagated into the engine. With no listener,
@@ -73,6 +74,7 @@ class StepEvent:
     blocks_fetched: int = 0          # prefix-cache blocks copied back from the host tier this step
     bytes_swapped_out: int = 0       # device -> host bytes this step (swaps and offloads)
     bytes_swapped_in: int = 0        # host -> device bytes this step
+    engine_index: int = 0            # the data-parallel replica that ran the step
     kind: str = "step"
 
     def to_dict(self) -> dict:
@@ -97,6 +99,7 @@ class RequestEvent:
     priority: int | None = None           # SamplingParams.priority (lower = sooner under the priority policy)
     structured: str | None = None         # on "arrived": the output constraint's kind (json, regex, choice, grammar,
     #                                       json_object), None for an unconstrained request
+    engine_index: int = 0                 # the data-parallel replica that holds the request
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,6 +115,7 @@ class StepFailureEvent:
     failed: list[str]                # request ids failed because their rows raised
     num_requests: int                # requests in the failed step
     num_retries: int                 # sub-steps run to isolate them
+    engine_index: int = 0            # the data-parallel replica whose step failed
     kind: str = "step_failure"
 
     def to_dict(self) -> dict:

@@ -8,6 +8,7 @@ Trace layout:
                     sums them over layers, so their order inside the forward is not real).
                     Counters: KV usage, batch (running / waiting), tokens per step.
   pid 2 "requests"  one track per request: waiting / prefill / decode / preempted slices.
+Data-parallel replicas: replica r's steps on tids 2r + 1 and 2r + 2 of pid 1, its counters named after it.
 Times are microseconds since the snapshot's t0.
 """
 from __future__ import annotations
@@ -49,9 +50,11 @@ def metrics_csv(records: Iterable[RequestRecord], path: str | Path | None = None
 
 
 def steps_frame(snap: Snapshot) -> pd.DataFrame:
+    """One row per step (data-parallel replicas: with each step's engine_index)."""
     rows = []
     for s in snap.steps:
-        row = dict(step=s.step, start_s=s.start - snap.t0, duration_ms=(s.end - s.start) * 1e3,
+        row = dict(engine_index=s.engine_index) if snap.num_replicas > 1 else {}
+        row.update(step=s.step, start_s=s.start - snap.t0, duration_ms=(s.end - s.start) * 1e3,
                    num_seqs=len(s.scheduled), prefill_tokens=s.num_prefill_tokens, decode_tokens=s.num_decode_tokens,
                    running=s.num_running, waiting=s.num_waiting, kv_usage=s.kv_usage,
                    preempted=len(s.preempted), finished=len(s.finished), cuda_graph=s.cuda_graph,
@@ -71,17 +74,24 @@ def chrome_trace(snap: Snapshot) -> dict:
     def us(t: float) -> float:
         return round((t - t0) * 1e6, 3)
 
+    n = snap.num_replicas
     ev: list[dict] = [
         dict(name="process_name", ph="M", pid=1, tid=0, args=dict(name="engine")),
         dict(name="process_sort_index", ph="M", pid=1, tid=0, args=dict(sort_index=0)),
-        dict(name="thread_name", ph="M", pid=1, tid=1, args=dict(name="steps")),
-        dict(name="thread_name", ph="M", pid=1, tid=2, args=dict(name="forward regions (aggregated)")),
-        dict(name="process_name", ph="M", pid=2, tid=0, args=dict(name="requests")),
-        dict(name="process_sort_index", ph="M", pid=2, tid=0, args=dict(sort_index=1)),
     ]
+    for r in range(n):
+        who = f"replica {r} " if n > 1 else ""
+        ev += [dict(name="thread_name", ph="M", pid=1, tid=2 * r + 1, args=dict(name=f"{who}steps")),
+               dict(name="thread_name", ph="M", pid=1, tid=2 * r + 2,
+                    args=dict(name=f"{who}forward regions (aggregated)"))]
+    ev += [dict(name="process_name", ph="M", pid=2, tid=0, args=dict(name="requests")),
+           dict(name="process_sort_index", ph="M", pid=2, tid=0, args=dict(sort_index=1))]
     for s in snap.steps:
         dur = max(0.0, (s.end - s.start) * 1e6)
-        ev.append(dict(name=f"step {s.step}", cat="step", ph="X", pid=1, tid=1, ts=us(s.start), dur=round(dur, 3),
+        steps_tid, regions_tid = 2 * s.engine_index + 1, 2 * s.engine_index + 2
+        who = f"replica {s.engine_index} " if n > 1 else ""
+        ev.append(dict(name=f"step {s.step}", cat="step", ph="X", pid=1, tid=steps_tid, ts=us(s.start),
+                       dur=round(dur, 3),
                        args=dict(seqs=len(s.scheduled), prefill_tokens=s.num_prefill_tokens,
                                  decode_tokens=s.num_decode_tokens, running=s.num_running, waiting=s.num_waiting,
                                  kv_usage=round(s.kv_usage, 4), preempted=s.preempted, finished=s.finished,
@@ -93,23 +103,25 @@ def chrome_trace(snap: Snapshot) -> dict:
             if k not in tm:
                 continue
             d = max(0.0, float(tm[k]))
-            ev.append(dict(name=k, cat="region", ph="X", pid=1, tid=1, ts=us(cursor), dur=round(d * 1e6, 3)))
+            ev.append(dict(name=k, cat="region", ph="X", pid=1, tid=steps_tid, ts=us(cursor), dur=round(d * 1e6, 3)))
             if k in SUBREGIONS:
                 sub_cursor = cursor
                 for c in SUBREGIONS[k]:
                     if c in tm:
                         dc = max(0.0, float(tm[c]))
-                        ev.append(dict(name=c, cat="region", ph="X", pid=1, tid=2, ts=us(sub_cursor),
+                        ev.append(dict(name=c, cat="region", ph="X", pid=1, tid=regions_tid, ts=us(sub_cursor),
                                        dur=round(dc * 1e6, 3), args=dict(aggregated_over_layers=True)))
                         sub_cursor += dc
             cursor += d
-        ev.append(dict(name="KV usage", ph="C", pid=1, tid=0, ts=us(s.end), args={"%": round(100 * s.kv_usage, 2)}))
-        ev.append(dict(name="batch", ph="C", pid=1, tid=0, ts=us(s.end),
+        ev.append(dict(name=f"{who}KV usage", ph="C", pid=1, tid=0, ts=us(s.end),
+                       args={"%": round(100 * s.kv_usage, 2)}))
+        ev.append(dict(name=f"{who}batch", ph="C", pid=1, tid=0, ts=us(s.end),
                        args=dict(running=s.num_running, waiting=s.num_waiting)))
-        ev.append(dict(name="tokens", ph="C", pid=1, tid=0, ts=us(s.start),
+        ev.append(dict(name=f"{who}tokens", ph="C", pid=1, tid=0, ts=us(s.start),
                        args=dict(prefill=s.num_prefill_tokens, decode=s.num_decode_tokens)))
     for i, r in enumerate(snap.requests, start=1):
-        ev.append(dict(name="thread_name", ph="M", pid=2, tid=i, args=dict(name=r.request_id)))
+        name = f"{r.request_id} (replica {r.engine_index})" if n > 1 else r.request_id
+        ev.append(dict(name="thread_name", ph="M", pid=2, tid=i, args=dict(name=name)))
         ev.append(dict(name="thread_sort_index", ph="M", pid=2, tid=i, args=dict(sort_index=i)))
         for sp in r.spans:
             ev.append(dict(name=sp.phase + (f" ({sp.note})" if sp.note else ""), cat=sp.phase, ph="X", pid=2, tid=i,

@@ -24,6 +24,8 @@ def profile_one_step(loop, timeout: float = 15.0) -> list[dict] | None:
     rows = None
     if callable(getattr(loop, "profile_step", None)):
         rows = loop.profile_step(timeout=timeout)
+        if rows is not None and rows is not before:     # a data-parallel loop profiles its busiest replica
+            return rows
     else:
         loop.call(lambda e: e.profile_step(), timeout)
     while time.monotonic() < deadline:

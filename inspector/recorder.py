@@ -48,14 +48,23 @@ class Snapshot:
     spec: dict[str, Any]                    # cumulative spec-decoding counters
     kv: dict | None = None                  # loop.kv_snapshot() taken with this snapshot, if any
     dropped_events: int = 0                 # events that fell out of the ring before being processed
+    num_replicas: int = 1                   # data-parallel replicas (events and tracks carry their engine_index)
 
     @property
     def request_map(self) -> dict[str, RequestTrack]:
         return {r.request_id: r for r in self.requests}
 
 
+def kv_replicas(kv: dict | None) -> list[dict]:
+    """Each replica's KV snapshot, by engine_index: DPEngineLoop.kv_snapshot() lists them under "replicas", an
+    EngineLoop's is the one."""
+    if not kv:
+        return []
+    return list(kv["replicas"]) if "replicas" in kv else [kv]
+
+
 class Recorder:
-    """Subscribe with `rec.attach(loop.engine.events)`; read with `rec.snapshot()`."""
+    """Subscribe with `rec.attach(*(e.events for e in loop.engines))`; read with `rec.snapshot()`."""
 
     def __init__(self, max_steps: int = 4096, max_requests: int = 2048, max_events: int = 65536):
         self.max_steps = max_steps
@@ -66,7 +75,7 @@ class Recorder:
         self._steps: deque = deque(maxlen=max_steps)
         self._records: "OrderedDict[str, RequestRecord]" = OrderedDict()
         self._seq = 0
-        self._unsubscribe = None
+        self._unsubscribe: list = []
         self._reset_derived()
 
     # ---------------------------------------------------------------- listening (engine thread)
@@ -77,17 +86,16 @@ class Recorder:
             if isinstance(event, StepEvent):
                 self._steps.append(event)
 
-    def attach(self, bus) -> "Recorder":
+    def attach(self, *buses) -> "Recorder":
+        """Listen to each bus (a data-parallel replica's each; their events carry its engine_index)."""
         self.detach()
-        self._unsubscribe = bus.subscribe(self)
+        self._unsubscribe = [bus.subscribe(self) for bus in buses]
         return self
 
     def detach(self) -> None:
-        if self._unsubscribe is not None:
-            try:
-                self._unsubscribe()
-            finally:
-                self._unsubscribe = None
+        unsubscribe, self._unsubscribe = self._unsubscribe, []
+        for fn in unsubscribe:
+            fn()
 
     def record_output(self, out: Any) -> None:
         """Keep a finished request's stamps (a RequestOutput or a RequestRecord) for metrics."""
@@ -158,14 +166,18 @@ class Recorder:
             if b.last_step_end is not None and not (b.last_step_end <= now <= b.last_step_end + 60.0):
                 # events replayed from a recording, or a long-idle engine: open spans end at the last step
                 now = b.last_step_end
-            now_step = b.step_coord()
-            tracks = [tr.copy(now, now_step) for tr in b.tracks.values()]
+            tracks = [tr.copy(now, b.step_coord(tr.engine_index)) for tr in b.tracks.values()]
             t0 = b.t0 if b.t0 is not None else now
             totals = dict(b.totals)
             spec = {k: (list(v) if isinstance(v, (list, deque)) else v) for k, v in b.spec.items()}
             dropped = self._dropped
+            num_replicas = max(b.num_engines, len(self._unsubscribe))
         tracks.sort(key=lambda r: (r.arrival if r.arrival is not None else now))
-        if kv is not None and "num_cached_tokens" not in kv:   # for the block table: which blocks were hits
-            kv["num_cached_tokens"] = {tr.request_id: tr.num_cached_tokens for tr in tracks if tr.num_cached_tokens}
+        pools = kv_replicas(kv)
+        for r, pool in enumerate(pools):
+            if "num_cached_tokens" not in pool:     # for the block table: which blocks were hits
+                pool["num_cached_tokens"] = {tr.request_id: tr.num_cached_tokens for tr in tracks
+                                             if tr.num_cached_tokens and tr.engine_index == r}
         return Snapshot(version=version, t0=t0, now=now, steps=steps, requests=tracks, records=records,
-                        totals=totals, spec=spec, kv=kv, dropped_events=dropped)
+                        totals=totals, spec=spec, kv=kv, dropped_events=dropped,
+                        num_replicas=max(num_replicas, len(pools)))

@@ -50,6 +50,7 @@ class RequestTrack:
     message: str | None = None
     priority: int | None = None   # SamplingParams.priority (lower = sooner under the priority policy)
     structured: str | None = None  # the output constraint's kind (json, regex, choice, ...), None = unconstrained
+    engine_index: int = 0         # the data-parallel replica that holds it
     block_table: list[int] | None = None
     spans: list[Span] = field(default_factory=list)
     # open span bookkeeping
@@ -75,19 +76,21 @@ class RequestTrack:
             first_scheduled=self.first_scheduled, first_token=self.first_token, finished=self.finished,
             finish_reason=self.finish_reason, status=self.status, num_preemptions=self.num_preemptions,
             message=self.message, block_table=list(self.block_table) if self.block_table else None,
-            spans=spans, priority=self.priority, structured=self.structured)
+            spans=spans, priority=self.priority, structured=self.structured, engine_index=self.engine_index)
 
 
 class TrackBuilder:
     """Folds events, in order, into `tracks` (the most recent `max_requests`), `totals` and `spec`. Not
-    thread-safe: the Recorder calls it under its processing lock."""
+    thread-safe: the Recorder calls it under its processing lock. Each data-parallel replica counts its own steps,
+    so step coordinates are kept per engine_index."""
 
     def __init__(self, max_requests: int, max_steps: int):
         self.max_requests = max_requests
         self.tracks: "OrderedDict[str, RequestTrack]" = OrderedDict()
         self.t0: float | None = None
-        self.last_step_idx = -1
+        self.last_step: dict[int, int] = {}     # engine_index -> its latest step
         self.last_step_end: float | None = None
+        self.num_engines = 1                    # 1 + the highest engine_index seen
         self.totals = dict(steps=0, prompt_tokens=0, decode_tokens=0, output_tokens=0, preemptions=0,
                            finished=0, aborted=0, rejected=0, failed=0, step_failures=0, arrived=0, prefix_cache_queries=0,
                            prefix_cache_hits=0, blocks_shared=0, blocks_evicted=0, busy_time=0.0,
@@ -104,8 +107,8 @@ class TrackBuilder:
                 self.tracks.popitem(last=False)
         return tr
 
-    def step_coord(self) -> float:
-        return float(self.last_step_idx + 1)
+    def step_coord(self, engine_index: int = 0) -> float:
+        return float(self.last_step.get(engine_index, -1) + 1)
 
     def _close_open(self, tr: RequestTrack) -> None:
         if tr._open is not None:
@@ -119,6 +122,8 @@ class TrackBuilder:
             self.t0 = ev.time
         tr = self.track(ev.request_id)
         k = ev.kind
+        tr.engine_index = ev.engine_index
+        self.num_engines = max(self.num_engines, ev.engine_index + 1)
         if ev.prompt_len:
             tr.prompt_len = ev.prompt_len
         if ev.output_len:
@@ -133,7 +138,7 @@ class TrackBuilder:
             tr.structured = ev.structured
         if k == "arrived":
             self.totals["arrived"] += 1
-            tr.arrival_step = self.step_coord()
+            tr.arrival_step = self.step_coord(ev.engine_index)
             tr.arrival = ev.time
             if ev.arrival_time is not None and ev.arrival_time < ev.time:
                 tr.arrival = ev.arrival_time
@@ -148,7 +153,7 @@ class TrackBuilder:
             if tr.first_token is None:
                 tr.first_token = ev.time
         elif k == "preempted":
-            self._preempt(tr, ev.time, self.step_coord())
+            self._preempt(tr, ev.time, self.step_coord(ev.engine_index))
         elif k == "swapped_out":
             self._swap_out(tr)
         elif k in _TERMINAL:
@@ -179,7 +184,7 @@ class TrackBuilder:
         # the open span stays open: the finishing step's StepEvent may still arrive and extend it
         if tr._pending_since is not None and tr.status in ("waiting", "preempted"):
             ts, ss = tr._pending_since
-            tr.spans.append(Span(tr._pending_phase, ts, max(t, ts), ss, max(self.step_coord(), ss)))
+            tr.spans.append(Span(tr._pending_phase, ts, max(t, ts), ss, max(self.step_coord(tr.engine_index), ss)))
         tr._pending_since = None
         tr._pending_phase = "waiting"
         tr.status = status
@@ -204,8 +209,10 @@ class TrackBuilder:
         swapped_in = set(getattr(ev, "swapped_in", ()))
         tot["output_tokens"] += step_output_tokens(ev)
         s = ev.step
+        self.num_engines = max(self.num_engines, ev.engine_index + 1)
         for sr in ev.scheduled:
             tr = self.track(sr.request_id)
+            tr.engine_index = ev.engine_index
             if tr.arrival is None:             # arrived before we subscribed
                 tr.arrival = ev.start
                 tr.arrival_step = float(s)
@@ -242,8 +249,8 @@ class TrackBuilder:
                 if tr.first_token is None:
                     tr.first_token = ev.end
                 tr.output_len = max(tr.output_len, sr.total_len - tr.prompt_len + 1) if tr.prompt_len else tr.output_len
-        self.last_step_idx = s
-        self.last_step_end = ev.end
+        self.last_step[ev.engine_index] = s
+        self.last_step_end = ev.end if self.last_step_end is None else max(self.last_step_end, ev.end)
         for rid in ev.preempted:
             self._preempt(self.track(rid), ev.end, s + 1.0)
         for rid in getattr(ev, "swapped_out", ()):

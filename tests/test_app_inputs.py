@@ -125,6 +125,7 @@ def test_cli_args():
     assert args.host == "127.0.0.1"
     with pytest.raises(SystemExit):
         A.config_from_args(A.parse_args(["--set", "bogus=1"]))
+    assert A.config_from_args(A.parse_args(["--data-parallel-size", "2"])).parallel_config.data_parallel_size == 2
     assert A.api_options_from_args(args) == dict(api_key=None, served_model_name=None, request_timeout=600.0,
                                                  max_body_bytes=4 << 20)
     opts = A.api_options_from_args(A.parse_args(["--api-only", "--api-key", "k", "--request-timeout", "0",

@@ -63,3 +63,49 @@ def test_dp2_same_greedy_tokens_and_metrics_per_replica():
     gen = {s.labels["engine"]: s.value for s in fams["kvscope:generation_tokens"].samples
            if s.name.endswith("_total")}
     assert gen == {"0": 18, "1": 18}
+
+
+@pytest.fixture(scope="module")
+def context_model(tmp_path_factory):
+    """A random Llama whose greedy tokens depend on the whole context (dummy:tiny's repeat the last token)."""
+    from helpers import save_random_llama
+    folder = tmp_path_factory.mktemp("dp_model")
+    save_random_llama(folder, seed=5, layers=2)
+    return dict(model=str(folder), device="cpu", dtype="float32", kernels="torch", block_size=4, num_kv_blocks=48)
+
+
+def test_in_process_replicas_give_one_engines_tokens_tag_their_events_and_free_their_blocks(context_model):
+    from collections import Counter
+
+    from engine.config import EngineConfig
+    from engine.events import RequestEvent, StepEvent
+    from engine.runtime.async_engine import EngineLoop
+    from engine.runtime.dp_loop import DPEngineLoop
+    prompts = [[(7 * i + 3 * j) % 60 + 2 for j in range(6 + 5 * i)] for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with EngineLoop(EngineConfig(**context_model)) as one:
+        ref = [s.result(60).token_ids for s in one.submit_many([(p, sp, None) for p in prompts])]
+    events = []
+    with DPEngineLoop(EngineConfig(data_parallel_size=2, **context_model)) as dp:
+        assert [e.engine_index for e in dp.engines] == [0, 1]
+        for eng in dp.engines:
+            eng.events.subscribe(events.append)
+        out = [s.result(60).token_ids for s in dp.submit_many([(p, sp, None) for p in prompts])]
+        per = dp.replica_stats()
+        kv = dp.kv_snapshot()
+        free = [eng.block_manager.num_free_blocks for eng in dp.engines]
+    assert out == ref and len(set(map(tuple, ref))) > 1
+    home = {e.request_id: e.engine_index for e in events if isinstance(e, RequestEvent) and e.kind == "arrived"}
+    assert sorted(Counter(home.values()).items()) == [(0, 3), (1, 3)]      # six equal-cost requests alternate
+    assert all(e.engine_index == home[e.request_id] for e in events if isinstance(e, RequestEvent))
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert all(home[sr.request_id] == e.engine_index for e in steps for sr in e.scheduled)
+    assert {e.engine_index for e in steps} == {0, 1}
+    assert [s["finished"] for s in per] == [3, 3]
+    assert free == [s["num_blocks"] - 1 for s in per] and not any(k["block_tables"] for k in kv["replicas"])
+
+
+def test_in_process_replicas_refuse_tensor_parallelism():
+    from engine.runtime.dp_loop import DPEngineLoop
+    with pytest.raises(ValueError, match="tensor_parallel_size: in-process data-parallel replicas need 1"):
+        DPEngineLoop(model="dummy:tiny", device="cpu", data_parallel_size=2, tensor_parallel_size=2)

@@ -224,8 +224,8 @@ FIELD_HELP.update({
                         "(kvscope::decode_layer); off = the layer's torch ops",
     "tensor_parallel_size": "ranks sharing the model (one worker process per extra rank; NCCL on consecutive "
                             "GPUs, gloo on CPU); num_heads must split by KV-head groups",
-    "data_parallel_size": "API server / LLM: engine replicas, each on its own GPUs, requests routed by load and "
-                          "cached prefix (the app runs one engine: 1)",
+    "data_parallel_size": "engine replicas, each on its own GPUs (all on the CPU), requests routed by load and "
+                          "cached prefix; the app runs them in this process and the inspector shows each one",
     "disable_custom_all_reduce": "tensor parallel on one machine's GPUs: NCCL for every all-reduce; off = "
                                  "activations up to 8 MiB summed by one kernel over peer-mapped memory",
     "structured_mask_threads": "llguidance threads filling a step's masks; 0 or empty: llguidance's default",

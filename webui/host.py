@@ -35,6 +35,9 @@ class Published:
 
 
 def _default_loop_factory(config: EngineConfig):
+    if config.parallel_config.data_parallel_size > 1:
+        from engine.runtime.dp_loop import DPEngineLoop
+        return DPEngineLoop(config)
     from engine.runtime.async_engine import EngineLoop
     return EngineLoop(config)
 
@@ -92,7 +95,7 @@ class EngineHost:
         self.recorder.detach()
         self.recorder.clear()
         if getattr(self, "inspect", True):
-            self.recorder.attach(loop.engine.events)
+            self.recorder.attach(*(eng.events for eng in loop.engines))
         with self._lock:
             self.loop, self.config, self.state, self.error = loop, config, "ready", None
         log.info("engine ready in %.1f s: %s", time.perf_counter() - t, self.describe())
@@ -180,12 +183,15 @@ class EngineHost:
         if loop is None:
             return f"engine {self.state}"
         eng = loop.engine
+        dp = loop.config.parallel_config.data_parallel_size
         return (f"{getattr(eng, 'model_name', self.config.model_config.model)} · {getattr(eng, 'device', '?')} · "
                 f"{str(getattr(eng, 'dtype', '')).replace('torch.', '')} · "
                 f"{getattr(eng, 'weights_description', None) or 'unquantized'} weights · "
                 f"{getattr(eng, 'kernels_description', '')} · "
-                f"{eng.num_blocks} KV blocks × {eng.block_size} tokens · max_model_len "
-                f"{getattr(eng, 'max_model_len', '?')} · {getattr(eng, 'parallel_layout', 'single device')}")
+                f"{eng.num_blocks} KV blocks × {eng.block_size} tokens{' per replica' if dp > 1 else ''} · "
+                f"max_model_len {getattr(eng, 'max_model_len', '?')} · "
+                f"{getattr(eng, 'parallel_layout', 'single device')}"
+                + (f" · {dp} data-parallel replicas" if dp > 1 else ""))
 
     # ------------------------------------------------------------------ figure producer
     def _produce(self) -> None:
@@ -249,6 +255,9 @@ class EngineHost:
             parts.append(f"step {s.get('step', 0)} · running {s.get('num_running', 0)} · waiting "
                          f"{s.get('num_waiting', 0)} · KV {100 * s.get('kv_usage', 0):.0f}% · "
                          f"preemptions {s.get('num_preemptions_total', 0)}")
+            for i, r in enumerate(s.get("replicas") or ()):
+                parts.append(f"replica {i}: running {r.get('num_running', 0)}, waiting {r.get('num_waiting', 0)}, "
+                             f"KV {100 * r.get('kv_usage', 0):.0f}%")
         if self.load is not None and not self.load.done:
             parts.append("load running")
         return " · ".join(parts)
@@ -295,7 +304,7 @@ class CompareJob:
                 except Exception as e:
                     self.errors[label] = f"engine did not start: {type(e).__name__}: {e}"
                     continue
-                rec = Recorder().attach(loop.engine.events)
+                rec = Recorder().attach(*(eng.events for eng in loop.engines))
                 try:
                     self.status = f"{label}: running {self.spec.num_requests} requests"
                     self.runner = L.LoadRunner(loop, dataclasses.replace(self.spec), recorder=rec, slo=self.slo)

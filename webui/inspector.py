@@ -8,6 +8,7 @@ import gradio as gr
 
 from inspector import figures as F
 from inspector.profile import can_profile, profile_one_step
+from inspector.recorder import kv_replicas
 from webui.host import EngineHost, EngineUnavailable
 from webui.render import RESIZE_PLOTS_JS, plot, spec_plot
 
@@ -83,7 +84,7 @@ def inspector_tab(host: EngineHost) -> None:
             for name in ("throughput", "memory", "latency", "timings", "spec", "weights", "parallel"):
                 res.append(send(name, pub.hashes.get(name), lambda n=name: plot(pub.plots[n])))
             snap = pub.snapshot
-            holding = sorted((pub.kv or {}).get("block_tables", {}).keys())
+            holding = sorted(rid for kv in kv_replicas(pub.kv) for rid in kv.get("block_tables", {}))
             recent = [r.request_id for r in snap.requests[-30:]][::-1]
             choices = list(dict.fromkeys(holding + recent))
             ck = hash(tuple(choices))

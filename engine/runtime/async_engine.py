@@ -17,6 +17,7 @@ from collections import deque
 from typing import Iterator
 
 from engine.config import EngineConfig
+from engine.core.sequence import Sequence
 from engine.runtime.llm_engine import EngineOverloaded, LLMEngine, RequestFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -180,6 +181,11 @@ class EngineLoop:
     def config(self) -> EngineConfig:
         return self.engine.config
 
+    @property
+    def engines(self) -> list[LLMEngine]:
+        """The engines this loop steps: its one (DPEngineLoop: each replica's)."""
+        return [self.engine]
+
     def _next_id(self) -> str:
         return f"loop-{next(self._ids)}"
 
@@ -210,12 +216,17 @@ class EngineLoop:
             raise RuntimeError("engine loop is shut down")
         seqs = [self.engine.make_sequence(p, sp, rid if rid is not None else "pending", arrival)
                 for p, sp, rid in requests]
+        return self.submit_sequences(seqs, [rid for _, _, rid in requests])
+
+    def submit_sequences(self, seqs: list[Sequence], request_ids: list[str | None]) -> list[RequestStream]:
+        """Queue validated sequences (make_sequence, here or by a data-parallel router), all or none;
+        request_ids: the caller's ids, None where the loop names the request."""
         limit = self.engine.config.scheduler_config.max_waiting_requests
         streams = []
         with self._inbox_lock:
             if self._stop:
                 raise RuntimeError("engine loop is shut down")
-            admit_batch(seqs, [rid for _, _, rid in requests], self._streams, limit,
+            admit_batch(seqs, request_ids, self._streams, limit,
                         len(self.engine.scheduler.waiting) + self._pending_admissions, self._next_id)
             for seq in seqs:
                 stream = RequestStream(self, seq.request_id)
@@ -259,6 +270,11 @@ class EngineLoop:
         s = self.engine.stats()             # waiting first: a request leaves pending before it enters waiting
         s["num_waiting"] += self._pending_admissions
         return s
+
+    @property
+    def num_open(self) -> int:
+        """Requests submitted and not yet finished (a data-parallel router's load)."""
+        return len(self._streams)
 
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop

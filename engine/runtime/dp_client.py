@@ -89,7 +89,9 @@ def replica_configs(config: EngineConfig) -> list[EngineConfig]:
 class DPEngineClient:
     """The serving surface of EngineCoreClient (submit_many, abort, stats, metrics_snapshot, healthy,
     shutdown, engine) over `data_parallel_size` engine processes: started here, or (`replicas`) clients
-    attached to engine processes that another process started (several API server processes)."""
+    attached to engine processes that another process started (several API server processes), or in-process
+    EngineLoops (dp_loop.DPEngineLoop). A replica needs: engine, num_open, submit_sequences, abort,
+    metrics_snapshot, healthy, error, shutdown."""
 
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0,
                  replicas: list[EngineCoreClient] | None = None, **overrides):
@@ -200,8 +202,9 @@ class DPEngineClient:
 
     # ---- state -----------------------------------------------------------------------------------
     def replica_stats(self) -> list[dict]:
-        """Each replica's latest stats (its /metrics series, labelled engine="0", "1", ...)."""
-        return [r.stats() for r in self.replicas]
+        """Each replica's latest stats (its /metrics series, labelled engine="0", "1", ...), without waiting for
+        a step in progress."""
+        return [r.metrics_snapshot() for r in self.replicas]
 
     def stats(self) -> dict:
         """Replica 0's stats with the counters summed over the replicas (KV usage: the mean), the per-replica

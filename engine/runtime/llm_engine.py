@@ -95,7 +95,7 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, engine_index: int = 0, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
         elif overrides:
@@ -125,6 +125,7 @@ class LLMEngine:
         # pipelined one-iteration blocks with grammars; auto: on cuda
         self.structured_overlap = overlap if overlap is not None else self.device.type == "cuda"
         self.arrivals_pending = False      # set by EngineLoop while submitted requests wait in its inbox
+        self.engine_index = engine_index    # this engine's data-parallel replica (its events carry it)
         torch.manual_seed(config.model_config.seed)
 
         hf_cfg, weights, tok_folder = resolve(config.model_config.model)
@@ -546,7 +547,8 @@ class LLMEngine:
             self.events.emit(StepFailureEvent(step=self.step_index, time=time.perf_counter(),
                                               error=f"{type(err).__name__}: {err}",
                                               failed=[s.request_id for s, _ in culprits],
-                                              num_requests=len(sched.seqs), num_retries=retries))
+                                              num_requests=len(sched.seqs), num_retries=retries,
+                                              engine_index=self.engine_index))
         return outputs
 
     def _fail_request(self, seq: Sequence, err: Exception) -> RequestOutput:
@@ -574,7 +576,8 @@ class LLMEngine:
         if self.events.active:
             self.events.emit(StepFailureEvent(step=self.step_index, time=time.perf_counter(),
                                               error=f"{type(err).__name__}: {err}", failed=[],
-                                              num_requests=len(self.scheduler.running), num_retries=0))
+                                              num_requests=len(self.scheduler.running), num_retries=0,
+                                              engine_index=self.engine_index))
 
     def _block_step(self, K: int, observe: bool, timer, mixed=None) -> list[RequestOutput] | None:
         """A step of pipelined multi-step decode: the next block is launched behind the in-flight one (or, with
@@ -638,7 +641,7 @@ class LLMEngine:
     def _emit_request(self, kind: str, seq: Sequence, finish_reason: str | None = None,
                       message: str | None = None) -> None:
         if self.events.active:
-            self.events.emit(request_event(kind, seq, self.step_index, finish_reason, message))
+            self.events.emit(request_event(kind, seq, self.step_index, finish_reason, message, self.engine_index))
 
     def _emit_step(self, sched: SchedulerOutput, t0: float, t1: float, finished: list[str], timings: dict,
                    cuda_graph: bool = False, num_decode_steps: int = 1, rank_timings: dict | None = None,
@@ -650,7 +653,8 @@ class LLMEngine:
             num_decode_steps=num_decode_steps,
             spec=self.drafter.pop_step_stats() if self.drafter is not None else None,
             memory=self.memory_stats(), timings_sampled=self.runner.pop_timing_sampled(),
-            rank_timings=rank_timings, block_plan=block_plan, **self.block_manager.pop_step_stats(),
+            rank_timings=rank_timings, block_plan=block_plan, engine_index=self.engine_index,
+            **self.block_manager.pop_step_stats(),
             **self._swap_bytes()))
 
     def _swap_bytes(self) -> dict:

@@ -10,9 +10,9 @@ from engine.core.sequence import Sequence
 
 
 def request_event(kind: str, seq: Sequence, step: int, finish_reason: str | None = None,
-                  message: str | None = None) -> RequestEvent:
+                  message: str | None = None, engine_index: int = 0) -> RequestEvent:
     return RequestEvent(
-        kind=kind, request_id=seq.request_id, time=time.perf_counter(), step=step,
+        kind=kind, request_id=seq.request_id, time=time.perf_counter(), step=step, engine_index=engine_index,
         prompt_len=seq.num_prompt_tokens, output_len=seq.num_output_tokens,
         num_cached_tokens=seq.num_cached_tokens, finish_reason=finish_reason,
         block_table=list(seq.block_table) if kind in ("scheduled", "preempted", "swapped_in") else None,

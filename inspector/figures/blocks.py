@@ -5,9 +5,10 @@ import math
 
 import numpy as np
 
-from inspector.figures.layout import _axis, _fig, _layout, _lst, empty_spec
+from inspector.figures.layout import _axis, _axname, _fig, _grid, _layout, _lst, empty_spec
 from inspector.figures.style import (CACHED_COLOR, CATEGORY_COLORS, FREE_COLOR, N_CATS, OWNER_PALETTE, SHARED_COLOR,
                                      _discrete_colorscale, _owner_color_index, owner_color)
+from inspector.recorder import kv_replicas
 
 
 def _grid_shape(n: int, max_cols: int = 64) -> tuple[int, int]:
@@ -57,11 +58,100 @@ def block_fill(kv: dict) -> np.ndarray:
 def block_map_spec(kv: dict | None, highlight: str | None = None, height: int | None = None,
                    max_cells: int = 4096) -> dict:
     """Every physical block of the KV pool as a cell: free / cached-free / shared / owner request.
-    Pools larger than `max_cells` are drawn as cells of consecutive blocks (majority state)."""
+    Pools larger than `max_cells` are drawn as cells of consecutive blocks (majority state). Data-parallel
+    replicas (a kv snapshot with "replicas"): a map per replica."""
     title = "KV block map"
-    if not kv or not kv.get("num_blocks"):
+    pools = kv_replicas(kv)
+    if not pools or not all(p.get("num_blocks") for p in pools):
         return empty_spec(title, "no KV snapshot yet", height or 300, "blockmap")
+    if len(pools) > 1:
+        return replica_block_maps_spec(pools, highlight, height, max_cells)
+    kv = pools[0]
     st = block_states(kv)
+    n = st["n"]
+    cells, marks, rows, cols, group = _pool_traces(kv, st, highlight, max_cells)
+    data = cells + _legend() + marks
+    host = kv.get("host")
+    used_pct = 100.0 * st["num_in_use"] / max(1, n - 1)
+    res, used = st["reserved_slots"], st["used_slots"]
+    frag = f" ({100.0 * (res - used) / res:.0f}% reserved but empty)" if res else ""
+    tier = ""
+    if host and host.get("num_blocks"):
+        swapped = host.get("block_tables") or {}
+        tier = (f"<br>host tier (rows below the gap): {host['num_blocks']} blocks · "
+                f"{sum(map(len, swapped.values()))} held by {len(swapped)} swapped-out requests · "
+                f"{len(host.get('cached') or [])} cached (evicted prefix blocks)")
+    sub = (f"{_pool_kind(kv)} · {n} blocks × "
+           f"{kv.get('block_size', '?')} tokens · "
+           f"{st['num_in_use']} in use ({used_pct:.0f}%) · "
+           f"{st['num_shared']} shared · {st['num_cached_free']} cached-free · {max(0, st['num_free'])} free"
+           f"<br>slots: {res} reserved by requests · {used} hold a token{frag}"
+           + (f" · 1 cell = {group} blocks" if group > 1 else "") + " · hover a cell for owners" + tier)
+    h = height or int(min(560, max(240, 110 + rows * (20 if cols <= 32 else 13))))
+    lay = _layout(title, h, "blockmap", sub, margin=dict(l=10, r=10, t=70, b=10),
+                  xaxis=dict(visible=False, range=[-0.5, cols - 0.5]),
+                  yaxis=dict(visible=False, autorange="reversed"),
+                  legend=dict(orientation="h", yanchor="top", y=-0.02, xanchor="left", x=0.0, font=dict(size=11)))
+    return {"data": data, "layout": lay}
+
+
+def replica_block_maps_spec(pools: list[dict], highlight: str | None = None, height: int | None = None,
+                            max_cells: int = 4096) -> dict:
+    """Data parallelism: each replica's KV pool (kv_replicas) as its own block map, up to four side by side."""
+    n = len(pools)
+    ncols = min(n, 4)
+    nrows = math.ceil(n / ncols)
+    states = [block_states(kv) for kv in pools]
+    titles = [f"replica {r} · {st['num_in_use']}/{st['n'] - 1} blocks in use "
+              f"({100.0 * st['num_in_use'] / max(1, st['n'] - 1):.0f}%)" for r, st in enumerate(states)]
+    res, used = sum(st["reserved_slots"] for st in states), sum(st["used_slots"] for st in states)
+    frag = f" ({100.0 * (res - used) / res:.0f}% reserved but empty)" if res else ""
+    kv0 = pools[0]
+    total = {k: sum(max(0, st[k]) for st in states)
+             for k in ("num_in_use", "num_shared", "num_cached_free", "num_free")}
+    sub = (f"{n} data-parallel replicas · {_pool_kind(kv0)} · {kv0['num_blocks']} blocks × "
+           f"{kv0.get('block_size', '?')} tokens each · all replicas: {total['num_in_use']} in use · "
+           f"{total['num_shared']} shared · {total['num_cached_free']} cached-free · {total['num_free']} free"
+           f"<br>slots: {res} reserved by requests · {used} hold a token{frag} · hover a cell for owners")
+    lay = _layout("KV block map", 0, "blockmap", sub, margin=dict(l=10, r=10, t=100, b=10),
+                  legend=dict(orientation="h", yanchor="top", y=-0.02, xanchor="left", x=0.0, font=dict(size=11)))
+    refs = _grid(lay, rows=[1.0] * nrows, cols=[1.0] * ncols, vspace=0.1, hspace=0.03, titles=titles)
+    data, marks, most_rows, px = [], [], 1, 20
+    for r, (kv, st) in enumerate(zip(pools, states)):
+        xa, ya = refs[(r // ncols + 1, r % ncols + 1)]
+        cells, hl, rows, cols, _ = _pool_traces(kv, st, highlight, max_cells, f"replica {r} · ",
+                                                dict(xaxis=xa, yaxis=ya))
+        data += cells
+        marks += hl
+        lay[_axname(xa, "x")].update(visible=False, range=[-0.5, cols - 0.5])
+        lay[_axname(ya, "y")].update(visible=False, autorange="reversed")
+        most_rows, px = max(most_rows, rows), min(px, 20 if cols <= 32 else 13)
+    for k in range(n, nrows * ncols):               # the grid's unused cells
+        xa, ya = refs[(k // ncols + 1, k % ncols + 1)]
+        lay[_axname(xa, "x")].update(visible=False)
+        lay[_axname(ya, "y")].update(visible=False)
+    lay["height"] = height or int(min(900, max(270, 140 + nrows * (40 + most_rows * px))))
+    return {"data": data + _legend() + marks, "layout": lay}
+
+
+def _pool_kind(kv: dict) -> str:
+    fmt = kv.get("kv_format")
+    fmt = {"float8_e4m3fn": "fp8 e4m3"}.get(fmt, fmt)
+    return f"{kv.get('kv_cache_layout', 'paged')}{' · ' + fmt if fmt else ''}"
+
+
+def _legend() -> list[dict]:
+    return [dict(type="scatter", x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+                 marker=dict(symbol="square", size=12, color=color, line=dict(width=1, color="#999")))
+            for name, color in (("free", FREE_COLOR), ("cached-free", CACHED_COLOR), ("shared (ref>1)", SHARED_COLOR),
+                                ("in use (colour = request)", OWNER_PALETTE[0]))]
+
+
+def _pool_traces(kv: dict, st: dict, highlight: str | None, max_cells: int, prefix: str = "",
+                 axes: dict | None = None) -> tuple[list[dict], list[dict], int, int, int]:
+    """One KV pool's cells: its heatmap (with its host tier's below) and the highlighted request's blocks.
+    prefix: before every hover text; axes: the panel's {"xaxis", "yaxis"} in a grid.
+    -> (cell traces, highlight traces, rows drawn, columns, blocks per cell)."""
     n = st["n"]
     group = max(1, math.ceil(n / max_cells))
     cells = math.ceil(n / group)
@@ -98,55 +188,34 @@ def block_map_spec(kv: dict | None, highlight: str | None = None, height: int | 
             else:
                 z[c] = 1 if cf > (hi - lo) / 2 else 0
             text[c] = f"blocks {lo}–{hi - 1} · {used} in use · {cf} cached-free · {hi - lo - used - cf} free"
+    if prefix:
+        text = [prefix + t if t else t for t in text]
+    axes = axes or {}
     zg = z.reshape(rows, cols)
     data = [dict(type="heatmap", z=[_lst(r) for r in zg], text=[text[r * cols:(r + 1) * cols] for r in range(rows)],
                  hovertemplate="%{text}<extra></extra>", zmin=-0.5, zmax=N_CATS - 0.5,
-                 colorscale=_discrete_colorscale(CATEGORY_COLORS), showscale=False, xgap=1, ygap=1, name="blocks")]
+                 colorscale=_discrete_colorscale(CATEGORY_COLORS), showscale=False, xgap=1, ygap=1, name="blocks",
+                 **axes)]
     host = kv.get("host")
     host_rows = 0
     if host and host.get("num_blocks"):
         hz, htext, host_rows = host_cells(host, cols, max_cells)
         data.append(dict(type="heatmap", z=[_lst(r) for r in hz], y0=rows + 1, dy=1,
-                         text=[htext[r * cols:(r + 1) * cols] for r in range(host_rows)],
+                         text=[[prefix + t if t else t for t in htext[r * cols:(r + 1) * cols]]
+                               for r in range(host_rows)],
                          hovertemplate="%{text}<extra></extra>", zmin=-0.5, zmax=N_CATS - 0.5,
                          colorscale=_discrete_colorscale(CATEGORY_COLORS), showscale=False, xgap=1, ygap=1,
-                         name="host tier"))
-    for name, color in (("free", FREE_COLOR), ("cached-free", CACHED_COLOR), ("shared (ref>1)", SHARED_COLOR),
-                        ("in use (colour = request)", OWNER_PALETTE[0])):
-        data.append(dict(type="scatter", x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
-                         marker=dict(symbol="square", size=12, color=color, line=dict(width=1, color="#999"))))
+                         name="host tier", **axes))
+    marks = []
     if highlight and group == 1:
         blocks = (kv.get("block_tables") or {}).get(highlight) or []
         if blocks:
-            data.append(dict(type="scatter", x=[b % cols for b in blocks], y=[b // cols for b in blocks],
-                             mode="markers+text", text=[str(i) for i in range(len(blocks))],
-                             textfont=dict(size=8, color="#000"), name=f"{highlight} (logical index)",
-                             marker=dict(symbol="square-open", size=13, color="#000", line=dict(width=2)),
-                             hovertemplate="logical block %{text}<extra>" + highlight + "</extra>"))
-    used_pct = 100.0 * st["num_in_use"] / max(1, n - 1)
-    res, used = st["reserved_slots"], st["used_slots"]
-    frag = f" ({100.0 * (res - used) / res:.0f}% reserved but empty)" if res else ""
-    fmt = kv.get("kv_format")
-    fmt = {"float8_e4m3fn": "fp8 e4m3"}.get(fmt, fmt)
-    tier = ""
-    if host and host.get("num_blocks"):
-        swapped = host.get("block_tables") or {}
-        tier = (f"<br>host tier (rows below the gap): {host['num_blocks']} blocks · "
-                f"{sum(map(len, swapped.values()))} held by {len(swapped)} swapped-out requests · "
-                f"{len(host.get('cached') or [])} cached (evicted prefix blocks)")
-    sub = (f"{kv.get('kv_cache_layout', 'paged')}{' · ' + fmt if fmt else ''} · {n} blocks × "
-           f"{kv.get('block_size', '?')} tokens · "
-           f"{st['num_in_use']} in use ({used_pct:.0f}%) · "
-           f"{st['num_shared']} shared · {st['num_cached_free']} cached-free · {max(0, st['num_free'])} free"
-           f"<br>slots: {res} reserved by requests · {used} hold a token{frag}"
-           + (f" · 1 cell = {group} blocks" if group > 1 else "") + " · hover a cell for owners" + tier)
-    rows += host_rows + (1 if host_rows else 0)
-    h = height or int(min(560, max(240, 110 + rows * (20 if cols <= 32 else 13))))
-    lay = _layout(title, h, "blockmap", sub, margin=dict(l=10, r=10, t=70, b=10),
-                  xaxis=dict(visible=False, range=[-0.5, cols - 0.5]),
-                  yaxis=dict(visible=False, autorange="reversed"),
-                  legend=dict(orientation="h", yanchor="top", y=-0.02, xanchor="left", x=0.0, font=dict(size=11)))
-    return {"data": data, "layout": lay}
+            marks.append(dict(type="scatter", x=[b % cols for b in blocks], y=[b // cols for b in blocks],
+                              mode="markers+text", text=[str(i) for i in range(len(blocks))],
+                              textfont=dict(size=8, color="#000"), name=f"{highlight} (logical index)",
+                              marker=dict(symbol="square-open", size=13, color="#000", line=dict(width=2)),
+                              hovertemplate="logical block %{text}<extra>" + highlight + "</extra>", **axes))
+    return data, marks, rows + host_rows + (1 if host_rows else 0), cols, group
 
 
 def host_cells(host: dict, cols: int, max_cells: int) -> tuple[np.ndarray, list[str], int]:
@@ -178,10 +247,15 @@ def block_table_spec(kv: dict | None, request_id: str | None, height: int = 200)
     title = "Block table"
     if not request_id:
         return empty_spec(title, "select a request to see its block table (logical → physical)", height, "blocktable")
-    table = ((kv or {}).get("block_tables") or {}).get(request_id)
-    if not table:
+    pools = kv_replicas(kv)
+    r = next((i for i, p in enumerate(pools) if (p.get("block_tables") or {}).get(request_id)), None)
+    if r is None:
         return empty_spec(f"{title}: {request_id}", "this request holds no KV blocks right now "
                           "(waiting, preempted or finished)", height, "blocktable")
+    kv = pools[r]
+    table = kv["block_tables"][request_id]
+    if len(pools) > 1:
+        title = f"{title} (replica {r})"
     ref = kv.get("ref_counts") or []
     cached = kv.get("cached") or []
     bs = kv.get("block_size", 16)

@@ -7,6 +7,7 @@ import numpy as np
 
 from inspector import metrics as M
 from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, _lst, empty_spec
+from inspector.figures.style import replica_color
 from inspector.recorder import Snapshot
 from inspector.tracks import step_output_tokens
 
@@ -68,7 +69,8 @@ def _nice(width: float) -> float:
 
 def throughput_spec(snap: Snapshot, height: int = 380, max_bins: int = 120) -> dict:
     """Prompt / generation tok/s over time (binned from step events), KV usage, prefix-cache hit rate per
-    bin (cached / queried prompt tokens of the requests admitted in it) and running / waiting."""
+    bin (cached / queried prompt tokens of the requests admitted in it) and running / waiting (each
+    data-parallel replica's own)."""
     title = "Throughput and KV usage"
     steps = snap.steps
     if not steps:
@@ -94,29 +96,50 @@ def throughput_spec(snap: Snapshot, height: int = 380, max_bins: int = 120) -> d
                   margin=dict(l=60, r=50, t=70, b=40 + LEGEND_ROOM))
     refs = _grid(lay, rows=[0.55, 0.45], cols=[1.0], vspace=0.07, share_x=True, secondary=((2, 1),))
     (x1, y1), (x2, y2), y2b = refs[(1, 1)], refs[(2, 1)], refs[(2, 1, "y2")]
-    sub = steps[-2000:]
-    sub = sub[::max(1, math.ceil(len(sub) / 600))]          # at most ~600 points per line
-    xs = [s.end - t0 for s in sub]
     data = [
         dict(type="scatter", x=_lst(xb), y=_lst(gen / width), name="generation tok/s", mode="lines",
              line=dict(color="#4E79A7", width=2, shape="hvh"), xaxis=x1, yaxis=y1),
         dict(type="scatter", x=_lst(xb), y=_lst(prompt / width), name="prompt tok/s", mode="lines",
              line=dict(color="#F28E2B", width=1.5, shape="hvh"), xaxis=x1, yaxis=y1),
-        dict(type="scatter", x=xs, y=[100 * s.kv_usage for s in sub], name="KV usage %", mode="lines",
-             line=dict(color="#E15759", width=1.5), fill="tozeroy", fillcolor="rgba(225,87,89,0.12)", xaxis=x2, yaxis=y2),
+    ]
+    n = snap.num_replicas
+    if n == 1:
+        sub = _thin(steps, 600)
+        xs = [s.end - t0 for s in sub]
+        usage = [dict(type="scatter", x=xs, y=[100 * s.kv_usage for s in sub], name="KV usage %", mode="lines",
+                      line=dict(color="#E15759", width=1.5), fill="tozeroy", fillcolor="rgba(225,87,89,0.12)",
+                      xaxis=x2, yaxis=y2)]
+        queue = [dict(type="scatter", x=xs, y=[s.num_running for s in sub], name="running", mode="lines",
+                      line=dict(color="#222", width=1, shape="hv"), xaxis=x2, yaxis=y2b),
+                 dict(type="scatter", x=xs, y=[s.num_waiting for s in sub], name="waiting", mode="lines",
+                      line=dict(color="#888", width=1, dash="dot", shape="hv"), xaxis=x2, yaxis=y2b)]
+    else:       # data parallelism: each replica's KV usage and queue, in its colour
+        usage, queue = [], []
+        for r in range(n):
+            sub = _thin([s for s in steps if s.engine_index == r], 600 // n)
+            xs, c = [s.end - t0 for s in sub], replica_color(r)
+            usage.append(dict(type="scatter", x=xs, y=[100 * s.kv_usage for s in sub], name=f"replica {r} KV usage %",
+                              mode="lines", line=dict(color=c, width=1.5), xaxis=x2, yaxis=y2))
+            queue += [dict(type="scatter", x=xs, y=[s.num_running for s in sub], name=f"replica {r} running",
+                           mode="lines", line=dict(color=c, width=1, shape="hv"), xaxis=x2, yaxis=y2b),
+                      dict(type="scatter", x=xs, y=[s.num_waiting for s in sub], name=f"replica {r} waiting",
+                           mode="lines", line=dict(color=c, width=1, dash="dot", shape="hv"), xaxis=x2, yaxis=y2b)]
+    data += usage + [
         dict(type="scatter", x=_lst(xb), y=_lst(hit_pct), name="prefix-cache hit %", mode="lines+markers",
              line=dict(color="#59A14F", width=1.5), marker=dict(size=4), connectgaps=False, xaxis=x2, yaxis=y2,
              hovertemplate="%{y:.0f}% of the prompt tokens admitted in this bin were cached<extra></extra>"),
-        dict(type="scatter", x=xs, y=[s.num_running for s in sub], name="running", mode="lines",
-             line=dict(color="#222", width=1, shape="hv"), xaxis=x2, yaxis=y2b),
-        dict(type="scatter", x=xs, y=[s.num_waiting for s in sub], name="waiting", mode="lines",
-             line=dict(color="#888", width=1, dash="dot", shape="hv"), xaxis=x2, yaxis=y2b),
-    ]
+    ] + queue
     lay[_axname(y1, "y")].update(title=dict(text="tok/s"), rangemode="tozero")
     lay[_axname(y2, "y")].update(title=dict(text="KV % · hit %"), range=[0, 105])
     lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero", tickformat="d")
     lay[_axname(x2, "x")].update(title=dict(text="seconds since first event"))
     return {"data": data, "layout": lay}
+
+
+def _thin(steps: list, points: int) -> list:
+    """The latest 2,000 steps, every k-th so that about `points` remain."""
+    sub = steps[-2000:]
+    return sub[::max(1, math.ceil(len(sub) / max(1, points)))]
 
 
 latency_figure = _fig(latency_spec)

@@ -9,6 +9,8 @@ PHASE_COLORS = {"frontend": "#B07AA1", "waiting": "#C7CDD6", "prefill": "#F28E2B
 OWNER_PALETTE = ["#4E79A7", "#59A14F", "#B07AA1", "#EDC948", "#76B7B2", "#FF9DA7", "#9C755F", "#F28E2B",
                  "#86BCB6", "#D37295", "#499894", "#8CD17D"]
 FREE_COLOR, CACHED_COLOR, SHARED_COLOR = "#EEF0F3", "#B8E0D2", "#3D2C8D"
+# data-parallel replicas' lines, by engine_index
+REPLICA_COLORS = ["#E15759", "#4E79A7", "#59A14F", "#B07AA1", "#F28E2B", "#76B7B2", "#EDC948", "#9C755F"]
 CATEGORY_COLORS = [FREE_COLOR, CACHED_COLOR, SHARED_COLOR] + OWNER_PALETTE
 N_CATS = len(CATEGORY_COLORS)
 REGION_COLORS = {"schedule": "#BAB0AC", "draft": "#D4A6C8", "prepare": "#9D7660", "embedding": "#FABFD2",
@@ -26,6 +28,10 @@ def _owner_color_index(rid: str) -> int:
 
 def owner_color(rid: str) -> str:
     return OWNER_PALETTE[_owner_color_index(rid)]
+
+
+def replica_color(engine_index: int) -> str:
+    return REPLICA_COLORS[engine_index % len(REPLICA_COLORS)]
 
 
 def _discrete_colorscale(colors: list[str]) -> list:

@@ -45,28 +45,56 @@ def step_regions(timings: dict[str, float], wall: float) -> dict[str, float]:
 
 
 def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dict:
+    """Each step's measured regions, stacked, and their means; data-parallel replicas: a row per replica (each
+    counts its own steps)."""
     title = "Per-step timings"
     steps = [s for s in snap.steps[-max_steps:] if s.timings]
     if not steps:
         msg = "no step timings yet" if not snap.steps else "steps carry no timings (enable_step_timings is off)"
         return empty_spec(title, msg, height, "timings")
-    rows = [step_regions(s.timings, s.end - s.start) for s in steps]
-    keys = [k for k in REGION_ORDER if any(k in r for r in rows)]
-    keys += sorted({k for r in rows for k in r} - set(keys))
+    n = snap.num_replicas
+    per = [steps] if n == 1 else [[s for s in steps if s.engine_index == r] for r in range(n)]
+    rows = [[step_regions(s.timings, s.end - s.start) for s in p] for p in per]
+    keys = [k for k in REGION_ORDER if any(k in r for rr in rows for r in rr)]
+    keys += sorted({k for rr in rows for r in rr for k in r} - set(keys))
     mean_step = float(np.mean([(s.end - s.start) * 1e3 for s in steps]))
     lay = _layout(title, height, "timings", f"last {len(steps)} steps · mean step {mean_step:.2f} ms · "
                   "regions from StepEvent.timings (CUDA events on GPU, perf_counter on CPU) · click a legend "
                   "entry to hide a region", margin=dict(l=60, r=140, t=80, b=40),
                   legend=dict(orientation="v", x=1.01, xanchor="left", y=1.0, yanchor="top", font=dict(size=10),
                               traceorder="reversed"))
-    ranked = any(s.rank_timings for s in steps)
-    titles = ["ms per step (stacked regions, rank 0)", "mean ms per step"]
+    ranked = n == 1 and any(s.rank_timings for s in steps)
+    if n > 1:
+        titles = [t for r in range(n) for t in (f"replica {r}: ms per step (stacked regions)", "mean ms per step")]
+        lay["height"] = height = int(height * (1 + 0.6 * (n - 1)))
+    else:
+        titles = ["ms per step (stacked regions, rank 0)", "mean ms per step"]
     if ranked:
         titles += ["each rank: model regions and all-reduce, ms per step", "mean per rank"]
         lay["height"] = height = int(height * 1.6)
-    refs = _grid(lay, rows=[0.6, 0.4] if ranked else [1.0], cols=[0.7, 0.3], hspace=0.14, vspace=0.16,
-                 titles=titles)
-    (xa, ya), (xb, yb) = refs[(1, 1)], refs[(1, 2)]
+    refs = _grid(lay, rows=[0.6, 0.4] if ranked else [1.0] * n, cols=[0.7, 0.3], hspace=0.14,
+                 vspace=0.16 if n == 1 else 0.22, titles=titles)
+    data = []
+    for r in range(n):
+        (xa, ya), (xb, yb) = refs[(r + 1, 1)], refs[(r + 1, 2)]
+        data += _region_traces(per[r], rows[r], keys, (xa, ya), (xb, yb), first=r == 0)
+        lay[_axname(yb, "y")].update(autorange="reversed", tickfont=dict(size=10))
+        lay[_axname(xa, "x")].update(title=dict(text="engine step"))
+        lay[_axname(ya, "y")].update(title=dict(text="ms"))
+        lay[_axname(xb, "x")].update(title=dict(text="ms"))
+    if ranked:
+        data += _rank_traces(steps, refs[(2, 1)], refs[(2, 2)])
+        lay[_axname(refs[(2, 2)][1], "y")].update(autorange="reversed", tickfont=dict(size=10))
+        lay[_axname(refs[(2, 1)][1], "y")].update(title=dict(text="ms"))
+    return {"data": data, "layout": lay}
+
+
+def _region_traces(steps, rows: list[dict], keys: list[str], line_ax, bar_ax, first: bool = True) -> list[dict]:
+    """One engine's steps: the stacked regions per step, their means, the CUDA graph and eagerly timed steps.
+    first: these carry the legend entries (the regions of every replica toggle together)."""
+    if not steps:
+        return []
+    (xa, ya), (xb, yb) = line_ax, bar_ax
     x = [s.step for s in steps]
     data, means = [], []
     for k in keys:
@@ -76,6 +104,8 @@ def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dic
         data.append(dict(type="scatter", x=x, y=y, name=k, mode="lines", stackgroup="regions",
                          line=dict(width=0.5, color=color), fillcolor=color, legendgroup=k, xaxis=xa, yaxis=ya,
                          hovertemplate=f"{k}: %{{y:.2f}} ms<extra>step %{{x}}</extra>"))
+        if not first:
+            data[-1]["showlegend"] = False
     data.append(dict(type="bar", orientation="h", y=[m[0] for m in means], x=[m[1] for m in means],
                      showlegend=False, marker=dict(color=[REGION_COLORS.get(m[0], "#888") for m in means]),
                      hovertemplate="%{y}: %{x:.3f} ms<extra></extra>", xaxis=xb, yaxis=yb))
@@ -88,15 +118,10 @@ def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dic
         data.append(dict(type="scatter", x=sampled, y=[0] * len(sampled), mode="markers",
                          name="timed eagerly (sampled graph step)", xaxis=xa, yaxis=ya,
                          marker=dict(symbol="triangle-up", size=8, color="#E15759")))
-    if ranked:
-        data += _rank_traces(steps, refs[(2, 1)], refs[(2, 2)])
-        lay[_axname(refs[(2, 2)][1], "y")].update(autorange="reversed", tickfont=dict(size=10))
-        lay[_axname(refs[(2, 1)][1], "y")].update(title=dict(text="ms"))
-    lay[_axname(yb, "y")].update(autorange="reversed", tickfont=dict(size=10))
-    lay[_axname(xa, "x")].update(title=dict(text="engine step"))
-    lay[_axname(ya, "y")].update(title=dict(text="ms"))
-    lay[_axname(xb, "x")].update(title=dict(text="ms"))
-    return {"data": data, "layout": lay}
+    if not first:
+        for d in data[len(keys) + 1:]:
+            d.update(legendgroup=d["name"], showlegend=False)
+    return data
 
 
 def _rank_traces(steps, line_ax, bar_ax) -> list[dict]:

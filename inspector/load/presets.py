@@ -28,6 +28,7 @@ class EngineInfo:
     enable_chunked_prefill: bool = True
     vocab_size: int = 32000
     chat_template: bool = True          # text prompts (prompt_source="text") need one
+    num_replicas: int = 1               # data-parallel replicas, each with the limits above
     capacity: Capacity | None = None
 
     @classmethod
@@ -46,7 +47,7 @@ class EngineInfo:
                    max_num_seqs=cfg.scheduler_config.max_num_seqs,
                    enable_chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
                    vocab_size=int(vocab), chat_template=bool(getattr(tok, "chat_template", None)),
-                   capacity=capacity)
+                   num_replicas=loop.config.parallel_config.data_parallel_size, capacity=capacity)
 
 
 def _fit(d: LengthDist, cap: int) -> LengthDist:
@@ -130,12 +131,16 @@ def _memory_pressure(info: EngineInfo) -> LoadSpec:
         conc = max(2, min(info.max_num_seqs, math.ceil(1.6 * capacity / max(per, 1))))
     prompt = max(1, per // 4)
     output = max(1, per - prompt)
-    n = conc + conc // 2
+    n = (conc + conc // 2) * info.num_replicas          # the router spreads them: each replica gets its share
+    pool = f"a pool of {capacity} tokens ({info.num_blocks} blocks × {info.block_size})"
+    if info.num_replicas > 1:
+        pool = (f"{info.num_replicas} replicas' pools of {capacity} tokens ({info.num_blocks} blocks × "
+                f"{info.block_size}) each")
     return LoadSpec("Memory pressure (preemption)", n, math.inf, 1.0, None,
                     LengthDist("uniform", max(1, int(prompt * 0.9)), prompt), LengthDist("uniform", max(1, int(output * 0.9)), output),
-                    description=f"{n} requests of up to {per} tokens each against a pool of {capacity} tokens "
-                                f"({info.num_blocks} blocks × {info.block_size}): decodes outgrow the pool and the "
-                                "scheduler preempts. On a CPU, lower num_kv_blocks in Engine settings for a quick demo.")
+                    description=f"{n} requests of up to {per} tokens each against {pool}: decodes outgrow the pool "
+                                "and the scheduler preempts. On a CPU, lower num_kv_blocks in Engine settings for a "
+                                "quick demo.")
 
 
 def _shared_prefix(info: EngineInfo) -> LoadSpec:
