@@ -24,6 +24,7 @@ def run_tp(model: str | None, tp: int, vocab: int, **cfg):
         graphed = eng.runner.graphs is not None and eng.runner.graphs.captured
         if tp > 1:                                     # two GPUs of one machine: the one-shot all-reduce
             assert (eng.executor.tp.custom is None) == bool(cfg.get("disable_custom_all_reduce"))
+            assert ("one-shot" in eng.parallel_layout) == (eng.executor.tp.custom is not None)
         return [outs[i].token_ids for i in ids], (eng.executor.pids if eng.executor else []), eng.num_blocks, graphed
     finally:
         eng.close()

@@ -13,16 +13,18 @@ from engine.distributed.sharding import shard_layout
 from engine.models.config import ModelArchConfig
 
 
-def parallel_layout(tp: int, device: torch.device, launch: EnvLaunch | None = None) -> str:
-    """How the engine is laid out, for the status line and /metrics: 'TP=2 · nccl · cuda:0-1'."""
+def parallel_layout(tp: int, device: torch.device, launch: EnvLaunch | None = None, one_shot: bool = False) -> str:
+    """How the engine is laid out, for the status line and /metrics: 'TP=2 · nccl + one-shot · cuda:0-1'
+    (one_shot: small all-reduces take the custom all-reduce)."""
     if tp == 1:
         return f"single device · {device}"
+    backend = ("nccl" + (" + one-shot" if one_shot else "")) if device.type == "cuda" else "gloo"
     if launch is not None:
-        return f"TP={tp} · {'nccl' if device.type == 'cuda' else 'gloo'} · launched (torchrun)"
+        return f"TP={tp} · {backend} · launched (torchrun)"
     if device.type == "cuda":
         base = device.index or 0
-        return f"TP={tp} · nccl · cuda:{base}-{base + tp - 1}"
-    return f"TP={tp} · gloo · cpu"
+        return f"TP={tp} · {backend} · cuda:{base}-{base + tp - 1}"
+    return f"TP={tp} · {backend} · cpu"
 
 
 def start_workers(config: EngineConfig, hf_cfg: dict, weights: Path | None, device: torch.device,

@@ -154,13 +154,14 @@ class LLMEngine:
             pk = cuda and cap >= (9, 0)
         self.quant_packed = bool(pk) and self.kernels == "triton"
         self.executor = None
-        self.parallel_layout = parallel_layout(config.parallel_config.tensor_parallel_size, self.device, launch)
         if config.parallel_config.tensor_parallel_size > 1:
             self.executor = start_workers(
                 config, hf_cfg, weights, self.device, launch, dtype=str(self.dtype).replace("torch.", ""),
                 kernels=self.kernels, max_pos=self.max_model_len + spec_margin, gemv_max_tokens=gemv_max_tokens,
                 gemv_pdl=gemv_pdl, fp8_activations=self.fp8_act, quant_packed=self.quant_packed,
                 quant_tensor_cores=self.quant_tensor_cores)
+        self.parallel_layout = parallel_layout(config.parallel_config.tensor_parallel_size, self.device, launch,
+                                               one_shot=self.executor is not None and self.executor.tp.custom is not None)
         try:
             self._build(config, hf_cfg, weights, tok_folder, mcfg, spec_margin, gemv_max_tokens, gemv_pdl)
         except BaseException:
