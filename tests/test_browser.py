@@ -3,7 +3,8 @@ check that the inspector's plots render with non-zero size and show the requests
 
 Skipped when /usr/bin/chromium is missing. Screenshots go to assets/_tmp/screenshots/ (git-ignored); with
 KVSCOPE_UPDATE_SCREENSHOTS=1 they replace assets/screenshot_*.png (the README's). KVSCOPE_BROWSER_MODEL
-picks the model (default: the random-weight tiny preset; "bundled" = SmolLM2-135M-Instruct).
+picks the model (default: the random-weight tiny preset; "bundled" = SmolLM2-135M-Instruct);
+KVSCOPE_BROWSER_DP=2 runs two data-parallel replicas (the inspector then shows each one).
 """
 import os
 import re
@@ -29,7 +30,7 @@ def url():
     model = os.environ.get("KVSCOPE_BROWSER_MODEL", "dummy:tiny")
     cfg = EngineConfig(model=None if model == "bundled" else model, device="cpu",
                        num_kv_blocks=int(os.environ.get("KVSCOPE_BROWSER_BLOCKS", "48")), max_num_seqs=16,
-                       max_num_batched_tokens=256)
+                       max_num_batched_tokens=256, data_parallel_size=int(os.environ.get("KVSCOPE_BROWSER_DP", "1")))
     host = EngineHost(cfg).start()
     srv = A.serve_in_thread(host)
     yield srv.url
