@@ -22,7 +22,7 @@
     python benchmarks/profiler.py spec-times --device cuda --model dummy:llama-3.2-1b
         every engine.step() of a speculative engine timed and classed            -> spec_step_times_<device><tag>
 
-    python benchmarks/profiler.py host [--batch 512] [--out-len 200] [--skip-tokenizer-init]
+    python benchmarks/profiler.py host [--batch 512] [--out-len 200] [--skip-tokenizer-init] [--outputs cumulative]
         the engine process's host work for one decode iteration of a large batch, by phase, per request: what a
         server's decode block costs the host while the GPU runs the next one (no model forward)  -> profile_host_<cpu>
 
@@ -883,6 +883,7 @@ def cmd_host(args) -> None:
         eng.add_request([rng.randrange(vocab) for _ in range(16)],
                         SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0))
     sch, op, ms = eng.scheduler, eng.output_processor, eng.multi_step
+    op.delta_outputs = args.outputs == "delta"      # as the engine process (core_proc.CoreLoop) runs it
     sched = sch.schedule()                     # the prompts, computed without a forward
     op.process(sched, [[rng.randrange(vocab)] for _ in sched.seqs], [None] * len(sched.seqs))
     for _ in range(args.out_len):
@@ -898,7 +899,7 @@ def cmd_host(args) -> None:
         t2 = time.perf_counter()
         outs, _, _ = op.process(blk, [[rng.randrange(vocab)] for _ in blk.seqs], [None] * len(blk.seqs))
         t3 = time.perf_counter()
-        enc = [encode_output(o, 0) for o in outs]
+        enc = [encode_output(o, 0, False) for o in outs]
         t4 = time.perf_counter()
         marshal.dumps(("out", enc, {}))
         t5 = time.perf_counter()
@@ -912,8 +913,9 @@ def cmd_host(args) -> None:
           f"least) of {args.reps} iterations")
     print_table(rows, ["phase", "ms", "us_per_request", "us_per_request_min"])
     cpu = device_name("cpu")
-    write_json(f"profile_host_{slug(cpu)}{'_notok' if args.skip_tokenizer_init else ''}",
-               dict(cpu=cpu, batch=n, out_len=args.out_len, model=args.model,
+    write_json(f"profile_host_{slug(cpu)}{'_notok' if args.skip_tokenizer_init else ''}"
+               f"{'_cumulative' if args.outputs == 'cumulative' else ''}",
+               dict(cpu=cpu, batch=n, out_len=args.out_len, model=args.model, outputs=args.outputs,
                     skip_tokenizer_init=args.skip_tokenizer_init, rows=rows))
     eng.close()
 
@@ -984,6 +986,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-len", type=int, default=200)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: no detokenization")
+    p.add_argument("--outputs", choices=["delta", "cumulative"], default="delta",
+                   help="delta: each output carries its step's tokens alone, as in the engine process; cumulative: "
+                        "all tokens so far, as LLMEngine.step's callers get them")
     p.set_defaults(fn=cmd_host)
 
     p = sub.add_parser("spec-steps", help="CPU: the kinds of steps a speculative engine takes")

@@ -51,6 +51,22 @@ def test_same_tokens_as_in_process(core):
     assert chunks[-1].finished and chunks[-1].token_ids == ref[0].token_ids
 
 
+def test_logprobs_through_the_engine_process(core):
+    """The engine process sends each step's tokens and logprobs alone and the prompt logprobs once, with the first
+    output: what the client rebuilds is what the engine in-process gives."""
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    with EngineLoop(CFG) as loop:
+        ref = loop.submit(PROMPTS[2], sp).result(60)
+    chunks = list(core.submit(PROMPTS[2], sp))
+    final = chunks[-1]
+    assert len(chunks) > 1 and final.token_ids == ref.token_ids
+
+    def flat(entries):
+        return [None if e is None else [(x.token_id, round(x.logprob, 4)) for x in e] for e in entries]
+    assert flat(final.logprobs) == flat(ref.logprobs)
+    assert flat(final.prompt_logprobs) == flat(ref.prompt_logprobs) and len(ref.prompt_logprobs) == len(PROMPTS[2])
+
+
 def test_text_decoded_in_the_server_process_is_the_engines(core):
     """Without stop strings the text is decoded in this (the API server's) process from the token ids, the engine
     process sent detokenize=False; with a stop string the engine decodes it, to stop there. Either way the text,

@@ -39,15 +39,16 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def encode_output(out: RequestOutput, lp_from: int) -> tuple:
-    """What the client needs of one output: deltas, and the full stamps once the request finished."""
+def encode_output(out: RequestOutput, lp_from: int, first: bool) -> tuple:
+    """What the client needs of one output: deltas, and the full stamps once the request finished; `first`:
+    the request's first output, which carries its prompt logprobs."""
     m = out.metrics
     metrics = dataclasses.astuple(m) if out.finished else None
     lps = None
     if out.logprobs is not None:
         lps = [[(e.token_id, e.logprob, e.decoded) for e in entry] for entry in out.logprobs[lp_from:]]
     plps = None                 # prompt logprobs: complete before the first token, sent with it
-    if out.prompt_logprobs is not None and len(out.token_ids) == len(out.delta_token_ids):
+    if out.prompt_logprobs is not None and first:
         plps = [None if e is None else [(x.token_id, x.logprob, x.decoded, x.rank) for x in e]
                 for e in out.prompt_logprobs]
     return (out.request_id, out.delta_text, list(out.delta_token_ids), out.finished, out.finish_reason,
@@ -60,9 +61,11 @@ class CoreLoop(EngineLoop):
 
     def __init__(self, config: EngineConfig, conns: list):
         super().__init__(config)
+        self.engine.output_processor.delta_outputs = True      # encoded at once: the client accumulates
         self.conns = list(conns)
         self._owner: dict[str, object] = {}        # request id -> the pipe of the client that added it
-        self._lp_sent: dict[str, int] = {}
+        self._lp_sent: dict[str, int] = {}        # logprob entries sent, of requests that asked for them
+        self._started: set[str] = set()            # requests with prompt logprobs whose first output went
         # The engine thread only enqueues: a busy client that is slow to read must never stall a step.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="kvscope-core-sender", daemon=True)
@@ -132,12 +135,16 @@ class CoreLoop(EngineLoop):
         for out, conn in zip(outputs, owners):
             rid = out.request_id
             sent = self._lp_sent.get(rid, 0)
+            first = out.prompt_logprobs is not None and rid not in self._started
             if conn is not None:
-                by_conn.setdefault(id(conn), (conn, []))[1].append(encode_output(out, sent))
+                by_conn.setdefault(id(conn), (conn, []))[1].append(encode_output(out, sent, first))
             if out.logprobs is not None:
                 self._lp_sent[rid] = len(out.logprobs)
+            if first:
+                self._started.add(rid)
             if out.finished:
                 self._lp_sent.pop(rid, None)
+                self._started.discard(rid)
                 with self._inbox_lock:
                     self._streams.pop(rid, None)
                     self._owner.pop(rid, None)
@@ -150,6 +157,7 @@ class CoreLoop(EngineLoop):
 
     def _close(self, request_id: str, err: BaseException) -> None:
         self._lp_sent.pop(request_id, None)
+        self._started.discard(request_id)
         with self._inbox_lock:
             self._streams.pop(request_id, None)
             conn = self._owner.pop(request_id, None)
