@@ -96,6 +96,7 @@ def test_chat_uses_the_chat_template(client):
     chat = [r for r in ins["requests"] if r["request_id"].startswith("chat-")][-1]
     assert chat["prompt_len"] > 10                          # template tokens around the message
     assert chat["priority"] == -1                           # the app schedules by priority: a person's turn first
+    assert chat["engine_index"] == 0                        # one engine: replica 0
 
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city", "parameters": {

@@ -252,12 +252,14 @@ class EngineHost:
             return f"**Engine {self.state}**" + (f" — {self.error}" if self.error else "")
         parts = [f"**{self.describe()}**"]
         if s:
-            parts.append(f"step {s.get('step', 0)} · running {s.get('num_running', 0)} · waiting "
+            replicas = s.get("replicas") or ()
+            step = "" if replicas else f"step {s.get('step', 0)} · "       # each replica counts its own steps
+            parts.append(f"{step}running {s.get('num_running', 0)} · waiting "
                          f"{s.get('num_waiting', 0)} · KV {100 * s.get('kv_usage', 0):.0f}% · "
                          f"preemptions {s.get('num_preemptions_total', 0)}")
-            for i, r in enumerate(s.get("replicas") or ()):
-                parts.append(f"replica {i}: running {r.get('num_running', 0)}, waiting {r.get('num_waiting', 0)}, "
-                             f"KV {100 * r.get('kv_usage', 0):.0f}%")
+            for i, r in enumerate(replicas):
+                parts.append(f"replica {i}: step {r.get('step', 0)}, running {r.get('num_running', 0)}, "
+                             f"waiting {r.get('num_waiting', 0)}, KV {100 * r.get('kv_usage', 0):.0f}%")
         if self.load is not None and not self.load.done:
             parts.append("load running")
         return " · ".join(parts)

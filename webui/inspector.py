@@ -120,7 +120,7 @@ def inspector_tab(host: EngineHost) -> None:
             return {"plots": plots, "kv": pub.kv, "stats": pub.stats, "totals": snap.totals,
                     "requests": [dict(request_id=r.request_id, status=r.status, prompt_len=r.prompt_len,
                                       output_len=r.output_len, num_preemptions=r.num_preemptions,
-                                      priority=r.priority, structured=r.structured,
+                                      priority=r.priority, structured=r.structured, engine_index=r.engine_index,
                                       phases=sorted({sp.phase for sp in r.spans})) for r in snap.requests]}
 
         gr.api(inspector, api_name="inspector", concurrency_limit=None)
