@@ -3,7 +3,7 @@
 Ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul.
 Shapes: Llama-3.2-1B attention (32 q heads, 8 kv heads, head_dim 64; --shape takes another preset's), hidden 2048,
 intermediate 8192, bf16.
-Usage: python benchmarks/bench_kernels.py [--sweep] [--shape llama-3.1-8b] [--sections prefill] [--kv-cache-dtype fp8]
+Usage: python benchmarks/bench_kernels.py [--sweep] [--shape llama-3.1-8b] [--tp 2] [--sections prefill] [--kv-cache-dtype fp8]
 (prints a table last; writes benchmarks/results/kernels_<device>[_<shape>][_fp8].json). With an fp8 cache the
 attention rows read e4m3 codes, and the prefill rows also time the products in bf16 instead of fp16.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import re
 import sys
 import time
@@ -34,12 +35,13 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE = DEV.type == "cpu"                                    # interpreter dry run of the script itself: tiny sizes
 BF16 = torch.float16 if SMOKE else torch.bfloat16
 H, HK, D, BS = 32, 8, 64, 16
-SIZES = dict(rows=16384, silu=(8192, 8192), decode=((64, 4096), (1, 4096), (4, 4096), (16, 4096), (32, 4096), (128, 4096), (256, 1024)),
+SIZES = dict(rows=16384, silu=(8192, 8192), decode=((64, 4096), (1, 4096), (4, 4096), (16, 4096), (32, 4096), (128, 4096), (256, 1024),
+                                                  (128, (100, 2048))),
              prefill=4096,
              mixed_decodes=63,
              turn=(240, 2140, 256))
 if SMOKE:
-    SIZES = dict(rows=8, silu=(4, 64), decode=((3, 100),), prefill=40, mixed_decodes=2, turn=(8, 40, 7))
+    SIZES = dict(rows=8, silu=(4, 64), decode=((3, 100), (3, (20, 60))), prefill=40, mixed_decodes=2, turn=(8, 40, 7))
 ROWS: list[dict] = []
 
 
@@ -189,16 +191,20 @@ def contiguous_kv(kc, vc, md):
 
 def bench_decode(ceil, sweep):
     scale = D ** -0.5
-    for B, L in SIZES["decode"]:
-        q, kc, vc, md = make_batch([1] * B, [L] * B)
-        nbytes = 2 * B * L * HK * D * 2 + 2 * B * H * D * 2
-        flops = 4 * B * H * L * D
+    for B, ctx in SIZES["decode"]:
+        # ctx: every sequence's length, or (lo, hi): lengths drawn uniformly, as a ragged serving batch's
+        lens = [ctx] * B if isinstance(ctx, int) else [random.Random(B).randint(*ctx) for _ in range(B)]
+        L = max(lens)
+        q, kc, vc, md = make_batch([1] * B, lens)
+        nbytes = 2 * sum(lens) * HK * D * 2 + 2 * B * H * D * 2
+        flops = 4 * H * D * sum(lens)
         tri = lambda: tk.paged_attention(q, kc, vc, md, scale)  # noqa: E731
         ref_out = torch_ops.paged_attention(q, kc, vc, md, scale)
         err = rel_err(tri(), ref_out)
         ref_ms = bench(lambda: torch_ops.paged_attention(q, kc, vc, md, scale), rep=50) if B <= 64 else None
         S = decode_num_splits(B, HK, L, DEV)
-        main = row("paged_decode", f"B={B} ctx={L} H={H}/{HK} D={D}", bench(tri), ref_ms, nbytes=nbytes,
+        main = row("paged_decode", f"B={B} ctx={ctx if isinstance(ctx, int) else '%d-%d' % ctx} H={H}/{HK} D={D}",
+                   bench(tri), ref_ms, nbytes=nbytes,
                    flops=flops, err=err, ceil=ceil, splits=S)
         k, v = contiguous_kv(kc, vc, md)
         sd = lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)  # noqa: E731
@@ -315,13 +321,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time a grid of attention launch configs")
     ap.add_argument("--shape", default="llama-3.2-1b", help="a preset whose attention heads / head_dim to use")
+    ap.add_argument("--tp", type=int, default=1, help="the heads of one tensor-parallel rank's shard (H / tp, "
+                    "Hk / tp, at least one KV head)")
     ap.add_argument("--sections", default="elementwise,decode,prefill")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: the prefill rows read "
                     "e4m3 codes")
     args = ap.parse_args()
     global H, HK, D
     pc = preset_config(args.shape)
-    H, HK, D = pc["num_attention_heads"], pc["num_key_value_heads"], pc["head_dim"]
+    H, HK, D = pc["num_attention_heads"] // args.tp, max(1, pc["num_key_value_heads"] // args.tp), pc["head_dim"]
     t0 = time.time()
     name = "cpu-interpreter-smoke" if SMOKE else torch.cuda.get_device_name(DEV)
     print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}; attention {H} q / {HK} kv heads, "
@@ -341,6 +349,7 @@ def main():
                   seconds=time.time() - t0)
     tag = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ("" if args.shape == "llama-3.2-1b" else f"_{args.shape}")
     tag += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    tag += "" if args.tp == 1 else f"_tp{args.tp}"
     tag += "" if args.sections == "elementwise,decode,prefill" else "_" + args.sections.replace(",", "-")
     path = f"/tmp/kernels_{tag}.json (not written)" if SMOKE else write_json(f"kernels_{tag}", result)
     print(f"\n{name}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
