@@ -4,7 +4,6 @@ custom all-reduce built as the engine builds them (engine/distributed/parallel_s
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,15 +13,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks.common import free_port  # noqa: E402
 from engine.distributed.parallel_state import abort_group, init_group  # noqa: E402
 
 SIZES = (1, 4095, 4096 * 8, 65_537, 4096 * 128, 1_000_003, 4096 * 1024)     # elements
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group(rank: int, world: int, port: int):
@@ -118,7 +112,7 @@ def run(what: str, world: int = 2):
     os.environ.update(NCCL_NVLS_ENABLE="0")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(_entry, args=(world, _free_port(), what, q), nprocs=world, start_method="spawn")
+    mp.start_processes(_entry, args=(world, free_port(), what, q), nprocs=world, start_method="spawn")
     res = dict(q.get() for _ in range(world))
     return [res[r] for r in range(world)]
 

@@ -63,6 +63,13 @@ def kv_replicas(kv: dict | None) -> list[dict]:
     return list(kv["replicas"]) if "replicas" in kv else [kv]
 
 
+def steps_by_replica(steps: list, num_replicas: int) -> list[list]:
+    """Steps per data-parallel replica, by engine_index (one replica: all of them); each replica counts its own."""
+    if num_replicas == 1:
+        return [steps]
+    return [[s for s in steps if s.engine_index == r] for r in range(num_replicas)]
+
+
 class Recorder:
     """Subscribe with `rec.attach(*(e.events for e in loop.engines))`; read with `rec.snapshot()`."""
 

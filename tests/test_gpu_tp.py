@@ -83,7 +83,7 @@ def test_tensor_parallel_killed_worker_fails_clearly():
         next(iter(stream))
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited"):
-            stream.result(timeout=30.0)              # NCCL: the watcher aborts the group, no collective timeout
+            stream.result(timeout=30.0)              # the watcher ends the waits (custom all-reduce's abort word, NCCL's abort)
     finally:
         loop.shutdown()
         loop.engine.close()

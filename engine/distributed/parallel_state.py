@@ -71,6 +71,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 _custom: CustomAllReduce | None = None      # this process's engine's (one tensor-parallel engine per process)
+_retired: list[CustomAllReduce] = []        # aborted when a peer died: mapped until nothing can replay them
 
 
 def init_group(rank: int, size: int, store: "torch.distributed.Store", device: torch.device,
@@ -80,6 +81,10 @@ def init_group(rank: int, size: int, store: "torch.distributed.Store", device: t
     multicast (NVLS) stays off: it is not available on the lent multi-GPU machines, and nothing here calls
     cuMulticastCreate."""
     global _custom
+    for c in _retired:                  # an earlier engine's, whose waits its abort word ended
+        torch.cuda.synchronize(c.abort_flag.device)
+        c.close()
+    _retired.clear()
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     # a dead worker is handled here (executor.py aborts the group and fails the requests); NCCL's own
     # error handling would take the engine process down with it
@@ -103,13 +108,17 @@ def abort_group(force: bool = False) -> None:
     """Leave the process group; force: even when a peer is gone (an NCCL collective waiting on it returns)."""
     global _custom
     dist = torch.distributed
-    if _custom is not None:
-        if force:           # kernels still queued read its buffers: they stay mapped until the process exits
-            _custom.abort()
-        else:
-            torch.cuda.synchronize()
-            _custom.close()
-        _custom = None
+    custom, _custom = _custom, None
+    if custom is not None:
+        try:
+            custom.abort()              # a call waiting on a peer that is gone (or never comes) ends
+            if force:                   # calls still queued or captured read its buffers: unmapped later
+                _retired.append(custom)
+            else:
+                torch.cuda.synchronize(custom.abort_flag.device)
+                custom.close()
+        except Exception:               # a CUDA error after a peer's fault: NCCL must still be left below
+            pass
     if not dist.is_initialized():
         return
     c10d = dist.distributed_c10d

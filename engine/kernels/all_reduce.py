@@ -11,8 +11,8 @@ call in between and so has finished reading slot s. That needs every call to run
 program keeping its own count of calls (`parity`).
 
 `abort` (a word of the rank's own device memory, set by a copy on another stream) ends every wait: a dead peer
-never raises its flag. It is read once every `spin_check` spins, never on the way: a read of host memory there
-cost ~8 µs a call.
+never raises its flag. A wait reads it once every `spin_check` spins, by one thread for the whole program (the
+flags' atomics are one thread's too, shared through a barrier), so all of a program's warps leave together.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _one_shot_all_reduce_kernel(x_ptr, n, bufs_ptr, parity_ptr, abort_ptr,
             while (tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0) & (stop == 0):   # our last, taken
                 spins += 1
                 if spins % SPIN_CHECK == 0:
-                    stop = tl.load(abort_ptr, volatile=True)
+                    stop = tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="gpu")
     for r in tl.static_range(WORLD):
         if r != RANK:
             flag = (mine + FLAGS_AT + (pid * WORLD + r) * _FLAG).to(tl.pointer_type(tl.int32))
@@ -61,7 +61,7 @@ def _one_shot_all_reduce_kernel(x_ptr, n, bufs_ptr, parity_ptr, abort_ptr,
             while (tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1) & (stop == 0):
                 spins += 1
                 if spins % SPIN_CHECK == 0:
-                    stop = tl.load(abort_ptr, volatile=True)
+                    stop = tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="gpu")
     tl.debug_barrier()                                       # the flags precede every thread's reads
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         i = start + offs

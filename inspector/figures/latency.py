@@ -6,9 +6,9 @@ import math
 import numpy as np
 
 from inspector import metrics as M
-from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, _lst, empty_spec
+from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, _lst, empty_spec, thin
 from inspector.figures.style import replica_color
-from inspector.recorder import Snapshot
+from inspector.recorder import Snapshot, steps_by_replica
 from inspector.tracks import step_output_tokens
 
 
@@ -104,7 +104,7 @@ def throughput_spec(snap: Snapshot, height: int = 380, max_bins: int = 120) -> d
     ]
     n = snap.num_replicas
     if n == 1:
-        sub = _thin(steps, 600)
+        sub = thin(steps, 600)
         xs = [s.end - t0 for s in sub]
         usage = [dict(type="scatter", x=xs, y=[100 * s.kv_usage for s in sub], name="KV usage %", mode="lines",
                       line=dict(color="#E15759", width=1.5), fill="tozeroy", fillcolor="rgba(225,87,89,0.12)",
@@ -115,8 +115,8 @@ def throughput_spec(snap: Snapshot, height: int = 380, max_bins: int = 120) -> d
                       line=dict(color="#888", width=1, dash="dot", shape="hv"), xaxis=x2, yaxis=y2b)]
     else:       # data parallelism: each replica's KV usage and queue, in its colour
         usage, queue = [], []
-        for r in range(n):
-            sub = _thin([s for s in steps if s.engine_index == r], 600 // n)
+        for r, mine in enumerate(steps_by_replica(steps, n)):
+            sub = thin(mine, 600 // n)
             xs, c = [s.end - t0 for s in sub], replica_color(r)
             usage.append(dict(type="scatter", x=xs, y=[100 * s.kv_usage for s in sub], name=f"replica {r} KV usage %",
                               mode="lines", line=dict(color=c, width=1.5), xaxis=x2, yaxis=y2))
@@ -134,12 +134,6 @@ def throughput_spec(snap: Snapshot, height: int = 380, max_bins: int = 120) -> d
     lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero", tickformat="d")
     lay[_axname(x2, "x")].update(title=dict(text="seconds since first event"))
     return {"data": data, "layout": lay}
-
-
-def _thin(steps: list, points: int) -> list:
-    """The latest 2,000 steps, every k-th so that about `points` remain."""
-    sub = steps[-2000:]
-    return sub[::max(1, math.ceil(len(sub) / max(1, points)))]
 
 
 latency_figure = _fig(latency_spec)

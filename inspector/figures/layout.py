@@ -46,6 +46,12 @@ def as_figure(spec: dict):
     return go.Figure(_sanitize(spec))
 
 
+def thin(steps: list, points: int = 600) -> list:
+    """The latest 2,000 steps, every k-th so that about `points` remain (one line's samples)."""
+    sub = steps[-2000:]
+    return sub[::max(1, math.ceil(len(sub) / max(1, points)))]
+
+
 def _axis(**kw) -> dict:
     d = dict(gridcolor=GRID, zerolinecolor="#DDDDDD", linecolor="#CCCCCC", automargin=True)
     d.update(kw)

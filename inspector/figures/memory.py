@@ -2,10 +2,8 @@
 KV slots requests hold (reserved) and those holding a token (used), from the step events' `memory`."""
 from __future__ import annotations
 
-import math
-
-from inspector.figures.layout import _axis, _axname, _fig, _grid, _layout, empty_spec
-from inspector.recorder import Snapshot
+from inspector.figures.layout import _axis, _axname, _fig, _grid, _layout, empty_spec, thin
+from inspector.recorder import Snapshot, steps_by_replica
 
 _MIB = float(1 << 20)
 LINES = (("allocated", "allocated", "#222", "solid"), ("max_allocated", "peak allocated", "#888", "dot"),
@@ -20,8 +18,7 @@ def memory_spec(snap: Snapshot, height: int = 300) -> dict:
     if not steps:
         return empty_spec(title, "no step with memory samples yet", height, "memory")
     n = snap.num_replicas
-    per = [steps] if n == 1 else [[s for s in steps if s.engine_index == r] for r in range(n)]
-    per = [_thin(p) for p in per]
+    per = [thin(p) for p in steps_by_replica(steps, n)]
     lasts = [p[-1].memory for p in per if p]
     res, used = sum(m["reserved_slots"] for m in lasts), sum(m["used_slots"] for m in lasts)
     frag = f"{100.0 * (res - used) / res:.0f}%" if res else "—"
@@ -40,11 +37,6 @@ def memory_spec(snap: Snapshot, height: int = 300) -> dict:
         lay[_axname(ya, "y")].update(title=dict(text="MiB"), rangemode="tozero")
     lay[_axname(refs[(n, 1)][0], "x")].update(title=dict(text="seconds since first event"))
     return {"data": data, "layout": lay}
-
-
-def _thin(steps: list) -> list:
-    steps = steps[-2000:]
-    return steps[::max(1, math.ceil(len(steps) / 600))]           # at most ~600 points per line
 
 
 def _lines(steps: list, t0: float, axes: dict | None = None, who: str = "", first: bool = True) -> list[dict]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from inspector.figures.layout import LEGEND_ROOM, _axname, _fig, _grid, _layout, empty_spec
 from inspector.figures.style import PHASE_COLORS, PHASE_LABELS
-from inspector.recorder import Snapshot
+from inspector.recorder import Snapshot, steps_by_replica
 from inspector.tracks import PHASES
 
 
@@ -67,10 +67,11 @@ def timeline_spec(snap: Snapshot, axis: str = "time", max_requests: int = 40, ma
                                     + (f" · {r.num_preemptions} preemptions" if r.num_preemptions else "") + _prio(r)
                                     + _replica(r, n) for r in ends],
                          hoverinfo="text"))
+    per = steps_by_replica(steps, n)
     for r in range(n):
         x2, y2 = refs[(r + 2, 1)]
         y2b = refs[(r + 2, 1, "y2")]
-        mine = steps if n == 1 else [s for s in steps if s.engine_index == r]
+        mine = per[r]
         data += _batch_traces(mine, t0, by_step, x2, y2, y2b, "" if n == 1 else f"replica {r} · ", first=r == 0)
         lay[_axname(y2, "y")].update(title=dict(text="tokens/step"))
         lay[_axname(y2b, "y")].update(title=dict(text="seqs"), rangemode="tozero", tickformat="d")

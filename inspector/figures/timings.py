@@ -5,7 +5,7 @@ import numpy as np
 
 from inspector.figures.layout import _axis, _axname, _fig, _grid, _layout, empty_spec
 from inspector.figures.style import REGION_COLORS
-from inspector.recorder import Snapshot
+from inspector.recorder import Snapshot, steps_by_replica
 
 REGION_ORDER = ["schedule", "draft", "prepare", "embedding", "layers", "attention", "mlp", "norms", "lm_head", "all_reduce",
                 "all_gather", "forward (other)", "grammar mask", "sampling", "postprocess", "unaccounted"]
@@ -53,7 +53,7 @@ def timings_spec(snap: Snapshot, max_steps: int = 300, height: int = 360) -> dic
         msg = "no step timings yet" if not snap.steps else "steps carry no timings (enable_step_timings is off)"
         return empty_spec(title, msg, height, "timings")
     n = snap.num_replicas
-    per = [steps] if n == 1 else [[s for s in steps if s.engine_index == r] for r in range(n)]
+    per = steps_by_replica(steps, n)
     rows = [[step_regions(s.timings, s.end - s.start) for s in p] for p in per]
     keys = [k for k in REGION_ORDER if any(k in r for rr in rows for r in rr)]
     keys += sorted({k for rr in rows for r in rr for k in r} - set(keys))
