@@ -345,6 +345,14 @@ class EngineConfig:
     def field_names(cls) -> list[str]:
         return list(FIELD_SECTION)
 
+    @classmethod
+    def of(cls, config: "EngineConfig | None" = None, **overrides) -> "EngineConfig":
+        """`config` with flat fields overridden, or a config from the overrides alone (the engines' and clients'
+        `(config=None, **overrides)` constructors)."""
+        if config is None:
+            return cls(**overrides)
+        return config.replace(**overrides) if overrides else config
+
     def replace(self, **changes) -> "EngineConfig":
         """A copy with flat fields (or whole sections) changed, validated again."""
         return EngineConfig(**{**{attr: getattr(self, attr) for attr in SECTIONS}, **changes})

@@ -99,8 +99,8 @@ def init_group(rank: int, size: int, store: "torch.distributed.Store", device: t
     torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("kvscope/pg", store),
                                          rank=rank, world_size=size,
                                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
-    if device.type == "cuda" and custom_all_reduce and size > 1:
-        _custom = CustomAllReduce.create(rank, size, device, torch.distributed.PrefixStore("kvscope/custom_ar", store))
+    _custom = CustomAllReduce.create(rank, size, device, torch.distributed.PrefixStore("kvscope/custom_ar", store)) \
+        if device.type == "cuda" and custom_all_reduce and size > 1 else None
     return TensorParallel(rank, size, backend, _custom)
 
 

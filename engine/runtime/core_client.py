@@ -166,10 +166,7 @@ class _CoreProcess:
 class EngineCoreClient:
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0, attach=None,
                  reattach=None, **overrides):
-        if config is None:
-            config = EngineConfig(**overrides)
-        elif overrides:
-            config = config.replace(**overrides)
+        config = EngineConfig.of(config, **overrides)
         self.requested_config = config
         self.start_timeout = start_timeout
         self._inbox_lock = threading.Lock()       # streams, accumulators, the pipe's send side

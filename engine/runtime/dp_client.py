@@ -95,10 +95,7 @@ class DPEngineClient:
 
     def __init__(self, config: EngineConfig | None = None, start_timeout: float = 900.0,
                  replicas: list[EngineCoreClient] | None = None, **overrides):
-        if config is None:
-            config = EngineConfig(**overrides)
-        elif overrides:
-            config = config.replace(**overrides)
+        config = EngineConfig.of(config, **overrides)
         self.requested_config = config
         if replicas is not None:
             self.replicas: list[EngineCoreClient | None] = list(replicas)

@@ -17,10 +17,7 @@ class DPEngineLoop(DPEngineClient):
     restarts = 0                        # an in-process replica is never restarted
 
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        if config is None:
-            config = EngineConfig(**overrides)
-        elif overrides:
-            config = config.replace(**overrides)
+        config = EngineConfig.of(config, **overrides)
         n, tp = config.parallel_config.data_parallel_size, config.parallel_config.tensor_parallel_size
         if tp > 1:
             # torch.distributed holds one default process group per process: one tensor-parallel engine

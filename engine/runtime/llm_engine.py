@@ -96,10 +96,7 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, engine_index: int = 0, **overrides):
-        if config is None:
-            config = EngineConfig(**overrides)
-        elif overrides:
-            config = config.replace(**overrides)
+        config = EngineConfig.of(config, **overrides)
         if config.parallel_config.data_parallel_size > 1:
             raise ValueError("EngineConfig.data_parallel_size: an LLMEngine is one replica; replicas run behind "
                              "the API server (--data-parallel-size) or LLM(data_parallel_size=N) "
