@@ -107,6 +107,8 @@ def parse_args(argv=None):
 
 # Suite workloads: (name, num_prompts, request_rate, input_len, output_len, range_ratio[, extra workload fields])
 SUITES = {"serving": [("burst", 512, math.inf, 512, 256, 0.5), ("rate24", 400, 24.0, 512, 256, 0.5)],
+          # the same requests for a model ~10x slower per token (70B at TP=2): half the burst, a rate it can sustain
+          "serving-large": [("burst", 256, math.inf, 512, 256, 0.5), ("rate4", 200, 4.0, 512, 256, 0.5)],
           # real weights (the bundled SmolLM2): text chat prompts at once, and multi-turn chats behind one shared
           # 512-token system prompt (each turn resends the conversation: prefix-cache heavy); the rate is users/s
           "text": [("text-burst", 256, math.inf, 512, 256, 0.5, {"prompts": "text"}),

@@ -7,6 +7,7 @@
 #   bash benchmarks/serving_suite.sh PART [bench_serve.py args...]
 #     1b      dummy Llama-3.2-1B weights: 512 prompts at once, and 400 at 24 req/s (input 512 / output 256 ±50%)
 #     8b      the same at the Llama-3.1-8B shape
+#     70b     the Llama-3.1-70B shape at TP=2 on both servers (2 GPUs): 256 prompts at once, and 200 at 4 req/s
 #     text    the bundled SmolLM2 (real weights): 256 text chat prompts at once, and 64 four-turn chats behind one
 #             shared 512-token system prompt (prefix-cache heavy)
 #     client  no engine: the openai client against a server that streams every chunk at once (its own cost)
@@ -48,14 +49,15 @@ target_args() {
   done
 }
 
-part_shape() {  # part_shape PART SHAPE
-  local cfg; cfg=$(mktemp -d)
+part_shape() {  # part_shape PART SHAPE [TP SUITE]
+  local cfg tp=${3:-1} suite=${4:-serving}; cfg=$(mktemp -d)
   python3 -c "from pathlib import Path; from benchmarks.vllm_offline import write_config; \
 write_config('$2', Path('$cfg'))"
-  target_args "$(vllm_cmd "$cfg" --load-format dummy --skip-tokenizer-init --max-model-len 4096)"
+  target_args "$(vllm_cmd "$cfg" --load-format dummy --skip-tokenizer-init --max-model-len 4096 --tensor-parallel-size "$tp")"
   # no tokenizer on either server: vLLM's runs with --skip-tokenizer-init, so kvscope's does too
-  python3 benchmarks/bench_serve.py --suite serving --model "dummy:$2" --device cuda \
-    --server-arg=--max-model-len=4096 --server-arg=--skip-tokenizer-init "${TARGET_ARGS[@]}" --client aiohttp,openai --client-procs 4 \
+  python3 benchmarks/bench_serve.py --suite "$suite" --model "dummy:$2" --device cuda \
+    --server-arg=--max-model-len=4096 --server-arg=--skip-tokenizer-init --server-arg=--tensor-parallel-size="$tp" \
+    "${TARGET_ARGS[@]}" --client aiohttp,openai --client-procs 4 \
     --name "serving_suite_$1_${TARGETS//,/-}_$(device_slug)" "${REST[@]}"
 }
 
@@ -80,6 +82,7 @@ stamp "serving_suite $part ($TARGETS)"
 case $part in
   1b) part_shape 1b llama-3.2-1b ;;
   8b) part_shape 8b llama-3.1-8b ;;
+  70b) part_shape 70b llama-3.1-70b 2 serving-large ;;
   text) part_text ;;
   client) part_client ;;
   *) sed -n '2,15p' "${BASH_SOURCE[0]}"; exit 2 ;;
