@@ -107,6 +107,11 @@ def _num_sms(device: torch.device) -> int:
     return 4                                                 # interpreter: small, still exercises splits
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Split count (a power of two) for a decode batch; depends only on host sizes, never on tensors.
     Under CUDA graphs pass the same fixed max_seqlen_k (e.g. max_model_len) at capture and replay."""
@@ -140,8 +145,11 @@ def _decode_config(gp: int, d: int, dtype: torch.dtype, device: torch.device, sp
         tiles = dict(BLOCK_N=32, num_warps=4, num_stages=2)
     elif fp8 and d == 128 and splits == 1:
         tiles = dict(BLOCK_N=128, num_warps=4, num_stages=2)
-    elif d == 128 and splits == 1:  # H200 (sweep_decode_attention.py): ragged batches 2-6% faster, uniform ones equal
-        tiles = dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    elif d == 128 and splits == 1:
+        # H200, graph replays (bench_kernels.py --sweep --sections decode, 8B shape, --tp 1 and 2): a third stage
+        # takes 3.5-4.9% off 128-256 sequences at 8 KV heads, 0-2.9% at 4, and leaves 64 equal; it needs the
+        # shared memory of Hopper and newer
+        tiles = dict(BLOCK_N=64, num_warps=4, num_stages=3 if _sm90_or_newer(device) else 2)
     else:
         tiles = dict(BLOCK_N=64, num_warps=2, num_stages=3)
     return dict(tiles, f16_dot=f16_dot)
