@@ -69,9 +69,10 @@ def parse_args(argv=None):
                          "whose per-chunk parsing is part of what an application sees); a list runs each (runs of "
                          "the openai client are named e.g. burst-c4-oai)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run each workload this many times against each target, with seeds --seed, --seed + 1, "
-                         "... (other prompts each time: no prefix-cache hit on the run before); runs named e.g. "
-                         "burst-c4-r2. A burst lasts seconds, so one run's throughput is noisy")
+                    help="run each workload this many times against each target (every run, repeated or not, "
+                         "draws other prompts: seed --seed + its place among the runs, so no prefix-cache hit on "
+                         "a run before); runs named e.g. burst-c4-r2. A burst lasts seconds, so one run's "
+                         "throughput is noisy")
     ap.add_argument("--prompts", default="random", choices=["random", "text"],
                     help="random token ids, or chat turns of the bundled text set in the model's template")
     ap.add_argument("--num-turns", type=int, default=1, help="> 1: multi-turn chats (history resent each turn)")
@@ -224,12 +225,15 @@ def workloads(args) -> list[argparse.Namespace]:
         n = n if (c, warm) == (1, False) else f"{n or 'run'}-c{c}{'w' if warm else ''}"
         n = n if client == "aiohttp" else f"{n or 'run'}-oai"
         return n if args.repeats == 1 else f"{n or 'run'}-r{rep + 1}"
+    runs = [(n, k, r, i, o, rr, ex, c, warm, client, rep) for n, k, r, i, o, rr, ex in base for c, warm in procs
+            for client in clients for rep in range(args.repeats)]
+    # each run draws its own prompts (seed: --seed + its place in the list), so that no run of a target finds
+    # the prompts of the run before it in that server's prefix cache
     return [argparse.Namespace(**{**vars(args), **ex, "name": name(n, c, warm, client, rep), "num_prompts": k,
                                   "request_rate": r, "input_len": i, "output_len": o, "range_ratio": rr,
                                   "client_procs": c, "warm_connections": warm, "client": client,
-                                  "seed": args.seed + rep})
-            for n, k, r, i, o, rr, ex in base for c, warm in procs for client in clients
-            for rep in range(args.repeats)]
+                                  "seed": args.seed + j})
+            for j, (n, k, r, i, o, rr, ex, c, warm, client, rep) in enumerate(runs)]
 
 
 def parse_targets(args) -> list[tuple[str, str]]:

@@ -103,7 +103,7 @@ def test_sharded_client_sends_the_same_workload_from_several_processes(srv, loop
 
 def test_bench_serve_repeats_run_each_workload_on_fresh_prompts():
     """--repeats N: each workload N times, named apart, each on its own seed (so other prompts: a repeat never
-    reads the run before it from the prefix cache)."""
+    reads the run before it from the prefix cache); so does every workload and client of a suite."""
     from benchmarks.bench_serve import _spec, parse_args, workloads
     runs = workloads(parse_args(["--num-prompts", "4", "--request-rate", "inf", "--client-procs", "4",
                                  "--name", "burst", "--repeats", "3"]))
@@ -112,6 +112,11 @@ def test_bench_serve_repeats_run_each_workload_on_fresh_prompts():
     assert all(len(p) == 4 for p in prompts)
     assert len({tuple(map(tuple, p)) for p in prompts}) == 3
     assert [w.name for w in workloads(parse_args(["--name", "burst"]))] == ["burst"]
+    # a suite's workloads and clients too: the openai client's burst does not replay the aiohttp client's prompts
+    suite = workloads(parse_args(["--suite", "serving-large", "--client", "aiohttp,openai"]))
+    assert [w.name for w in suite] == ["burst", "burst-oai", "rate4", "rate4-oai"]
+    firsts = {tuple(build_workload(_spec(w))[1][0].new_tokens) for w in suite}
+    assert len(firsts) == 4
     with pytest.raises(SystemExit):
         workloads(parse_args(["--repeats", "0"]))
 
