@@ -20,6 +20,7 @@ process), what decides whether it keeps up with the engine in a burst.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -225,15 +226,14 @@ def workloads(args) -> list[argparse.Namespace]:
         n = n if (c, warm) == (1, False) else f"{n or 'run'}-c{c}{'w' if warm else ''}"
         n = n if client == "aiohttp" else f"{n or 'run'}-oai"
         return n if args.repeats == 1 else f"{n or 'run'}-r{rep + 1}"
-    runs = [(n, k, r, i, o, rr, ex, c, warm, client, rep) for n, k, r, i, o, rr, ex in base for c, warm in procs
-            for client in clients for rep in range(args.repeats)]
     # each run draws its own prompts (seed: --seed + its place in the list), so that no run of a target finds
     # the prompts of the run before it in that server's prefix cache
+    runs = itertools.product(base, procs, clients, range(args.repeats))
     return [argparse.Namespace(**{**vars(args), **ex, "name": name(n, c, warm, client, rep), "num_prompts": k,
                                   "request_rate": r, "input_len": i, "output_len": o, "range_ratio": rr,
                                   "client_procs": c, "warm_connections": warm, "client": client,
                                   "seed": args.seed + j})
-            for j, (n, k, r, i, o, rr, ex, c, warm, client, rep) in enumerate(runs)]
+            for j, ((n, k, r, i, o, rr, ex), (c, warm), client, rep) in enumerate(runs)]
 
 
 def parse_targets(args) -> list[tuple[str, str]]:
