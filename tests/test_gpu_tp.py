@@ -1,5 +1,6 @@
 """GPU-only, 2+ GPUs: tensor parallelism over NCCL with the Triton kernels and CUDA graphs (the all-reduces
-captured inside them) gives one GPU's greedy tokens in fp32; a killed rank is reported and stops the engine.
+captured inside them) gives one GPU's greedy tokens in fp32, with quantized shards and n-gram drafts too; a killed
+rank is reported and stops the engine.
 `bash benchmarks/gpu.sh tp` runs these beside bench_tp.py and the data-parallel serving burst."""
 import os
 import signal
@@ -69,6 +70,32 @@ def test_tensor_parallel_2_matches_1_fp32_bundled_smollm2():
         pytest.skip(f"no bundled SmolLM2: {e}")
     ref, _, _, _ = run_tp(None, 1, 49152, num_kv_blocks=512)
     out, pids, _, _ = run_tp(None, 2, 49152, num_kv_blocks=512)
+    assert out == ref
+    assert_gone(pids)
+
+
+def run_quantized(tp: int, fmt: str, model: str = "dummy:llama-3.2-1b", device: str = "cuda", vocab: int = 128000):
+    """fp32 greedy tokens of quantized weights with n-gram drafts; prompts that repeat themselves get drafts."""
+    eng = LLMEngine(model=model, device=device, dtype="float32", max_model_len=1024, max_num_seqs=16,
+                    max_num_batched_tokens=256, tensor_parallel_size=tp, quantization=fmt,
+                    speculative_method="ngram", speculative_auto_off=False, num_speculative_tokens=3)
+    try:
+        ids = add_random_requests(eng, (5, 300, 37), max_tokens=24, vocab=vocab)
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        ids += [eng.add_request(p, greedy) for p in ([11 + j % 7 for j in range(60)] * 2, [7, 8, 9, 10] * 40)]
+        outs = drain(eng)
+        return [outs[i].token_ids for i in ids], eng.stats(), (eng.executor.pids if eng.executor else [])
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_tensor_parallel_2_matches_1_fp32_quantized_with_ngram_drafts(fmt):
+    """Each rank quantizes its shard and runs the quantized GEMMs and GEMVs at the shard's shapes, and every rank
+    verifies rank 0's n-gram drafts: TP=2 gives TP=1's tokens."""
+    ref, _, _ = run_quantized(1, fmt)
+    out, st, pids = run_quantized(2, fmt)
+    assert st["quantization"] == fmt and st["spec_decode_num_draft_tokens"] > 0
     assert out == ref
     assert_gone(pids)
 
