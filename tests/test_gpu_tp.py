@@ -14,19 +14,23 @@ from helpers import add_random_requests, drain
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 
-def run_tp(model: str | None, tp: int, vocab: int, **cfg):
-    """fp32 greedy tokens; with the device left as "cuda" (no index), as users write it."""
+def run_tp(model: str | None, tp: int, vocab: int, prompts: tuple = (), **cfg):
+    """fp32 greedy tokens of random prompts, then of `prompts`; with the device left as "cuda" (no index), as users
+    write it. Returns (tokens, worker pids, KV blocks, whether CUDA graphs were captured, stats)."""
     eng = LLMEngine(model=model, device="cuda", dtype="float32", max_model_len=1024, max_num_seqs=16,
                     max_num_batched_tokens=256, tensor_parallel_size=tp, **cfg)
     try:
         assert eng.device == torch.device("cuda", 0)
         ids = add_random_requests(eng, (5, 300, 37, 129, 1, 250), max_tokens=24, vocab=vocab)
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        ids += [eng.add_request(p, greedy) for p in prompts]
         outs = drain(eng)
         graphed = eng.runner.graphs is not None and eng.runner.graphs.captured
         if tp > 1:                                     # two GPUs of one machine: the one-shot all-reduce
             assert (eng.executor.tp.custom is None) == bool(cfg.get("disable_custom_all_reduce"))
             assert ("one-shot" in eng.parallel_layout) == (eng.executor.tp.custom is not None)
-        return [outs[i].token_ids for i in ids], (eng.executor.pids if eng.executor else []), eng.num_blocks, graphed
+        return ([outs[i].token_ids for i in ids], (eng.executor.pids if eng.executor else []), eng.num_blocks, graphed,
+                eng.stats())
     finally:
         eng.close()
 
@@ -40,16 +44,16 @@ def assert_gone(pids):
 def test_tensor_parallel_2_matches_1_fp32_llama_1b_shape():
     """Chunked prefill (256-token budget), decode and mixed CUDA graphs with the all-reduces captured,
     multi-step decode; the KV pool sized from each rank's free memory (the smaller)."""
-    ref, _, _, _ = run_tp("dummy:llama-3.2-1b", 1, 128000)
-    out, pids, blocks, graphed = run_tp("dummy:llama-3.2-1b", 2, 128000)
+    ref, *_ = run_tp("dummy:llama-3.2-1b", 1, 128000)
+    out, pids, blocks, graphed, _ = run_tp("dummy:llama-3.2-1b", 2, 128000)
     assert graphed and blocks > 0
     assert out == ref
     assert_gone(pids)
 
 
 def test_tensor_parallel_2_matches_1_with_nccl_alone():
-    ref, _, _, _ = run_tp("dummy:llama-3.2-1b", 1, 128000)
-    out, pids, _, _ = run_tp("dummy:llama-3.2-1b", 2, 128000, disable_custom_all_reduce=True)
+    ref, *_ = run_tp("dummy:llama-3.2-1b", 1, 128000)
+    out, pids, *_ = run_tp("dummy:llama-3.2-1b", 2, 128000, disable_custom_all_reduce=True)
     assert out == ref
     assert_gone(pids)
 
@@ -68,34 +72,21 @@ def test_tensor_parallel_2_matches_1_fp32_bundled_smollm2():
         resolve(None)
     except Exception as e:  # noqa: BLE001 - no bundled model on this machine (benchmarks/device_bundle.py)
         pytest.skip(f"no bundled SmolLM2: {e}")
-    ref, _, _, _ = run_tp(None, 1, 49152, num_kv_blocks=512)
-    out, pids, _, _ = run_tp(None, 2, 49152, num_kv_blocks=512)
+    ref, *_ = run_tp(None, 1, 49152, num_kv_blocks=512)
+    out, pids, *_ = run_tp(None, 2, 49152, num_kv_blocks=512)
     assert out == ref
     assert_gone(pids)
-
-
-def run_quantized(tp: int, fmt: str, model: str = "dummy:llama-3.2-1b", device: str = "cuda", vocab: int = 128000):
-    """fp32 greedy tokens of quantized weights with n-gram drafts; prompts that repeat themselves get drafts."""
-    eng = LLMEngine(model=model, device=device, dtype="float32", max_model_len=1024, max_num_seqs=16,
-                    max_num_batched_tokens=256, tensor_parallel_size=tp, quantization=fmt,
-                    speculative_method="ngram", speculative_auto_off=False, num_speculative_tokens=3)
-    try:
-        ids = add_random_requests(eng, (5, 300, 37), max_tokens=24, vocab=vocab)
-        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        ids += [eng.add_request(p, greedy) for p in ([11 + j % 7 for j in range(60)] * 2, [7, 8, 9, 10] * 40)]
-        outs = drain(eng)
-        return [outs[i].token_ids for i in ids], eng.stats(), (eng.executor.pids if eng.executor else [])
-    finally:
-        eng.close()
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_tensor_parallel_2_matches_1_fp32_quantized_with_ngram_drafts(fmt):
     """Each rank quantizes its shard and runs the quantized GEMMs and GEMVs at the shard's shapes, and every rank
     verifies rank 0's n-gram drafts: TP=2 gives TP=1's tokens."""
-    ref, _, _ = run_quantized(1, fmt)
-    out, st, pids = run_quantized(2, fmt)
-    assert st["quantization"] == fmt and st["spec_decode_num_draft_tokens"] > 0
+    cfg = dict(quantization=fmt, speculative_method="ngram", speculative_auto_off=False, num_speculative_tokens=3)
+    repeating = ([11 + j % 7 for j in range(60)] * 2, [7, 8, 9, 10] * 40)    # prompts that draft themselves
+    ref, *_ = run_tp("dummy:llama-3.2-1b", 1, 128000, repeating, **cfg)
+    out, pids, _, graphed, st = run_tp("dummy:llama-3.2-1b", 2, 128000, repeating, **cfg)
+    assert graphed and st["quantization"] == fmt and st["spec_decode_num_draft_tokens"] > 0
     assert out == ref
     assert_gone(pids)
 
