@@ -71,7 +71,7 @@ CLASSES = [
     ("device -> host copies", r"memcpy dtoh"),
     ("sampling", r"gumbel|sampl|argmax|topk|top_k|exponential|softmax|log_softmax|multinomial"),
     ("RoPE + KV store", r"rope|rotary|kv_store|store_kv|reshape_and_cache|kvcache"),
-    ("attention", r"paged_|flash|fwd_kernel|attn|attention|splitkv|combine|_merge|prefill|decode"),
+    ("attention", r"paged_|flash|fwd_kernel|attn|attention|sdpa|fmha|splitkv|combine|_merge|prefill|decode"),
     ("GEMM / GEMV", r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|fused_linear|_linear|Kernel2|splitKreduce"),
     ("RMSNorm (+ add)", r"rms|norm|rsqrt"),
     ("SiLU-and-mul", r"silu|act_and_mul|swiglu"),
