@@ -29,7 +29,6 @@ from engine.kernels import torch_ops  # noqa: E402
 from engine.kernels import triton_ops as tk  # noqa: E402
 from engine.kernels.metadata import AttentionMetadata  # noqa: E402
 from engine.kernels.decode_attention import decode_num_splits  # noqa: E402
-from engine.kernels.paged_attention import DENSE_MIN_TOKENS, dense_applies, dense_prompts  # noqa: E402
 from engine.models.presets import preset_config  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -261,11 +260,6 @@ def bench_prefill(ceil, sweep, fp8=False):
         main = row("paged_prefill", f"{label} H={H}/{HK} D={D}", bench(tri),
                    bench(lambda: torch_ops.paged_attention(q, kc, vc, md, scale), rep=50),
                    nbytes=nbytes, flops=flops, err=err, ceil=ceil, bound="flop")
-        dense = dense_prompts(md, DENSE_MIN_TOKENS) if dense_applies(q.device, q.dtype, kc.dtype) else []
-        if dense:                                            # the fresh prompts in the Triton prefill kernel instead
-            main["dense_prompts"] = len(dense)
-            main["paged_kernel_us"] = bench(
-                lambda: tk.paged_attention(q, kc, vc, md, scale, config=dict(dense_min_tokens=0))) * 1e3
         if fp8 and q.dtype == torch.bfloat16:                # the codes converted to bf16 for the products
             main["bf16_products_us"] = bench(
                 lambda: tk.paged_attention(q, kc, vc, md, scale, config=dict(f16_dot=False))) * 1e3
@@ -371,7 +365,6 @@ def main():
               + (f"  decodes-in-prefill {r['decodes_in_prefill_kernel_us']:.1f}us"
                  if "decodes_in_prefill_kernel_us" in r else "")
               + (f"  bf16 products {r['bf16_products_us']:.1f}us" if "bf16_products_us" in r else "")
-              + (f"  {r['dense_prompts']} dense; Triton alone {r['paged_kernel_us']:.1f}us" if "paged_kernel_us" in r else "")
               + (f"  one sequence {r['one_sequence_us']:.1f}us" if "one_sequence_us" in r else ""))
     print(f"total {time.time() - t0:.0f} s; json: {path}")
 

@@ -9,8 +9,6 @@ import torch
 
 from engine.kernels import ops
 from engine.kernels import triton_ops as tk
-from engine.kernels import paged_attention as pa
-from engine.kernels.paged_attention import DENSE_MIN_TOKENS
 from engine.kernels.paged_attention_ref import paged_attention_decode_ref, paged_attention_ref
 from kernel_helpers import DEV, DTYPES, GPU, TOL, gpu_only, make_batch, rel_err
 
@@ -61,43 +59,6 @@ def test_paged_attention_mixed_split_decodes(dtype):
     # decodes of a mixed batch through the varlen split-K kernel, one of them a single key
     batch = make_batch([1, 12, 1, 1], [90, 12, 1, 47], bs=8, dtype=dtype, **SMALL)
     _check_attention(*batch, dtype, config=dict(decode_splits=4))
-
-
-DENSE_CASES = {                                              # name: (q_lens, seq_lens, block_size, dense_min_tokens)
-    "mixed": ([1, 40, 11, 1, 23], [70, 40, 50, 5, 23], 4, 20),   # two fresh prompts dense, a chunk and decodes not
-    "dense_only": ([1, 37, 1], [9, 37, 60], 8, 16),           # no prefill-kernel launch left
-    "below_min": ([19, 1], [19, 30], 4, 20),                 # one token short: the prefill kernel's
-}
-if GPU:
-    DENSE_CASES.update({
-        "big": ([1] * 8 + [1500, 2048, 700, 1100], [3000] * 8 + [1500, 2048, 1800, 1100], 16, None),
-    })
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(DENSE_CASES))
-def test_paged_attention_dense_prefills(dtype, case, monkeypatch):
-    # fresh prompts through torch's fused attention (cuDNN on GPUs) beside the prefill kernel, which skips exactly
-    # those; the caches' unused slots hold NaN, so a padded or misread key would show
-    q_lens, seq_lens, bs, dense_min = DENSE_CASES[case]
-    shp = dict(H=32, Hk=8, D=128) if case == "big" else SMALL
-    q, kc, vc, md = make_batch(q_lens, seq_lens, bs=bs, dtype=dtype, **shp)
-    cfg = {} if dense_min is None else {"dense_min_tokens": dense_min}
-    _check_attention(q, kc, vc, md, dtype, config=cfg)
-    if dense_min is None and dtype == torch.float32:      # by default only a 16-bit cache on CUDA goes dense
-        assert not md.plans
-        return
-    dense_min = dense_min or DENSE_MIN_TOKENS
-    fresh = [i for i, (n, s) in enumerate(zip(q_lens, seq_lens)) if n == s and n >= dense_min]
-    assert md.plans[("dense", dense_min)] == fresh and (fresh or case == "below_min")
-    # without the dense rows, the kernels leave exactly those rows unwritten
-    monkeypatch.setattr(pa, "dense_attention", lambda *a: None)
-    out = torch.full(q.shape, float("nan"), device=DEV, dtype=dtype)
-    tk.paged_attention(q, kc, vc, md, 0.1, out=out, config=cfg)
-    cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
-    for i in range(len(q_lens)):
-        rows = out[cu[i]:cu[i + 1]]
-        assert rows.isnan().all() if i in fresh else rows.isfinite().all()
 
 
 @pytest.mark.parametrize("empty", [1, 7])

@@ -1,7 +1,7 @@
 """AttentionMetadata: how one step's packed tokens map onto sequences and the paged KV pool."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,8 +26,6 @@ class AttentionMetadata:
     mixed_splits: int = 0          # > 0: a mixed step captured in a CUDA graph (padded tokens, seq_lens.shape[0]
     #                                sequence slots): attention launches depend on tensor shapes only, and
     #                                decodes use this many splits; the host lists are not read
-    # what the attention kernels work out once per step, by name; a dataclasses.replace copy starts empty
-    plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -8,30 +8,18 @@ Two kernels share one inner loop (online softmax in fp32, exp2 with the scale fo
 - decode (q_len == 1): the split-K kernel of decode_attention.py. In a mixed batch the decodes run there
   too and the prefill kernel skips them, so a long decode is not computed with a 128-row tile that holds
   one real query.
-- dense (CUDA, a cache in the model's 16-bit dtype): a fresh prompt of at least DENSE_MIN_TOKENS (no cached
-  prefix, its first chunk) attends only to its own keys, so it runs through torch's fused causal attention
-  (cuDNN's on Hopper, faster there than the Triton prefill kernel) and the prefill kernel skips it.
 A mixed step replayed from a CUDA graph (md.mixed_splits > 0) launches both kernels at sizes fixed by its
 tensors' shapes; sequences with q_len 0 (unused slots) own one program that returns at once.
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kernels.attention_core import LOG2E, _attn_range, _dot_prec, f16_dot_applies
 from engine.kernels.decode_attention import _decode_config, _launch_decode, decode_num_splits, paged_attention_decode
 from engine.kernels.metadata import AttentionMetadata
-
-DENSE_MIN_TOKENS = 1024        # shorter fresh prompts stay in the prefill kernel
-DENSE_PAD = 256                # dense lengths are padded to a multiple: a bounded set of shapes, planned at warm-up
-_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-               SDPBackend.MATH]
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])   # run-time sizes: no recompile per value
@@ -40,8 +28,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     G: tl.constexpr, GP: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                    dense_min, SKIP_DECODES: tl.constexpr, SKIP_DENSE: tl.constexpr, DOT_PREC: tl.constexpr,
-                    F16_DOT: tl.constexpr):
+                    SKIP_DECODES: tl.constexpr, DOT_PREC: tl.constexpr, F16_DOT: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # sequence i owns programs [cu_q[i] // BQ + i, cu_q[i+1] // BQ + i + 1): at least cdiv(q_len, BQ)
@@ -63,14 +50,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, 
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     tile = (pid - q_start // BQ - seq) * BQ                  # first query of this tile in its sequence
-    seq_len = tl.load(seq_lens_ptr + seq)
     skip = tile >= q_len
     if SKIP_DECODES:                                         # q_len == 1: the decode kernel's
         skip = skip | (q_len == 1)
-    if SKIP_DENSE:                                           # a fresh prompt this long: dense_attention's
-        skip = skip | ((q_len == seq_len) & (q_len >= dense_min))
     if skip:
         return
+    seq_len = tl.load(seq_lens_ptr + seq)
     first = seq_len - q_len + tile                           # absolute position of the tile's first query
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -123,9 +108,8 @@ def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: tor
 
 # ---------------------------------------------------------------- launchers
 
-def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes, dense_min=0):
-    """The prefill kernel over md's B sequences: grid (T // BQ + B, Hk), T = q.shape[0]. dense_min > 0: fresh
-    prompts of at least that many tokens are skipped (dense_attention's)."""
+def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes):
+    """The prefill kernel over md's B sequences: grid (T // BQ + B, Hk), T = q.shape[0]."""
     T, H, D = q.shape
     Hk, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hk
@@ -137,8 +121,7 @@ def _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         G=G, GP=GP, BQ=BQ, BLOCK_M=max(16, BQ * GP), BLOCK_N=pcfg["BLOCK_N"], BLOCK_SIZE=bs, D=D,
-        BD=triton.next_power_of_2(D), dense_min=dense_min, SKIP_DECODES=skip_decodes, SKIP_DENSE=dense_min > 0,
-        DOT_PREC=_dot_prec(q.dtype),
+        BD=triton.next_power_of_2(D), SKIP_DECODES=skip_decodes, DOT_PREC=_dot_prec(q.dtype),
         F16_DOT=pcfg.get("f16_dot", False) and f16_dot_applies(q.dtype, k_cache.dtype),
         num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
 
@@ -149,9 +132,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of packed varlen queries over paged KV; same contract as torch_ops.paged_attention.
     q [T, H, D] (any strides, D contiguous) -> [T, H, D]. Decode-only batches take the split-K kernel;
     in mixed batches the decodes take it too (config: decodes_apart=False keeps them in the prefill
-    kernel, decode_splits=N forces their split count, dense_min_tokens=N sends fresh prompts of N tokens or more
-    to dense_attention on any device, 0 never; other keys tune the prefill kernel). pdl: decode-only batches launch
-    as programmatic dependents (Hopper+, compiled Triton)."""
+    kernel, decode_splits=N forces their split count; other keys tune the prefill kernel). pdl: decode-only
+    batches launch as programmatic dependents (Hopper+, compiled Triton)."""
     if md.mixed_splits:
         return _paged_attention_graphed(q, k_cache, v_cache, md, scale, out)
     T, H, D = q.shape
@@ -160,7 +142,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     B = md.num_seqs
     cfg = dict(config or {})
     apart, dec_splits = cfg.pop("decodes_apart", True), cfg.pop("decode_splits", None)
-    dense_min = cfg.pop("dense_min_tokens", DENSE_MIN_TOKENS if dense_applies(q.device, q.dtype, k_cache.dtype) else 0)
     if md.max_seqlen_q == 1 and T == B and not cfg:
         return paged_attention_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale,
                                       md.max_seqlen_k, out=out, num_splits=dec_splits, pdl=pdl)
@@ -170,59 +151,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if T == 0:
         return out
     n_dec = sum(1 for n in md.q_lens if n == 1) if apart else 0
-    dense = dense_prompts(md, dense_min) if dense_min else []
-    if dense:
-        dense_attention(q, k_cache, v_cache, md, scale, out, dense)
-    picked = set(dense)
-    max_q = max((n for i, n in enumerate(md.q_lens) if (n != 1 or not n_dec) and i not in picked), default=1)
-    if n_dec + len(dense) < B:
+    max_q = max((n for n in md.q_lens if n != 1 or not n_dec), default=1)
+    if n_dec < B:
         pcfg = dict(_prefill_config(triton.next_power_of_2(G), D, max_q, q.dtype, q.device, k_cache.dtype), **cfg)
-        _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes=n_dec > 0,
-                        dense_min=dense_min if dense else 0)
+        _launch_prefill(q, k_cache, v_cache, md, scale, B, pcfg, out, skip_decodes=n_dec > 0)
     if n_dec:
         S = dec_splits or decode_num_splits(n_dec, Hk, md.max_seqlen_k, q.device)
         _launch_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.cu_seqlens_q, scale, B, S,
                        _decode_config(G, D, q.dtype, q.device, S, k_cache.dtype), out)
     return out
-
-
-def dense_applies(device: torch.device, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Fresh long prompts take dense_attention by default: on CUDA, with the cache in the model's 16-bit dtype."""
-    return device.type == "cuda" and q_dtype in (torch.bfloat16, torch.float16) and cache_dtype == q_dtype
-
-
-def dense_prompts(md: AttentionMetadata, min_tokens: int) -> list[int]:
-    """Indices of md's fresh prompts (q_len == seq_len) of at least min_tokens, worked out once per step."""
-    key = ("dense", min_tokens)
-    if md.plans.get(key) is None:
-        md.plans[key] = [i for i, (n, s) in enumerate(zip(md.q_lens, md.seq_lens_cpu)) if n == s and n >= min_tokens]
-    return md.plans[key]
-
-
-def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float, out: torch.Tensor, seqs: list[int]) -> None:
-    """Causal attention of the fresh prompts seqs through torch's fused SDPA (cuDNN first), into out's rows.
-    Each prompt's K/V are read back from its blocks and its GQA heads repeated; the length L is zero-padded to
-    Lp, a multiple of DENSE_PAD, after the real tokens, which causality hides from every real query."""
-    T, H, D = q.shape
-    bs, Hk = k_cache.shape[1], k_cache.shape[2]
-    G = H // Hk
-    starts = md.plans.get("q_starts")
-    if starts is None:
-        starts = md.plans["q_starts"] = [0, *itertools.accumulate(md.q_lens)]
-    with sdpa_kernel(_SDPA_ORDER, set_priority=True):
-        for i in seqs:
-            s, L = starts[i], md.q_lens[i]
-            Lp = -(-L // DENSE_PAD) * DENSE_PAD
-            blocks = md.block_tables[i, :-(-L // bs)]
-            kv = []
-            for cache in (k_cache, v_cache):
-                x = q.new_zeros(Lp, Hk, G, D)
-                x[:L] = cache.index_select(0, blocks).flatten(0, 1)[:L, :, None, :]   # [L, Hk, 1, D] over G
-                kv.append(x.view(Lp, H, D).transpose(0, 1)[None])                     # [1, H, Lp, D]
-            qi = F.pad(q[s:s + L], (0, 0, 0, 0, 0, Lp - L)).transpose(0, 1)[None]      # [1, H, Lp, D]
-            o = F.scaled_dot_product_attention(qi, kv[0], kv[1], is_causal=True, scale=scale)
-            out[s:s + L] = o[0, :, :L].transpose(0, 1)
 
 
 def _paged_attention_graphed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,

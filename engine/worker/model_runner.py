@@ -180,18 +180,12 @@ class ModelRunner:
         self.warmup_attention()
 
     def warmup_attention(self) -> None:
-        """Compile the attention variants of every length up front, and plan dense attention for every fresh
-        prompt length a step can hold (no collectives: each rank alone)."""
+        """Compile the decode-attention variants of every length up front (no collectives: each rank alone)."""
         if self.device.type == "cuda" and self.model.ops.name == "triton":
-            from engine.kernels.attention_warmup import warmup_dense, warmup_variants
+            from engine.kernels.attention_warmup import warmup_variants
             layer = self.model.model.layers[0].self_attn
             warmup_variants(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, self.max_model_len,
                             pdl=self.model.gemv_pdl, q_dtype=self.dtype)
-            s = self.config.scheduler_config
-            longest = self.max_model_len
-            if s.enable_chunked_prefill and s.max_num_batched_tokens:
-                longest = min(longest, s.max_num_batched_tokens)
-            warmup_dense(layer.k_cache, layer.v_cache, self.model.cfg.num_heads, longest, self.dtype)
 
     # ---- the host tier -------------------------------------------------------------------------
     @torch.inference_mode()
