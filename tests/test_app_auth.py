@@ -95,7 +95,8 @@ def test_app_cli_missing_model_exits_2(capsys):
     (["--port", "-5"], "--port: must be in [0, 65535]"),
     (["--host", "0.0.0.0", "--model", "dummy:tiny"], "--allow-unauthenticated"),
     (["--num-kv-blocks", "1", "--model", "dummy:tiny"], "num_kv_blocks"),
-], ids=["port", "exposed", "config"])
+    (["--stream-interval", "0", "--model", "dummy:tiny"], "--stream-interval: must be >= 1"),
+], ids=["port", "exposed", "config", "stream-interval"])
 def test_api_server_cli_mistakes_exit_2(capsys, argv, words):
     from engine.entrypoints.openai.api_server import main
     with pytest.raises(SystemExit) as e:

@@ -138,3 +138,53 @@ def test_a_subscribed_stream_lets_go_of_each_output_once_handed_over(loop):
     late.result(60)
     replay = list(late)
     assert replay[-1] is late.final and sum(len(o.delta_token_ids) for o in replay) == 24
+
+
+def _token_outputs(n: int) -> list[RequestOutput]:
+    """A request's n step outputs of one token each, the last one finished."""
+    m = RequestMetrics(arrival_time=0.0)
+    return [RequestOutput("r", None, [1], "x" * k, list(range(100, 100 + k)), "x", [99 + k], k == n,
+                          "length" if k == n else None, m) for k in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("interval,sizes", [(1, [1] * 10), (4, [1, 4, 4, 1]), (3, [1, 3, 3, 3]), (20, [1, 9])])
+def test_stream_interval_holds_a_choices_tokens_until_it_has_that_many(loop, interval, sizes):
+    """vLLM's --stream-interval: the first token leaves at once, then a chunk waits for `interval` new tokens;
+    the last chunk leaves at once with whatever was held. No token is lost or reordered."""
+    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=interval)
+    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
+    sent = []
+    for x in _token_outputs(10):
+        out = job.hold_back(0, x)
+        if out is not None:
+            sent.append(out)
+            job.first_sent[0] = job.first_sent[0] or 1.0      # what outputs() stamps once a chunk is handed on
+    assert [len(o.delta_token_ids) for o in sent] == sizes
+    assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
+    assert sent[-1].finished and "".join(o.delta_text for o in sent) == "x" * 10
+
+
+def test_stream_interval_through_a_live_stream(loop):
+    """A streamed completion read while the engine runs, under --stream-interval 4: every chunk between the first
+    and the last carries at least 4 tokens, and the chunks' tokens are the request's."""
+    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=4)
+    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
+    req = CompletionRequest(model="dummy:tiny", prompt=[1, 2, 3], max_tokens=23, stream=True, return_token_ids=True,
+                            ignore_eos=True)
+
+    async def run():
+        stream = loop.submit([1, 2, 3], params)
+        return stream, await _chunks(serving, loop, [stream], [[1, 2, 3]], [params], req)
+
+    stream, chunks = asyncio.run(run())
+    content = [c["choices"][0]["token_ids"] for c in chunks if c["choices"]]
+    assert [t for ids in content for t in ids] == list(stream.result(timeout=60).token_ids)
+    assert all(len(ids) >= 4 for ids in content[1:-1])
+
+
+def test_stream_interval_below_one_is_refused():
+    from fastapi import FastAPI
+
+    from engine.entrypoints.openai.api_server import register
+    with pytest.raises(ValueError, match="stream_interval: must be an int >= 1"):
+        register(FastAPI(), lambda: None, stream_interval=0)

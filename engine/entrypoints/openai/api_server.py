@@ -118,7 +118,7 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
              served_model_name: str | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
              metrics: ServerMetrics | None = None, tool_call_parser: str | None = None,
-             tracer: RequestTracer | None = None) -> OpenAIServing:
+             tracer: RequestTracer | None = None, stream_interval: int = 1) -> OpenAIServing:
     """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
 
     get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
@@ -128,13 +128,17 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     retry_after_s: the Retry-After of 503s. metrics: a ServerMetrics to share (default: a new registry).
     tool_call_parser: how tool calls are read from the output ("hermes", "llama3_json"; None: from the model).
     tracer: exports a span per finished request (OpenTelemetry; tracing.py).
+    stream_interval: a stream's chunk waits until it holds this many new tokens (its first token and its
+    last chunk leave at once), as vLLM's --stream-interval: fewer, fuller chunks for clients that pay per chunk.
     Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
     if not (isinstance(max_body_bytes, int) and max_body_bytes >= 1024):
         raise ValueError(f"max_body_bytes: must be an int >= 1024 (got {max_body_bytes!r})")
+    if not (isinstance(stream_interval, int) and stream_interval >= 1):
+        raise ValueError(f"stream_interval: must be an int >= 1 (got {stream_interval!r})")
     server = OpenAIServing(get_loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
-                           retry_after_s, metrics)
+                           retry_after_s, metrics, stream_interval)
     server.tracer = tracer
     serving_completion = OpenAIServingCompletion(server)
     serving_chat = OpenAIServingChat(server, tool_call_parser)
@@ -286,6 +290,16 @@ def port_number(text: str) -> int:
     return port
 
 
+def token_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
+    return n
+
+
 def bind_socket(host: str, port: int, prog: str | None = None):
     """A listening socket on host:port, bound before the engine loads so a taken port fails at once."""
     import socket
@@ -332,6 +346,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds before a request is aborted with 504 (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
+    g.add_argument("--stream-interval", type=token_count, default=1,
+                   help="tokens a streamed chunk waits for (the first token and the last chunk leave at once); "
+                        "1 sends each engine step's tokens as they come, more sends fewer, fuller chunks")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's output (default: from its chat template)")
     g.add_argument("--otlp-traces-endpoint", default=None,
@@ -366,6 +383,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     return dict(api_key=args.api_key, served_model_name=args.served_model_name,
                 request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
                 retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser,
+                stream_interval=args.stream_interval,
                 tracer=None if args.otlp_traces_endpoint is None else RequestTracer(args.otlp_traces_endpoint))
 
 

@@ -94,6 +94,7 @@ class Job:
         self._q: asyncio.Queue | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._backlog: deque = deque()
+        self._held: list[list[RequestOutput]] = [[] for _ in streams]   # per choice, under stream_interval
         self._tasks: list[asyncio.Task] = []
 
     def attach(self) -> None:
@@ -141,6 +142,22 @@ class Job:
         self._backlog = deque(e for e in self._backlog if id(e[1]) not in merged)
         return i, merge_outputs(later)
 
+    def hold_back(self, i: int, x: RequestOutput) -> RequestOutput | None:
+        """Under the server's stream_interval N > 1, choice i's output x waits with those held before it until
+        together they carry N new tokens; the first output with tokens and the last one leave at once (held ones
+        merged in), as vLLM's output processor does. Returns what to send now, or None."""
+        held = self._held[i]
+        if self.server.stream_interval > 1 and not x.finished and self.first_sent[i] is not None:
+            held.append(x)
+            if sum(len(o.delta_token_ids) for o in held) < self.server.stream_interval:
+                return None
+        elif held:
+            held.append(x)
+        else:
+            return x
+        self._held[i] = []
+        return merge_outputs(held)
+
     async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) in arrival order until every choice finished."""
         while not all(self.closed):
@@ -156,6 +173,9 @@ class Job:
                     raise engine_stopped(x, self.server.retry_after_s)
                 raise APIError(f"engine error: {x}", 500, "server_error", code="engine_error")
             if not hasattr(x, "finished"):    # the end-of-stream marker
+                continue
+            x = self.hold_back(i, x)
+            if x is None:
                 continue
             first = self.first_sent[i] is None and bool(x.delta_token_ids)
             if x.finished:

@@ -45,13 +45,14 @@ class OpenAIServing:
 
     def __init__(self, get_loop: Callable[[], EngineLoop], api_key: str | None, served_model_name: str | None,
                  request_timeout: float | None, max_body_bytes: int, retry_after_s: int,
-                 metrics: ServerMetrics | None):
+                 metrics: ServerMetrics | None, stream_interval: int = 1):
         self.get_loop = get_loop
         self.api_key = api_key
         self.served_model_name = served_model_name
         self.request_timeout = request_timeout
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
+        self.stream_interval = stream_interval             # tokens per streamed chunk, at least (vLLM's)
         self.metrics = metrics or ServerMetrics(self.loop_or_none, self.model_name_of)
         self.tracer: RequestTracer | None = None          # OpenTelemetry spans (--otlp-traces-endpoint)
         self.created = int(time.time())
