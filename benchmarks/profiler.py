@@ -1,9 +1,10 @@
 """Where the time goes: the benchmarks say how fast, these profiles say why. One subcommand per question:
 
     python benchmarks/profiler.py kernels --engine kvscope|vllm [--shape llama-3.1-8b]
-            [--workload nano|prefill|longctx|decode] [--kv-cache-dtype fp8]
+            [--workload nano|prefill|longctx|decode|burst] [--kv-cache-dtype fp8]
         a whole offline run's GPU time per kernel class and top kernels, kvscope or vLLM on the same workload
-        (PYTHONPATH=$HOME/vsite for vLLM)                               -> kernels_profile_<engine>_<device>_...
+        (burst: the serving suite's 512 prompts at once, each engine with its server's settings;
+        PYTHONPATH=$HOME/vsite for vLLM)                               -> kernels_profile_<engine>_<device>_...
     python benchmarks/profiler.py decode [--shape llama-3.1-8b] [--steps 8] [--pdl 0] [--gemv-table T.json] [--tp 2]
         one batch-1 decode step's kernels per iteration (rank 0's with --tp), against the HBM floor and the
         unprofiled wall time per iteration                          -> profile_decode_<device>_<shape>[_tp2]
@@ -113,7 +114,8 @@ def kernel_table(prof, cuda: bool) -> tuple[list[dict], list[dict], float]:
 
 def kvscope_runner(shape: str, prompts, outs, max_model_len: int, **cfg):
     from engine import LLM, SamplingParams
-    llm = LLM(f"dummy:{shape}", max_model_len=max_model_len, max_num_seqs=256, max_num_batched_tokens=16384, **cfg)
+    llm = LLM(f"dummy:{shape}", max_model_len=max_model_len, **{"max_num_seqs": 256, "max_num_batched_tokens": 16384,
+                                                                   **cfg})
     # warm-up at the workload's lengths (reversed: no prefix-cache hits later), as bench_gpu.run_engine: a short
     # prompt alone left Triton specializations and first-use costs in the unprofiled run (fp8 8B nano: 12.74 s
     # unprofiled first run, 12.29 s profiled second run)
@@ -126,7 +128,8 @@ def kvscope_runner(shape: str, prompts, outs, max_model_len: int, **cfg):
     return go
 
 
-def vllm_runner(shape: str, prompts, outs, max_model_len: int, quantization: str | None, kv_cache_dtype: str):
+def vllm_runner(shape: str, prompts, outs, max_model_len: int, quantization: str | None, kv_cache_dtype: str,
+                **cfg):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")      # in this process: the profiler sees it
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
@@ -135,7 +138,7 @@ def vllm_runner(shape: str, prompts, outs, max_model_len: int, quantization: str
     folder = Path(tempfile.mkdtemp(prefix="vllm_cfg_"))
     write_config(shape, folder)
     llm = LLM(model=str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=max_model_len, seed=0, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+              max_model_len=max_model_len, seed=0, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **cfg)
     llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:8]],
                  SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True, detokenize=False) for o in outs]
@@ -154,6 +157,24 @@ def decode_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     return [torch.randint(0, 10000, (k,), generator=g).tolist() for k in lens], [256] * n
 
 
+def burst_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """The serving suite's burst as one offline batch: n prompts of 256-768 random ids and 128-384 output tokens
+    (input 512 / output 256, range ratio 0.5), all admitted at once."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(256, 769, (n,), generator=g).tolist()
+    return [torch.randint(0, 10000, (k,), generator=g).tolist() for k in lens], torch.randint(128, 385, (n,), generator=g).tolist()
+
+
+def serving_configs() -> tuple[dict, dict]:
+    """(kvscope, vLLM) engine settings of their OpenAI servers, for an offline run that stands in for one: kvscope's
+    server defaults (a pool-derived max_num_seqs, its device token budget, 4 ms multi-step blocks) and vLLM's
+    (8,192 batched tokens and 1,024 sequences on an H100 or H200, where its offline LLM takes 16,384)."""
+    from engine.entrypoints.openai.api_server import SERVER_ENGINE_DEFAULTS
+    return ({"max_num_seqs": None, "max_num_batched_tokens": None,
+             "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]},
+            {"max_num_batched_tokens": 8192, "max_num_seqs": 1024})
+
+
 def cmd_kernels(args) -> None:
     """torch.profiler records every CUDA kernel of a whole offline run (graph replays included); kernels are
     grouped into classes by name. vLLM runs in this process with its warm-up (compile, graph capture) before
@@ -167,18 +188,22 @@ def cmd_kernels(args) -> None:
     elif args.workload == "decode":
         prompts, outs = decode_workload(args.requests or 64)
         max_len = 2048
+    elif args.workload == "burst":
+        prompts, outs = burst_workload(args.requests or 512)
+        max_len = 4096
     else:
         prompts, outs = long_context_workload(args.requests or 200)
         max_len = 5200
     quant = args.quantization or None
     kv_dtype = args.kv_cache_dtype
+    kv_serving, vllm_serving = serving_configs() if args.workload == "burst" else ({}, {})
     if args.engine == "kvscope":
-        cfg = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+        cfg = dict(kv_serving, **{k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set)})
         cfg.update({"quantization": quant} if quant else {})
         cfg.update({"kv_cache_dtype": kv_dtype} if kv_dtype != "auto" else {})
         go = kvscope_runner(args.shape, prompts, outs, max_len, **cfg)
     else:
-        go = vllm_runner(args.shape, prompts, outs, max_len, quant, kv_dtype)
+        go = vllm_runner(args.shape, prompts, outs, max_len, quant, kv_dtype, **vllm_serving)
     # the profiled run's ids are shifted so that neither engine's prefix cache serves it from the first run
     sync()
     t = time.perf_counter()
@@ -928,9 +953,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = sub.add_parser("kernels", help="a whole offline run's GPU time per kernel, kvscope or vLLM")
     p.add_argument("--engine", choices=["kvscope", "vllm"], default="kvscope")
     p.add_argument("--shape", default="llama-3.1-8b")
-    p.add_argument("--workload", choices=["nano", "prefill", "longctx", "decode"], default="nano",
-                   help="longctx: nano's outputs after 2-4k-token prompts (bench_gpu.py --sections longctx)")
-    p.add_argument("--requests", type=int, default=0, help="default: 256 (nano) / 128 (prefill) / 200 (longctx)")
+    p.add_argument("--workload", choices=["nano", "prefill", "longctx", "decode", "burst"], default="nano",
+                   help="longctx: nano's outputs after 2-4k-token prompts (bench_gpu.py --sections longctx); burst: "
+                        "the serving suite's burst (input 512 / output 256 ±50%%) with each server's settings")
+    p.add_argument("--requests", type=int, default=0,
+                   help="default: 256 (nano) / 128 (prefill) / 200 (longctx) / 64 (decode) / 512 (burst)")
     p.add_argument("--quantization", default="", help="fp8 etc. (both engines)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="both engines")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
