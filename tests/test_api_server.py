@@ -501,3 +501,29 @@ def test_vllm_metric_families(srv, client):
     steps = metric_sum(after, "kvscope:iteration_tokens_total_count") - metric_sum(before, "kvscope:iteration_tokens_total_count")
     tokens = metric_sum(after, "kvscope:iteration_tokens_total_sum") - metric_sum(before, "kvscope:iteration_tokens_total_sum")
     assert steps >= 3 and tokens >= 2 * 3       # 2 requests x 3 tokens, prompt tokens on top (other tests may run)
+
+
+def test_stream_interval_over_http(loop, client):
+    """--stream-interval 3 through the official client: a streamed chat gives the non-streamed message, and
+    streamed completions (two choices, logprobs) the non-streamed texts, token ids and logprobs, in chunks of at
+    least 3 tokens between each choice's first and last."""
+    with ServerThread(build_app(loop, stream_interval=3)) as s:
+        oai = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Count to ten."}]
+        kw = dict(model=MODEL, max_tokens=17, temperature=0, extra_body=NO_EOS)
+        full = oai.chat.completions.create(messages=msgs, **kw).choices[0].message.content
+        chunks = list(oai.chat.completions.create(messages=msgs, stream=True, **kw))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full
+        body = dict(kw["extra_body"], return_token_ids=True)
+        ref = client.completions.create(model=MODEL, prompt="Once upon", n=2, max_tokens=17, temperature=0,
+                                        logprobs=1, extra_body=body)
+        per = {0: [], 1: []}
+        for ch in oai.completions.create(model=MODEL, prompt="Once upon", n=2, max_tokens=17, temperature=0,
+                                         logprobs=1, stream=True, extra_body=body):
+            for c in ch.choices:
+                per[c.index].append(c)
+        for i, got in per.items():
+            assert "".join(c.text for c in got) == ref.choices[i].text
+            assert [t for c in got for t in c.token_ids] == ref.choices[i].token_ids
+            assert [x for c in got for x in c.logprobs.token_logprobs] == ref.choices[i].logprobs.token_logprobs
+            assert all(len(c.token_ids) >= 3 for c in got[1:-1]) and got[-1].finish_reason == "length"
