@@ -28,10 +28,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import gradio as gr  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import SERVER_ENGINE_DEFAULTS, EngineConfig  # noqa: E402
 from engine.runtime.llm_engine import resolve_device  # noqa: E402
-from engine.entrypoints.openai.api_server import (SERVER_ENGINE_DEFAULTS, CliParser, add_http_args,  # noqa: E402
-                                                  bind_socket, cli_error, http_limits_from_args, port_number)
+from engine.entrypoints.openai.api_server import (CliParser, add_http_args, bind_socket, cli_error,  # noqa: E402
+                                                  http_limits_from_args, port_number)
 from engine.entrypoints.openai.auth import check_exposure  # noqa: E402
 from engine.entrypoints.openai.connection import HttpLimits, set_ulimit  # noqa: E402
 from engine.runtime.gc_utils import freeze_gc_heap  # noqa: E402

@@ -54,6 +54,7 @@ from benchmarks.bench_gpu import (copy_bandwidth, long_context_workload, model_b
                                   prefill_workload)  # noqa: E402
 from benchmarks.bench_spec import WORKLOADS, run_mode, switch_drafter  # noqa: E402
 from benchmarks.common import device_name, load_gemv_table, print_table, slug, write_json  # noqa: E402
+from engine.config import SERVER_ENGINE_DEFAULTS  # noqa: E402
 
 NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=4)
 NOT_KERNELS = ("aten::", "cuda", "Activity", "ProfilerStep")      # profiler rows that are not device kernels
@@ -169,7 +170,6 @@ def serving_configs() -> tuple[dict, dict]:
     """(kvscope, vLLM) engine settings of their OpenAI servers, for an offline run that stands in for one: kvscope's
     server defaults (a pool-derived max_num_seqs, its device token budget, 4 ms multi-step blocks) and vLLM's
     (8,192 batched tokens and 1,024 sequences on an H100 or H200, where its offline LLM takes 16,384)."""
-    from engine.entrypoints.openai.api_server import SERVER_ENGINE_DEFAULTS
     return ({"max_num_seqs": None, "max_num_batched_tokens": None,
              "multi_step_max_ms": SERVER_ENGINE_DEFAULTS["multi_step_max_ms"]},
             {"max_num_batched_tokens": 8192, "max_num_seqs": 1024})

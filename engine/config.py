@@ -268,6 +268,9 @@ SECTIONS: dict[str, type] = {
 }
 # flat field name -> the section attribute holding it
 FIELD_SECTION: dict[str, str] = {f.name: attr for attr, cls in SECTIONS.items() for f in fields(cls)}
+# EngineConfig defaults a server changes: a bounded waiting queue (over it: 503), and multi-step blocks short
+# enough that streamed tokens arrive about every 4 ms (offline LLM.generate keeps whole blocks).
+SERVER_ENGINE_DEFAULTS = {"max_waiting_requests": 256, "multi_step_max_ms": 4.0}
 
 
 @dataclass(frozen=True, init=False)

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.runtime.async_engine import EngineLoop
 from engine.runtime.gc_utils import freeze_gc_heap
 from engine.runtime.process_name import set_process_name
-from engine.config import EngineConfig, add_cli_args
+from engine.config import SERVER_ENGINE_DEFAULTS, EngineConfig, add_cli_args
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, check_exposure
 from engine.entrypoints.openai.connection import HttpLimits, set_ulimit
@@ -54,9 +54,6 @@ from engine.entrypoints.openai.tracing import RequestTracer
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-# EngineConfig defaults a server changes: a bounded waiting queue (over it: 503), and multi-step blocks short
-# enough that streamed tokens arrive about every 4 ms (offline LLM.generate keeps whole blocks).
-SERVER_ENGINE_DEFAULTS = {"max_waiting_requests": 256, "multi_step_max_ms": 4.0}
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 GPU_API_SERVER_COUNT = 4        # --api-server-count on a GPU (docs/serving.md, "One API server process or four")
 
