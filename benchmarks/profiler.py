@@ -159,11 +159,10 @@ def decode_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
 
 
 def burst_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """The serving suite's burst as one offline batch: n prompts of 256-768 random ids and 128-384 output tokens
-    (input 512 / output 256, range ratio 0.5), all admitted at once."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(256, 769, (n,), generator=g).tolist()
-    return [torch.randint(0, 10000, (k,), generator=g).tolist() for k in lens], torch.randint(128, 385, (n,), generator=g).tolist()
+    """The serving suite's burst as one offline batch: decode_workload's prompts (256-768 random ids) with 128-384
+    output tokens (input 512 / output 256, range ratio 0.5), all admitted at once."""
+    prompts, _ = decode_workload(n, seed)
+    return prompts, torch.randint(128, 385, (n,), generator=torch.Generator().manual_seed(seed + 1)).tolist()
 
 
 def serving_configs() -> tuple[dict, dict]:

@@ -277,24 +277,22 @@ def cli_error(message: str, prog: str | None = None):
     raise SystemExit(2)
 
 
-def port_number(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535] (got {text!r})")
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (got {port})")
-    return port
+def int_flag(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi] (hi None: at least lo), its error naming the bound."""
+    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer {bound} (got {text!r})")
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"must be {bound} (got {n})")
+        return n
+    return parse
 
 
-def token_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
-    return n
+port_number = int_flag(0, 65535)
 
 
 def bind_socket(host: str, port: int, prog: str | None = None):
@@ -343,7 +341,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds before a request is aborted with 504 (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
-    g.add_argument("--stream-interval", type=token_count, default=1,
+    g.add_argument("--stream-interval", type=int_flag(1), default=1,
                    help="tokens a streamed chunk waits for (the first token and the last chunk leave at once); "
                         "1 sends each engine step's tokens as they come, more sends fewer, fuller chunks")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
