@@ -241,9 +241,9 @@ def bench_prefill(ceil, sweep, fp8=False):
     scale = D ** -0.5
     L, nd = SIZES["prefill"], SIZES["mixed_decodes"]
     sweeps = {"prefill": ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3),
-                          (128, 128, 8, 2), (128, 128, 8, 3)),
+                          (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3)),
               "verify": ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 32, 2, 3), (128, 64, 8, 3))}
-    sweeps["fresh"] = sweeps["prefill"]                      # unequal prompts: the same tilings
+    sweeps["fresh"] = sweeps["chunk"] = sweeps["prefill"]    # unequal prompts, chunks: the same tilings
     odd = [L * 3 // 8 + 3, L // 2 + 5, L * 3 // 4 + 1]
     for q_lens, seq_lens, label in (([L] * 4, [L] * 4, f"prefill 4x{L}"),
                                     (odd, odd, f"fresh {'+'.join(map(str, odd))}"),

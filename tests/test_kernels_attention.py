@@ -45,7 +45,7 @@ def test_paged_attention(dtype, case):
         _check_attention(*make_batch(q_lens, seq_lens, bs=bs, dtype=dtype, **shp), dtype)
 
 
-@pytest.mark.parametrize("block_m,block_n,apart", [(16, 16, True), (64, 16, False)])
+@pytest.mark.parametrize("block_m,block_n,apart", [(16, 16, True), (64, 16, False), (128, 128, True)])
 def test_paged_attention_tilings(block_m, block_n, apart):
     # small tiles: every causal diagonal offset modulo the key tile occurs (tile starts 2, 6, 10, 14, ...);
     # apart=False: the prefill kernel also serves the decode (one real query in its tile)

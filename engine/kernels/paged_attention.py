@@ -102,7 +102,9 @@ def _prefill_config(gp: int, d: int, max_q: int, dtype: torch.dtype, device: tor
         tiles = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     else:
         bm = min(128, max(16, triton.next_power_of_2(max_q) * gp))   # short queries (spec verify): smaller tiles
-        tiles = dict(BLOCK_M=bm, BLOCK_N=64, num_warps=8 if bm >= 128 else 4, num_stages=3)
+        # 128-key tiles pay at head_dim 128 with a cache in the model's dtype (H200 sweep in performance.md)
+        bn = 128 if bm >= 128 and d == 128 and cache_dtype in (None, dtype) else 64
+        tiles = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8 if bm >= 128 else 4, num_stages=3)
     return dict(tiles, f16_dot=f16_dot)
 
 
