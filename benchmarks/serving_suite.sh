@@ -14,7 +14,8 @@
 #   TARGETS=vllm,kvscope (default) picks the servers, in order; also kvscope-s256 (max_num_seqs 256, the old
 #   default), kvscope-ms50 (multi-step blocks up to 50 ms; the server's default is 4 ms), kvscope-api1 (one API
 #   server process; on a GPU the default is 4), kvscope-api4 (4, set explicitly), kvscope-si4 (--stream-interval 4:
-#   a chunk waits for 4 new tokens), and null: no engine, each
+#   a chunk waits for 4 new tokens), kvscope-si<T>ms (--stream-interval-ms T: a stream's chunks at least T ms
+#   apart, e.g. kvscope-si10ms), and null: no engine, each
 #   stream's first chunk at once and the rest at the cadence of the target before it, so that the side-by-side
 #   table sets every server's /metrics TTFT against the client's less the client's own (TARGETS=vllm,kvscope,null).
 #   Split a part that runs long by TARGETS.
@@ -45,8 +46,9 @@ target_args() {
       kvscope-api1) TARGET_ARGS+=(--target kvscope-api1=launch:--api-server-count=1) ;;
       kvscope-api4) TARGET_ARGS+=(--target kvscope-api4=launch:--api-server-count=4) ;;
       kvscope-si4) TARGET_ARGS+=(--target kvscope-si4=launch:--stream-interval=4) ;;
+      kvscope-si*ms) local ms=${t#kvscope-si}; TARGET_ARGS+=(--target "$t=launch:--stream-interval-ms=${ms%ms}") ;;
       null) TARGET_ARGS+=(--target null=null) ;;
-      *) echo "unknown target $t (vllm, kvscope, kvscope-s256, kvscope-ms50, kvscope-api1, kvscope-api4, kvscope-si4, null)"; exit 2 ;;
+      *) echo "unknown target $t (vllm, kvscope, kvscope-s256, kvscope-ms50, kvscope-api1, kvscope-api4, kvscope-si4, kvscope-si<T>ms, null)"; exit 2 ;;
     esac
   done
 }

@@ -96,7 +96,9 @@ def test_app_cli_missing_model_exits_2(capsys):
     (["--host", "0.0.0.0", "--model", "dummy:tiny"], "--allow-unauthenticated"),
     (["--num-kv-blocks", "1", "--model", "dummy:tiny"], "num_kv_blocks"),
     (["--stream-interval", "0", "--model", "dummy:tiny"], "--stream-interval: must be >= 1"),
-], ids=["port", "exposed", "config", "stream-interval"])
+    (["--stream-interval-ms", "2000", "--model", "dummy:tiny"], "--stream-interval-ms: must be in [0, 1000.0]"),
+    (["--stream-interval-ms", "soon", "--model", "dummy:tiny"], "--stream-interval-ms: must be a number in"),
+], ids=["port", "exposed", "config", "stream-interval", "stream-interval-ms", "stream-interval-ms-word"])
 def test_api_server_cli_mistakes_exit_2(capsys, argv, words):
     from engine.entrypoints.openai.api_server import main
     with pytest.raises(SystemExit) as e:

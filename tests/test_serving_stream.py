@@ -2,6 +2,7 @@
 without changing the text, the token ids or the per-token logprobs a client reassembles."""
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -164,6 +165,28 @@ def test_stream_interval_holds_a_choices_tokens_until_it_has_that_many(loop, int
     assert sent[-1].finished and "".join(o.delta_text for o in sent) == "x" * 10
 
 
+@pytest.mark.parametrize("interval,ms,sizes", [(1, 25, [1, 3, 2, 3, 1]), (2, 25, [1, 3, 2, 3, 1]),
+                                               (4, 15, [1, 4, 4, 1]), (1, 5, [1, 1, 1, 1, 2, 1, 1, 1, 1])])
+def test_stream_interval_ms_holds_a_choices_tokens_until_that_long_after_its_last_chunk(loop, interval, ms, sizes):
+    """--stream-interval-ms: after the first token a chunk waits until it holds `interval` tokens and `ms` have
+    passed since the choice's last chunk. Outputs of one token arrive at `clock`'s times (ms): every 10 ms but
+    for two close together (25, 28) and one after a stall (68); the last leaves at once."""
+    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=interval,
+                            stream_interval_ms=ms)
+    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
+    clock = [0.0, 10.0, 20.0, 25.0, 28.0, 68.0, 78.0, 88.0, 98.0, 108.0]
+    sent = []
+    for t, x in zip(clock, _token_outputs(10)):
+        out = job.hold_back(0, x, now=t / 1e3)
+        if out is not None:
+            sent.append(out)
+            job.first_sent[0] = job.first_sent[0] or t / 1e3
+            job.last_sent[0] = t / 1e3                        # what outputs() stamps once a chunk is handed on
+    assert [len(o.delta_token_ids) for o in sent] == sizes
+    assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
+    assert sent[-1].finished
+
+
 def test_stream_interval_through_a_live_stream(loop):
     """A streamed completion read while the engine runs, under --stream-interval 4: every chunk between the first
     and the last carries at least 4 tokens, and the chunks' tokens are the request's."""
@@ -182,9 +205,32 @@ def test_stream_interval_through_a_live_stream(loop):
     assert all(len(ids) >= 4 for ids in content[1:-1])
 
 
+def test_stream_interval_ms_through_a_live_stream(loop):
+    """Under --stream-interval-ms 1000 a live stream's chunks after the first leave at most once a second: the
+    chunks between the first and the last number at most the seconds the request took (unheld, 21 of 23)."""
+    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval_ms=1000)
+    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
+    req = CompletionRequest(model="dummy:tiny", prompt=[1, 2, 3], max_tokens=23, stream=True, return_token_ids=True,
+                            ignore_eos=True)
+
+    async def run():
+        stream = loop.submit([1, 2, 3], params)
+        return stream, await _chunks(serving, loop, [stream], [[1, 2, 3]], [params], req)
+
+    t0 = time.perf_counter()
+    stream, chunks = asyncio.run(run())
+    took = time.perf_counter() - t0
+    content = [c["choices"][0]["token_ids"] for c in chunks if c["choices"]]
+    assert [t for ids in content for t in ids] == list(stream.result(timeout=60).token_ids)
+    assert len(content) - 2 <= took, (len(content), took)
+
+
 def test_stream_interval_below_one_is_refused():
     from fastapi import FastAPI
 
     from engine.entrypoints.openai.api_server import register
     with pytest.raises(ValueError, match="stream_interval: must be an int >= 1"):
         register(FastAPI(), lambda: None, stream_interval=0)
+    for bad in (-1.0, 1000.5, float("nan"), "10"):
+        with pytest.raises(ValueError, match=r"stream_interval_ms: must be a number in \[0, 1000.0\]"):
+            register(FastAPI(), lambda: None, stream_interval_ms=bad)

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+MAX_STREAM_INTERVAL_MS = 1000.0
 GPU_API_SERVER_COUNT = 4        # --api-server-count on a GPU (docs/serving.md, "One API server process or four")
 
 
@@ -115,7 +116,8 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
              served_model_name: str | None = None, request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
              metrics: ServerMetrics | None = None, tool_call_parser: str | None = None,
-             tracer: RequestTracer | None = None, stream_interval: int = 1) -> OpenAIServing:
+             tracer: RequestTracer | None = None, stream_interval: int = 1,
+             stream_interval_ms: float = 0.0) -> OpenAIServing:
     """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
 
     get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
@@ -127,6 +129,8 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     tracer: exports a span per finished request (OpenTelemetry; tracing.py).
     stream_interval: a stream's chunk waits until it holds this many new tokens (its first token and its
     last chunk leave at once), as vLLM's --stream-interval: fewer, fuller chunks for clients that pay per chunk.
+    stream_interval_ms: and waits until this long after the stream's last chunk, so a stream's chunk rate stays
+    under 1000 / stream_interval_ms whatever the engine's step rate.
     Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
@@ -134,8 +138,11 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
         raise ValueError(f"max_body_bytes: must be an int >= 1024 (got {max_body_bytes!r})")
     if not (isinstance(stream_interval, int) and stream_interval >= 1):
         raise ValueError(f"stream_interval: must be an int >= 1 (got {stream_interval!r})")
+    if not (isinstance(stream_interval_ms, (int, float)) and 0 <= stream_interval_ms <= MAX_STREAM_INTERVAL_MS):
+        raise ValueError(f"stream_interval_ms: must be a number in [0, {MAX_STREAM_INTERVAL_MS}] "
+                         f"(got {stream_interval_ms!r})")
     server = OpenAIServing(get_loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
-                           retry_after_s, metrics, stream_interval)
+                           retry_after_s, metrics, stream_interval, stream_interval_ms)
     server.tracer = tracer
     serving_completion = OpenAIServingCompletion(server)
     serving_chat = OpenAIServingChat(server, tool_call_parser)
@@ -277,22 +284,24 @@ def cli_error(message: str, prog: str | None = None):
     raise SystemExit(2)
 
 
-def int_flag(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi] (hi None: at least lo), its error naming the bound."""
+def bounded_flag(lo: float, hi: float | None = None, kind: type = int) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` (int or float) in [lo, hi] (hi None: at least lo), its error naming
+    the bound."""
     bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+    what = "an integer" if kind is int else "a number"
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            n = int(text)
+            n = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer {bound} (got {text!r})")
-        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"must be {what} {bound} (got {text!r})")
+        if not lo <= n or (hi is not None and n > hi) or n != n:
             raise argparse.ArgumentTypeError(f"must be {bound} (got {n})")
         return n
     return parse
 
 
-port_number = int_flag(0, 65535)
+port_number = bounded_flag(0, 65535)
 
 
 def bind_socket(host: str, port: int, prog: str | None = None):
@@ -341,9 +350,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds before a request is aborted with 504 (0: never)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     g.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
-    g.add_argument("--stream-interval", type=int_flag(1), default=1,
+    g.add_argument("--stream-interval", type=bounded_flag(1), default=1,
                    help="tokens a streamed chunk waits for (the first token and the last chunk leave at once); "
                         "1 sends each engine step's tokens as they come, more sends fewer, fuller chunks")
+    g.add_argument("--stream-interval-ms", type=bounded_flag(0, MAX_STREAM_INTERVAL_MS, float), default=0.0,
+                   help="milliseconds a stream's next chunk waits after its last one, its tokens gathered meanwhile "
+                        "(with --stream-interval N: N tokens and this long); 0 (default): no wait")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's output (default: from its chat template)")
     g.add_argument("--otlp-traces-endpoint", default=None,
@@ -378,7 +390,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     return dict(api_key=args.api_key, served_model_name=args.served_model_name,
                 request_timeout=args.request_timeout or None, max_body_bytes=args.max_body_bytes,
                 retry_after_s=args.retry_after, tool_call_parser=args.tool_call_parser,
-                stream_interval=args.stream_interval,
+                stream_interval=args.stream_interval, stream_interval_ms=args.stream_interval_ms,
                 tracer=None if args.otlp_traces_endpoint is None else RequestTracer(args.otlp_traces_endpoint))
 
 

@@ -89,6 +89,7 @@ class Job:
         self.finals: list = [None] * len(streams)
         self.closed = [False] * len(streams)
         self.first_sent: list[float | None] = [None] * len(streams)   # first token handed to the response
+        self.last_sent: list[float] = [0.0] * len(streams)                # and the latest chunk
         self.n = 1                        # choices per prompt, and the client's trace context (for traces)
         self.trace_headers: dict | None = None
         self._q: asyncio.Queue | None = None
@@ -142,14 +143,17 @@ class Job:
         self._backlog = deque(e for e in self._backlog if id(e[1]) not in merged)
         return i, merge_outputs(later)
 
-    def hold_back(self, i: int, x: RequestOutput) -> RequestOutput | None:
+    def hold_back(self, i: int, x: RequestOutput, now: float | None = None) -> RequestOutput | None:
         """Under the server's stream_interval N > 1, choice i's output x waits with those held before it until
-        together they carry N new tokens; the first output with tokens and the last one leave at once (held ones
-        merged in), as vLLM's output processor does. Returns what to send now, or None."""
+        together they carry N new tokens, and under stream_interval_ms T > 0 until T has passed since the choice's
+        last chunk (now: perf_counter seconds); the first output with tokens and the last one leave at once (held
+        ones merged in), as vLLM's output processor does. Returns what to send now, or None."""
         held = self._held[i]
-        if self.server.stream_interval > 1 and not x.finished and self.first_sent[i] is not None:
+        srv = self.server
+        if (srv.stream_interval > 1 or srv.stream_interval_s > 0) and not x.finished and self.first_sent[i] is not None:
             held.append(x)
-            if sum(len(o.delta_token_ids) for o in held) < self.server.stream_interval:
+            if (sum(len(o.delta_token_ids) for o in held) < srv.stream_interval
+                    or (time.perf_counter() if now is None else now) - self.last_sent[i] < srv.stream_interval_s):
                 return None
         elif held:
             held.append(x)
@@ -186,7 +190,7 @@ class Job:
             finally:
                 # The consumer asks for the next output once it has handed this one on (a streamed chunk: to
                 # the HTTP transport), so /metrics' first-token and end stamps are taken here.
-                now = time.perf_counter()
+                now = self.last_sent[i] = time.perf_counter()
                 if first:
                     self.first_sent[i] = now
                 if x.finished:
