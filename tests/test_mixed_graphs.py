@@ -13,16 +13,18 @@ from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.paged_attention import paged_attention
 from engine.kernels.paged_attention_ref import paged_attention_ref
 from helpers import SPEC_VOCAB, check_no_leak
+from kernel_helpers import DEV
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _md(q_lens, seq_lens, tables, bs, **kw):
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=DEV)
+    i64 = dict(dtype=torch.int64, device=DEV)
     return AttentionMetadata(
-        positions=torch.zeros(sum(q_lens), dtype=torch.int64), slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
-        cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-        logits_indices=torch.zeros(0, dtype=torch.int64), q_lens=list(q_lens), seq_lens_cpu=list(seq_lens),
+        positions=torch.zeros(sum(q_lens), **i64), slot_mapping=torch.zeros(sum(q_lens), **i64),
+        cu_seqlens_q=cu, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), block_tables=tables.to(DEV),
+        logits_indices=torch.zeros(0, **i64), q_lens=list(q_lens), seq_lens_cpu=list(seq_lens),
         max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens), block_size=bs, **kw)
 
 
@@ -53,8 +55,9 @@ def test_graphed_mixed_attention_matches_reference(splits):
     big[:B, :width] = tables
     big[B, :-(-pad // bs)] = 0
     md = _md(q_lens + [pad] + [0] * (P - B - 1), seq_lens + [pad] + [0] * (P - B - 1), big, bs, mixed_splits=splits)
+    q, kc, vc = q.to(DEV), kc.to(DEV), vc.to(DEV)
     out = paged_attention(q, kc, vc, md, D ** -0.5)
-    torch.testing.assert_close(out[:T].double(), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(out[:T].double().cpu(), ref, atol=2e-4, rtol=2e-4)
 
 
 def test_mixed_token_sizes():
