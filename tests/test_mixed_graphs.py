@@ -48,6 +48,7 @@ def test_graphed_mixed_attention_matches_reference(splits):
         tables[i, :k] = perm[used:used + k]
         used += k
     q = torch.randn(Tp, H, D, generator=g)
+    q, kc, vc = q.to(DEV), kc.to(DEV), vc.to(DEV)
     ref = paged_attention_ref(q[:T].double(), kc.double(), vc.double(), _md(q_lens, seq_lens, tables, bs), D ** -0.5)
     # the graph's layout: sequence B owns the padding tokens (context in the null block), slots past it are empty
     pad = Tp - T
@@ -55,9 +56,8 @@ def test_graphed_mixed_attention_matches_reference(splits):
     big[:B, :width] = tables
     big[B, :-(-pad // bs)] = 0
     md = _md(q_lens + [pad] + [0] * (P - B - 1), seq_lens + [pad] + [0] * (P - B - 1), big, bs, mixed_splits=splits)
-    q, kc, vc = q.to(DEV), kc.to(DEV), vc.to(DEV)
     out = paged_attention(q, kc, vc, md, D ** -0.5)
-    torch.testing.assert_close(out[:T].double().cpu(), ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(out[:T].double(), ref, atol=2e-4, rtol=2e-4)
 
 
 def test_mixed_token_sizes():
