@@ -15,7 +15,7 @@
 #   default), kvscope-ms50 (multi-step blocks up to 50 ms; the server's default is 4 ms), kvscope-api1 (one API
 #   server process; on a GPU the default is 4), kvscope-api4 (4, set explicitly), kvscope-si4 (--stream-interval 4:
 #   a chunk waits for 4 new tokens), kvscope-si<T>ms (--stream-interval-ms T: a stream's chunks at least T ms
-#   apart, e.g. kvscope-si10ms), and null: no engine, each
+#   apart, e.g. kvscope-si10ms; kvscope-siautoms: the wait by the API server's open streams), and null: no engine, each
 #   stream's first chunk at once and the rest at the cadence of the target before it, so that the side-by-side
 #   table sets every server's /metrics TTFT against the client's less the client's own (TARGETS=vllm,kvscope,null).
 #   Split a part that runs long by TARGETS.

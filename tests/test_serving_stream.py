@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.entrypoints.openai.job import Job, merge_outputs
+from engine.entrypoints.openai.job import STREAM_CHUNK_RATE, Job, SSEResponse, merge_outputs
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import OpenAIServing
@@ -205,6 +205,51 @@ def test_stream_interval_through_a_live_stream(loop):
     assert all(len(ids) >= 4 for ids in content[1:-1])
 
 
+@pytest.mark.parametrize("wait_ms,sizes", [(0.2, [1] * 10), (22, [1, 3, 2, 3, 1]), (200, [1, 9])])
+def test_stream_interval_ms_auto_waits_by_the_servers_open_streams(loop, wait_ms, sizes):
+    """--stream-interval-ms auto: the wait is the server's open streams / STREAM_CHUNK_RATE, so a server streaming
+    to few clients holds nothing back and one streaming to many holds each stream's chunks longer."""
+    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval_ms="auto")
+    serving.open_streams = round(wait_ms / 1e3 * STREAM_CHUNK_RATE)
+    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
+    sent = []
+    for t, x in zip([0.0, 10.0, 20.0, 25.0, 28.0, 68.0, 78.0, 88.0, 98.0, 108.0], _token_outputs(10)):
+        out = job.hold_back(0, x, now=t / 1e3)
+        if out is not None:
+            sent.append(out)
+            job.first_sent[0] = job.first_sent[0] or t / 1e3
+            job.last_sent[0] = t / 1e3
+    assert [len(o.delta_token_ids) for o in sent] == sizes
+    assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
+
+
+def test_sse_response_counts_its_choices_as_open_streams_while_it_is_written(loop):
+    """SSEResponse adds its job's choices to the server's open streams for as long as it writes, whatever ends it."""
+    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None)
+    job = Job(serving, loop, ["a", "b"], [None, None], [[1]], [0, 0], [SamplingParams()] * 2)
+    job.closed = [True, True]                                 # nothing to abort at the end
+    seen, sent = [], []
+
+    async def body(fail: bool):
+        seen.append(serving.open_streams)
+        yield "data: {}\n\n"
+        if fail:
+            raise RuntimeError("the writer failed")
+
+    async def send(message):
+        sent.append(message["type"])
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "GET", "path": "/", "headers": []}
+    asyncio.run(SSEResponse(body(False), job)(scope, receive, send))
+    with pytest.raises(RuntimeError, match="the writer failed"):
+        asyncio.run(SSEResponse(body(True), job)(scope, receive, send))
+    assert seen == [2, 2] and serving.open_streams == 0
+    assert "http.response.body" in sent
+
+
 def test_stream_interval_ms_through_a_live_stream(loop):
     """Under --stream-interval-ms 1000 a live stream's chunks after the first leave at most once a second: the
     chunks between the first and the last number at most the seconds the request took (unheld, 21 of 23)."""
@@ -232,5 +277,6 @@ def test_stream_interval_below_one_is_refused():
     with pytest.raises(ValueError, match="stream_interval: must be an int >= 1"):
         register(FastAPI(), lambda: None, stream_interval=0)
     for bad in (-1.0, 1000.5, float("nan"), "10"):
-        with pytest.raises(ValueError, match=r"stream_interval_ms: must be a number in \[0, 1000.0\]"):
+        with pytest.raises(ValueError, match=r"stream_interval_ms: must be a number in \[0, 1000.0\] or 'auto'"):
             register(FastAPI(), lambda: None, stream_interval_ms=bad)
+    assert register(FastAPI(), lambda: None, stream_interval_ms="auto").stream_interval_auto

@@ -43,6 +43,7 @@ from engine.config import SERVER_ENGINE_DEFAULTS, EngineConfig, add_cli_args
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, check_exposure
 from engine.entrypoints.openai.connection import HttpLimits, set_ulimit
 from engine.entrypoints.openai.errors import CLIENT_CLOSED, error_body, guarded, http_exception_handler
+from engine.entrypoints.openai.job import STREAM_CHUNK_RATE
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -117,7 +118,7 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after_s: int = 1,
              metrics: ServerMetrics | None = None, tool_call_parser: str | None = None,
              tracer: RequestTracer | None = None, stream_interval: int = 1,
-             stream_interval_ms: float = 0.0) -> OpenAIServing:
+             stream_interval_ms: float | str = 0.0) -> OpenAIServing:
     """Add the API's routes (/v1/*, /health, /metrics) and its /v1 middleware to `app`.
 
     get_loop: returns the EngineLoop to serve, called per request (raise or return None while there is
@@ -130,7 +131,8 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     stream_interval: a stream's chunk waits until it holds this many new tokens (its first token and its
     last chunk leave at once), as vLLM's --stream-interval: fewer, fuller chunks for clients that pay per chunk.
     stream_interval_ms: and waits until this long after the stream's last chunk, so a stream's chunk rate stays
-    under 1000 / stream_interval_ms whatever the engine's step rate.
+    under 1000 / stream_interval_ms whatever the engine's step rate; "auto": as long as keeps this process's
+    chunks under STREAM_CHUNK_RATE a second (its open streams / that rate).
     Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
@@ -138,8 +140,9 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
         raise ValueError(f"max_body_bytes: must be an int >= 1024 (got {max_body_bytes!r})")
     if not (isinstance(stream_interval, int) and stream_interval >= 1):
         raise ValueError(f"stream_interval: must be an int >= 1 (got {stream_interval!r})")
-    if not (isinstance(stream_interval_ms, (int, float)) and 0 <= stream_interval_ms <= MAX_STREAM_INTERVAL_MS):
-        raise ValueError(f"stream_interval_ms: must be a number in [0, {MAX_STREAM_INTERVAL_MS}] "
+    if stream_interval_ms != "auto" and not (isinstance(stream_interval_ms, (int, float))
+                                             and 0 <= stream_interval_ms <= MAX_STREAM_INTERVAL_MS):
+        raise ValueError(f"stream_interval_ms: must be a number in [0, {MAX_STREAM_INTERVAL_MS}] or 'auto' "
                          f"(got {stream_interval_ms!r})")
     server = OpenAIServing(get_loop, api_key or None, served_model_name, request_timeout, max_body_bytes,
                            retry_after_s, metrics, stream_interval, stream_interval_ms)
@@ -301,6 +304,18 @@ def bounded_flag(lo: float, hi: float | None = None, kind: type = int) -> Callab
     return parse
 
 
+def or_auto(parse: Callable[[str], float]) -> Callable[[str], float | str]:
+    """An argparse type: "auto", or what `parse` accepts (its error then says auto is allowed too)."""
+    def parse_or_auto(text: str):
+        if text == "auto":
+            return text
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e.args[0].split(' (got')[0]}, or auto (got {text!r})")
+    return parse_or_auto
+
+
 port_number = bounded_flag(0, 65535)
 
 
@@ -353,9 +368,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-interval", type=bounded_flag(1), default=1,
                    help="tokens a streamed chunk waits for (the first token and the last chunk leave at once); "
                         "1 sends each engine step's tokens as they come, more sends fewer, fuller chunks")
-    g.add_argument("--stream-interval-ms", type=bounded_flag(0, MAX_STREAM_INTERVAL_MS, float), default=0.0,
+    g.add_argument("--stream-interval-ms", type=or_auto(bounded_flag(0, MAX_STREAM_INTERVAL_MS, float)), default=0.0,
                    help="milliseconds a stream's next chunk waits after its last one, its tokens gathered meanwhile "
-                        "(with --stream-interval N: N tokens and this long); 0 (default): no wait")
+                        "(with --stream-interval N: N tokens and this long); auto: as long as keeps this API server "
+                        f"process under {STREAM_CHUNK_RATE:,.0f} chunks a second; 0 (default): no wait")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's output (default: from its chat template)")
     g.add_argument("--otlp-traces-endpoint", default=None,

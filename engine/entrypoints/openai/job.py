@@ -28,6 +28,9 @@ from engine.entrypoints.openai.errors import APIError, engine_stopped, request_t
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+# Chunks a second one API server process sends under --stream-interval-ms auto: about half of what it writes
+# (~100 µs of its CPU a chunk), and what a Python client process parses at ~95 µs a chunk
+STREAM_CHUNK_RATE = 5000.0
 _TIMEOUT = object()          # the job's deadline passed (put in its queue by a timer)
 
 
@@ -146,14 +149,16 @@ class Job:
     def hold_back(self, i: int, x: RequestOutput, now: float | None = None) -> RequestOutput | None:
         """Under the server's stream_interval N > 1, choice i's output x waits with those held before it until
         together they carry N new tokens, and under stream_interval_ms T > 0 until T has passed since the choice's
-        last chunk (now: perf_counter seconds); the first output with tokens and the last one leave at once (held
-        ones merged in), as vLLM's output processor does. Returns what to send now, or None."""
+        last chunk (now: perf_counter seconds; T "auto": the server's open streams / STREAM_CHUNK_RATE, so that
+        its chunks stay under that rate); the first output with tokens and the last one leave at once (held ones
+        merged in), as vLLM's output processor does. Returns what to send now, or None."""
         held = self._held[i]
         srv = self.server
-        if (srv.stream_interval > 1 or srv.stream_interval_s > 0) and not x.finished and self.first_sent[i] is not None:
+        wait = srv.open_streams / STREAM_CHUNK_RATE if srv.stream_interval_auto else srv.stream_interval_s
+        if (srv.stream_interval > 1 or wait > 0) and not x.finished and self.first_sent[i] is not None:
             held.append(x)
             if (sum(len(o.delta_token_ids) for o in held) < srv.stream_interval
-                    or (time.perf_counter() if now is None else now) - self.last_sent[i] < srv.stream_interval_s):
+                    or (time.perf_counter() if now is None else now) - self.last_sent[i] < wait):
                 return None
         elif held:
             held.append(x)
@@ -246,9 +251,12 @@ class SSEResponse(StreamingResponse):
         self._job = job
 
     async def __call__(self, scope, receive, send):
+        server, n = self._job.server, len(self._job.streams)
+        server.open_streams += n
         try:
             await super().__call__(scope, receive, send)
         finally:
+            server.open_streams -= n
             self._job.abort_unfinished()
 
 

@@ -45,7 +45,7 @@ class OpenAIServing:
 
     def __init__(self, get_loop: Callable[[], EngineLoop], api_key: str | None, served_model_name: str | None,
                  request_timeout: float | None, max_body_bytes: int, retry_after_s: int,
-                 metrics: ServerMetrics | None, stream_interval: int = 1, stream_interval_ms: float = 0.0):
+                 metrics: ServerMetrics | None, stream_interval: int = 1, stream_interval_ms: float | str = 0.0):
         self.get_loop = get_loop
         self.api_key = api_key
         self.served_model_name = served_model_name
@@ -53,7 +53,10 @@ class OpenAIServing:
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.stream_interval = stream_interval             # tokens per streamed chunk, at least (vLLM's)
-        self.stream_interval_s = stream_interval_ms / 1e3  # and seconds after the stream's last chunk
+        # and seconds after the stream's last chunk; "auto": open_streams / STREAM_CHUNK_RATE
+        self.stream_interval_auto = stream_interval_ms == "auto"
+        self.stream_interval_s = 0.0 if self.stream_interval_auto else stream_interval_ms / 1e3
+        self.open_streams = 0                              # choices of the SSE responses being written
         self.metrics = metrics or ServerMetrics(self.loop_or_none, self.model_name_of)
         self.tracer: RequestTracer | None = None          # OpenTelemetry spans (--otlp-traces-endpoint)
         self.created = int(time.time())
