@@ -148,18 +148,29 @@ def _token_outputs(n: int) -> list[RequestOutput]:
                           "length" if k == n else None, m) for k in range(1, n + 1)]
 
 
+CLOCK = [0.0, 10.0, 20.0, 25.0, 28.0, 68.0, 78.0, 88.0, 98.0, 108.0]   # ms: two close together, one after a stall
+
+
+def _held_back(serving, loop, clock_ms: list[float]) -> list[RequestOutput]:
+    """The chunks Job.hold_back lets out of one choice's ten one-token outputs arriving at clock_ms, stamped as
+    outputs() stamps a chunk handed on."""
+    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
+    sent = []
+    for t, x in zip(clock_ms, _token_outputs(10)):
+        out = job.hold_back(0, x, now=t / 1e3)
+        if out is not None:
+            sent.append(out)
+            job.first_sent[0] = job.first_sent[0] or t / 1e3
+            job.last_sent[0] = t / 1e3
+    return sent
+
+
 @pytest.mark.parametrize("interval,sizes", [(1, [1] * 10), (4, [1, 4, 4, 1]), (3, [1, 3, 3, 3]), (20, [1, 9])])
 def test_stream_interval_holds_a_choices_tokens_until_it_has_that_many(loop, interval, sizes):
     """vLLM's --stream-interval: the first token leaves at once, then a chunk waits for `interval` new tokens;
     the last chunk leaves at once with whatever was held. No token is lost or reordered."""
     serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=interval)
-    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
-    sent = []
-    for x in _token_outputs(10):
-        out = job.hold_back(0, x)
-        if out is not None:
-            sent.append(out)
-            job.first_sent[0] = job.first_sent[0] or 1.0      # what outputs() stamps once a chunk is handed on
+    sent = _held_back(serving, loop, [0.0] * 10)
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
     assert sent[-1].finished and "".join(o.delta_text for o in sent) == "x" * 10
@@ -169,39 +180,40 @@ def test_stream_interval_holds_a_choices_tokens_until_it_has_that_many(loop, int
                                                (4, 15, [1, 4, 4, 1]), (1, 5, [1, 1, 1, 1, 2, 1, 1, 1, 1])])
 def test_stream_interval_ms_holds_a_choices_tokens_until_that_long_after_its_last_chunk(loop, interval, ms, sizes):
     """--stream-interval-ms: after the first token a chunk waits until it holds `interval` tokens and `ms` have
-    passed since the choice's last chunk. Outputs of one token arrive at `clock`'s times (ms): every 10 ms but
-    for two close together (25, 28) and one after a stall (68); the last leaves at once."""
+    passed since the choice's last chunk. Outputs of one token arrive at CLOCK's times: every 10 ms but for two
+    close together (25, 28) and one after a stall (68); the last leaves at once."""
     serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=interval,
                             stream_interval_ms=ms)
-    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
-    clock = [0.0, 10.0, 20.0, 25.0, 28.0, 68.0, 78.0, 88.0, 98.0, 108.0]
-    sent = []
-    for t, x in zip(clock, _token_outputs(10)):
-        out = job.hold_back(0, x, now=t / 1e3)
-        if out is not None:
-            sent.append(out)
-            job.first_sent[0] = job.first_sent[0] or t / 1e3
-            job.last_sent[0] = t / 1e3                        # what outputs() stamps once a chunk is handed on
+    sent = _held_back(serving, loop, CLOCK)
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
     assert sent[-1].finished
 
 
-def test_stream_interval_through_a_live_stream(loop):
-    """A streamed completion read while the engine runs, under --stream-interval 4: every chunk between the first
-    and the last carries at least 4 tokens, and the chunks' tokens are the request's."""
-    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=4)
-    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
-    req = CompletionRequest(model="dummy:tiny", prompt=[1, 2, 3], max_tokens=23, stream=True, return_token_ids=True,
-                            ignore_eos=True)
+def _live_chunks(serving, max_tokens: int = 23) -> tuple[list[int], list[list[int]], float]:
+    """A streamed completion of dummy:tiny read while the engine runs: the request's tokens, each content chunk's
+    token ids, and the seconds it took."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    req = CompletionRequest(model="dummy:tiny", prompt=[1, 2, 3], max_tokens=max_tokens, stream=True,
+                            return_token_ids=True, ignore_eos=True)
+    loop = serving.get_loop()
 
     async def run():
         stream = loop.submit([1, 2, 3], params)
         return stream, await _chunks(serving, loop, [stream], [[1, 2, 3]], [params], req)
 
+    t0 = time.perf_counter()
     stream, chunks = asyncio.run(run())
-    content = [c["choices"][0]["token_ids"] for c in chunks if c["choices"]]
-    assert [t for ids in content for t in ids] == list(stream.result(timeout=60).token_ids)
+    took = time.perf_counter() - t0
+    return (list(stream.result(timeout=60).token_ids), [c["choices"][0]["token_ids"] for c in chunks if c["choices"]],
+            took)
+
+
+def test_stream_interval_through_a_live_stream(loop):
+    """A streamed completion read while the engine runs, under --stream-interval 4: every chunk between the first
+    and the last carries at least 4 tokens, and the chunks' tokens are the request's."""
+    tokens, content, _ = _live_chunks(OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=4))
+    assert [t for ids in content for t in ids] == tokens
     assert all(len(ids) >= 4 for ids in content[1:-1])
 
 
@@ -211,14 +223,7 @@ def test_stream_interval_ms_auto_waits_by_the_servers_open_streams(loop, wait_ms
     to few clients holds nothing back and one streaming to many holds each stream's chunks longer."""
     serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval_ms="auto")
     serving.open_streams = round(wait_ms / 1e3 * STREAM_CHUNK_RATE)
-    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
-    sent = []
-    for t, x in zip([0.0, 10.0, 20.0, 25.0, 28.0, 68.0, 78.0, 88.0, 98.0, 108.0], _token_outputs(10)):
-        out = job.hold_back(0, x, now=t / 1e3)
-        if out is not None:
-            sent.append(out)
-            job.first_sent[0] = job.first_sent[0] or t / 1e3
-            job.last_sent[0] = t / 1e3
+    sent = _held_back(serving, loop, CLOCK)
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
 
@@ -254,19 +259,8 @@ def test_stream_interval_ms_through_a_live_stream(loop):
     """Under --stream-interval-ms 1000 a live stream's chunks after the first leave at most once a second: the
     chunks between the first and the last number at most the seconds the request took (unheld, 21 of 23)."""
     serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval_ms=1000)
-    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
-    req = CompletionRequest(model="dummy:tiny", prompt=[1, 2, 3], max_tokens=23, stream=True, return_token_ids=True,
-                            ignore_eos=True)
-
-    async def run():
-        stream = loop.submit([1, 2, 3], params)
-        return stream, await _chunks(serving, loop, [stream], [[1, 2, 3]], [params], req)
-
-    t0 = time.perf_counter()
-    stream, chunks = asyncio.run(run())
-    took = time.perf_counter() - t0
-    content = [c["choices"][0]["token_ids"] for c in chunks if c["choices"]]
-    assert [t for ids in content for t in ids] == list(stream.result(timeout=60).token_ids)
+    tokens, content, took = _live_chunks(serving)
+    assert [t for ids in content for t in ids] == tokens
     assert len(content) - 2 <= took, (len(content), took)
 
 
