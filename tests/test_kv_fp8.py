@@ -48,6 +48,23 @@ def test_store_kvcache_fp8_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_codes_keep_the_sign_of_values_that_round_to_zero(dtype):
+    """Values below half the smallest subnormal (2^-10) become a signed zero, -0.0 as 0x80, as torch's cast gives;
+    subnormals and normals either side of them too."""
+    vals = torch.tensor([-1e-5, 1e-5, -0.0, 0.0, -9e-4, 9e-4, -3e-3, 3e-3, -0.02, 0.02, -300.0, 300.0])
+    T, Hk, D, bs, nb = 3, 1, 4, 4, 2
+    k = vals.view(T, Hk, D).to(device=DEV, dtype=dtype)
+    v = -k
+    slots = torch.tensor([4, 5, 6], device=DEV)
+    caches = [torch.zeros(nb, bs, Hk, D, dtype=FP8, device=DEV) for _ in range(4)]
+    tk.store_kvcache(k, v, caches[0], caches[1], slots)
+    torch_ops.store_kvcache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(_codes(caches[0]), _codes(caches[2])) and torch.equal(_codes(caches[1]), _codes(caches[3]))
+    codes = _codes(caches[0]).view(-1)[4 * D:7 * D]
+    assert codes[0] == 0x80 and codes[1] == 0x00 and codes[2] == 0x80 and codes[3] == 0x00
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_and_store_fp8_matches_torch(dtype):
     T, H, Hk, D, bs, nb = 7, 6, 3, 16, 4, 6
     q, k, v = qkv_views(T, H, Hk, D, dtype)

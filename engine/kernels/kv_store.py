@@ -27,7 +27,8 @@ def kv_code(x, dt: tl.constexpr):
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
         normal = bits.to(tl.float32, bitcast=True)
         sub = (tl.abs(x) + 24576.0) - 24576.0                # below 2^-6: multiples of 2^-9 (subnormals)
-        sub = tl.where(bits < 0, -sub, sub)                  # signed, -0.0 included
+        # x's sign by its bit, -0.0 included (some Triton versions lower -y to 0 - y, which makes -0.0 +0.0)
+        sub = (sub.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
         x = tl.where(tl.abs(x) < 0.015625, sub, normal)
     return x.to(dt)
 
