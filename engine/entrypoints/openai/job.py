@@ -28,8 +28,8 @@ from engine.entrypoints.openai.errors import APIError, engine_stopped, request_t
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
-# Chunks a second one API server process sends under --stream-interval-ms auto: about half of what it writes
-# (~100 µs of its CPU a chunk), and what a Python client process parses at ~95 µs a chunk
+# Chunks a second one API server process sends under --stream-interval-ms auto: about half of what either end
+# manages at ~100 µs of CPU a chunk (this process writing them, a Python client process parsing them)
 STREAM_CHUNK_RATE = 5000.0
 _TIMEOUT = object()          # the job's deadline passed (put in its queue by a timer)
 
