@@ -131,3 +131,23 @@ def test_bench_serve_reports_the_median_of_repeats():
                            run("a", "burst-c4-r3", 20.0, 3.0), run("b", "burst-c4", 7.0, 1.0)])
     assert rows == [{"target": "a/burst-c4", "runs": 3, "output tok/s": 20.0, "min": 10.0, "max": 30.0,
                      "TTFT mean (ms)": 3.0, "TTFT p99 (ms)": 6.0, "chunk gap p99 (ms)": None}]
+
+
+def test_chunk_gaps_leave_out_the_admission_for_the_all_started_tail():
+    """The chunk-gap p99 "once every stream started" counts only gaps that begin after the last stream's first
+    chunk, so stalls while a burst is still being admitted show in the whole-run tail alone."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_serve import chunk_gaps
+
+    def rec(rid, times):
+        return SimpleNamespace(request_id=rid, metrics=SimpleNamespace(token_times=times))
+    early = rec("a", [1.0, 1.2, 1.4, 1.6] + [1.6 + 0.01 * k for k in range(1, 47)])   # three 200 ms stalls
+    late = rec("b", [1.705] + [1.705 + 0.01 * k for k in range(1, 51)])             # the last first chunk
+    gaps, chunks = chunk_gaps([early, late], t0=1.0)
+    assert len(gaps) == 99 and chunks["n"] == 101 and gaps[-1] == (pytest.approx(200.0), pytest.approx(0.4), "a")
+    assert chunks["gap_p99_ms"] == pytest.approx(200.0)
+    assert chunks["gap_p99_all_started_ms"] == pytest.approx(10.0)
+    assert chunks["gaps_all_started"] == 50 + 35                 # late's 50, early's from 1.71 on
+    lone = rec("c", [1.0, 1.1, 1.3])                             # one stream: its stall comes after it started
+    assert chunk_gaps([lone], t0=1.0)[1]["gap_p99_all_started_ms"] == pytest.approx(200.0)
