@@ -7,10 +7,10 @@ import time
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.entrypoints.openai.job import STREAM_CHUNK_RATE, Job, SSEResponse, merge_outputs
+from engine.entrypoints.openai.job import Job, SSEResponse, merge_outputs
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from engine.entrypoints.openai.serving_engine import OpenAIServing
+from engine.entrypoints.openai.serving_engine import STREAM_CHUNK_RATE, OpenAIServing
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.runtime.async_engine import EngineLoop
 
@@ -22,8 +22,8 @@ def loop():
         yield lp
 
 
-def _serving(loop) -> OpenAIServing:
-    return OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None)
+def _serving(loop, **kw) -> OpenAIServing:
+    return OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, **kw)
 
 
 def _job(serving, loop, streams, prompts, params) -> Job:
@@ -169,7 +169,7 @@ def _held_back(serving, loop, clock_ms: list[float]) -> list[RequestOutput]:
 def test_stream_interval_holds_a_choices_tokens_until_it_has_that_many(loop, interval, sizes):
     """vLLM's --stream-interval: the first token leaves at once, then a chunk waits for `interval` new tokens;
     the last chunk leaves at once with whatever was held. No token is lost or reordered."""
-    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=interval)
+    serving = _serving(loop, stream_interval=interval)
     sent = _held_back(serving, loop, [0.0] * 10)
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
@@ -182,8 +182,7 @@ def test_stream_interval_ms_holds_a_choices_tokens_until_that_long_after_its_las
     """--stream-interval-ms: after the first token a chunk waits until it holds `interval` tokens and `ms` have
     passed since the choice's last chunk. Outputs of one token arrive at CLOCK's times: every 10 ms but for two
     close together (25, 28) and one after a stall (68); the last leaves at once."""
-    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=interval,
-                            stream_interval_ms=ms)
+    serving = _serving(loop, stream_interval=interval, stream_interval_ms=ms)
     sent = _held_back(serving, loop, CLOCK)
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
@@ -212,7 +211,7 @@ def _live_chunks(serving, max_tokens: int = 23) -> tuple[list[int], list[list[in
 def test_stream_interval_through_a_live_stream(loop):
     """A streamed completion read while the engine runs, under --stream-interval 4: every chunk between the first
     and the last carries at least 4 tokens, and the chunks' tokens are the request's."""
-    tokens, content, _ = _live_chunks(OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval=4))
+    tokens, content, _ = _live_chunks(_serving(loop, stream_interval=4))
     assert [t for ids in content for t in ids] == tokens
     assert all(len(ids) >= 4 for ids in content[1:-1])
 
@@ -221,7 +220,7 @@ def test_stream_interval_through_a_live_stream(loop):
 def test_stream_interval_ms_auto_waits_by_the_servers_open_streams(loop, wait_ms, sizes):
     """--stream-interval-ms auto: the wait is the server's open streams / STREAM_CHUNK_RATE, so a server streaming
     to few clients holds nothing back and one streaming to many holds each stream's chunks longer."""
-    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval_ms="auto")
+    serving = _serving(loop, stream_interval_ms="auto")
     serving.open_streams = round(wait_ms / 1e3 * STREAM_CHUNK_RATE)
     sent = _held_back(serving, loop, CLOCK)
     assert [len(o.delta_token_ids) for o in sent] == sizes
@@ -230,7 +229,7 @@ def test_stream_interval_ms_auto_waits_by_the_servers_open_streams(loop, wait_ms
 
 def test_sse_response_counts_its_choices_as_open_streams_while_it_is_written(loop):
     """SSEResponse adds its job's choices to the server's open streams for as long as it writes, whatever ends it."""
-    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None)
+    serving = _serving(loop)
     job = Job(serving, loop, ["a", "b"], [None, None], [[1]], [0, 0], [SamplingParams()] * 2)
     job.closed = [True, True]                                 # nothing to abort at the end
     seen, sent = [], []
@@ -258,7 +257,7 @@ def test_sse_response_counts_its_choices_as_open_streams_while_it_is_written(loo
 def test_stream_interval_ms_through_a_live_stream(loop):
     """Under --stream-interval-ms 1000 a live stream's chunks after the first leave at most once a second: the
     chunks between the first and the last number at most the seconds the request took (unheld, 21 of 23)."""
-    serving = OpenAIServing(lambda: loop, None, None, None, 1 << 20, 1, None, stream_interval_ms=1000)
+    serving = _serving(loop, stream_interval_ms=1000)
     tokens, content, took = _live_chunks(serving)
     assert [t for ids in content for t in ids] == tokens
     assert len(content) - 2 <= took, (len(content), took)
@@ -273,4 +272,4 @@ def test_stream_interval_below_one_is_refused():
     for bad in (-1.0, 1000.5, float("nan"), "10"):
         with pytest.raises(ValueError, match=r"stream_interval_ms: must be a number in \[0, 1000.0\] or 'auto'"):
             register(FastAPI(), lambda: None, stream_interval_ms=bad)
-    assert register(FastAPI(), lambda: None, stream_interval_ms="auto").stream_interval_auto
+    assert register(FastAPI(), lambda: None, stream_interval_ms="auto").stream_interval_ms == "auto"

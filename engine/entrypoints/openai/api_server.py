@@ -43,11 +43,10 @@ from engine.config import SERVER_ENGINE_DEFAULTS, EngineConfig, add_cli_args
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, check_exposure
 from engine.entrypoints.openai.connection import HttpLimits, set_ulimit
 from engine.entrypoints.openai.errors import CLIENT_CLOSED, error_body, guarded, http_exception_handler
-from engine.entrypoints.openai.job import STREAM_CHUNK_RATE
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from engine.entrypoints.openai.serving_engine import OpenAIServing
+from engine.entrypoints.openai.serving_engine import STREAM_CHUNK_RATE, OpenAIServing
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization, version
 from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from engine.entrypoints.openai.tracing import RequestTracer
@@ -287,13 +286,16 @@ def cli_error(message: str, prog: str | None = None):
     raise SystemExit(2)
 
 
-def bounded_flag(lo: float, hi: float | None = None, kind: type = int) -> Callable[[str], float]:
-    """An argparse type: a number of `kind` (int or float) in [lo, hi] (hi None: at least lo), its error naming
-    the bound."""
-    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+def bounded_flag(lo: float, hi: float | None = None, kind: type = int, words: tuple[str, ...] = ()
+                 ) -> Callable[[str], float | str]:
+    """An argparse type: a number of `kind` (int or float) in [lo, hi] (hi None: at least lo), or one of `words`
+    as given; its error names the bound."""
+    bound = (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}") + "".join(f", or {w}" for w in words)
     what = "an integer" if kind is int else "a number"
 
     def parse(text: str):
+        if text in words:
+            return text
         try:
             n = kind(text)
         except ValueError:
@@ -302,18 +304,6 @@ def bounded_flag(lo: float, hi: float | None = None, kind: type = int) -> Callab
             raise argparse.ArgumentTypeError(f"must be {bound} (got {n})")
         return n
     return parse
-
-
-def or_auto(parse: Callable[[str], float]) -> Callable[[str], float | str]:
-    """An argparse type: "auto", or what `parse` accepts (its error then says auto is allowed too)."""
-    def parse_or_auto(text: str):
-        if text == "auto":
-            return text
-        try:
-            return parse(text)
-        except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentTypeError(f"{e.args[0].split(' (got')[0]}, or auto (got {text!r})")
-    return parse_or_auto
 
 
 port_number = bounded_flag(0, 65535)
@@ -368,7 +358,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-interval", type=bounded_flag(1), default=1,
                    help="tokens a streamed chunk waits for (the first token and the last chunk leave at once); "
                         "1 sends each engine step's tokens as they come, more sends fewer, fuller chunks")
-    g.add_argument("--stream-interval-ms", type=or_auto(bounded_flag(0, MAX_STREAM_INTERVAL_MS, float)), default=0.0,
+    g.add_argument("--stream-interval-ms", type=bounded_flag(0, MAX_STREAM_INTERVAL_MS, float, ("auto",)), default=0.0,
                    help="milliseconds a stream's next chunk waits after its last one, its tokens gathered meanwhile "
                         "(with --stream-interval N: N tokens and this long); auto: as long as keeps this API server "
                         f"process under {STREAM_CHUNK_RATE:,.0f} chunks a second; 0 (default): no wait")

@@ -28,9 +28,6 @@ from engine.entrypoints.openai.errors import APIError, engine_stopped, request_t
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
-# Chunks a second one API server process sends under --stream-interval-ms auto: about half of what either end
-# manages at ~100 µs of CPU a chunk (this process writing them, a Python client process parsing them)
-STREAM_CHUNK_RATE = 5000.0
 _TIMEOUT = object()          # the job's deadline passed (put in its queue by a timer)
 
 
@@ -149,12 +146,12 @@ class Job:
     def hold_back(self, i: int, x: RequestOutput, now: float | None = None) -> RequestOutput | None:
         """Under the server's stream_interval N > 1, choice i's output x waits with those held before it until
         together they carry N new tokens, and under stream_interval_ms T > 0 until T has passed since the choice's
-        last chunk (now: perf_counter seconds; T "auto": the server's open streams / STREAM_CHUNK_RATE, so that
-        its chunks stay under that rate); the first output with tokens and the last one leave at once (held ones
-        merged in), as vLLM's output processor does. Returns what to send now, or None."""
+        last chunk (now: perf_counter seconds; T: `OpenAIServing.stream_wait_s`); the first output with tokens and
+        the last one leave at once (held ones merged in), as vLLM's output processor does. Returns what to send now,
+        or None."""
         held = self._held[i]
         srv = self.server
-        wait = srv.open_streams / STREAM_CHUNK_RATE if srv.stream_interval_auto else srv.stream_interval_s
+        wait = srv.stream_wait_s()
         if (srv.stream_interval > 1 or wait > 0) and not x.finished and self.first_sent[i] is not None:
             held.append(x)
             if (sum(len(o.delta_token_ids) for o in held) < srv.stream_interval

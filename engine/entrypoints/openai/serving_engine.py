@@ -40,6 +40,10 @@ def arrival_of(request: Request) -> float:
     return request.scope.get("state", {}).get("kvscope_arrival") or time.perf_counter()
 
 
+# Chunks a second one API server process sends under --stream-interval-ms auto: about half of what either end
+# manages at ~100 µs of CPU a chunk (this process writing them, a Python client process parsing them)
+STREAM_CHUNK_RATE = 5000.0
+
 class OpenAIServing:
     """What every endpoint shares: the engine behind the API, body parsing, and the submission of a request."""
 
@@ -53,9 +57,7 @@ class OpenAIServing:
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
         self.stream_interval = stream_interval             # tokens per streamed chunk, at least (vLLM's)
-        # and seconds after the stream's last chunk; "auto": open_streams / STREAM_CHUNK_RATE
-        self.stream_interval_auto = stream_interval_ms == "auto"
-        self.stream_interval_s = 0.0 if self.stream_interval_auto else stream_interval_ms / 1e3
+        self.stream_interval_ms = stream_interval_ms       # and ms after the stream's last chunk, or "auto"
         self.open_streams = 0                              # choices of the SSE responses being written
         self.metrics = metrics or ServerMetrics(self.loop_or_none, self.model_name_of)
         self.tracer: RequestTracer | None = None          # OpenTelemetry spans (--otlp-traces-endpoint)
@@ -71,6 +73,13 @@ class OpenAIServing:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._preprocess_limiter)
 
     # ---- the engine behind the API ------------------------------------------------------------
+    def stream_wait_s(self) -> float:
+        """Seconds a stream's next chunk waits after its last one (stream_interval_ms); "auto": this process's open
+        streams / STREAM_CHUNK_RATE, so that its chunks stay under that rate and few streams wait for nothing."""
+        if self.stream_interval_ms == "auto":
+            return self.open_streams / STREAM_CHUNK_RATE
+        return self.stream_interval_ms / 1e3
+
     def loop_or_none(self) -> EngineLoop | None:
         try:
             return self.get_loop()
