@@ -405,7 +405,8 @@ def chunk_gaps(records, t0: float) -> tuple[list[tuple[float, float, str]], dict
     gaps = sorted(((b - a) * 1e3, a - t0, r.request_id) for r in records
                   for a, b in zip(r.metrics.token_times, r.metrics.token_times[1:]))
     firsts = [r.metrics.token_times[0] for r in records if r.metrics.token_times]
-    started = [g for g, t, _ in gaps if firsts and t >= max(firsts) - t0]
+    all_started = max(firsts) - t0 if firsts else float("inf")
+    started = [g for g, t, _ in gaps if t >= all_started]
     return gaps, {"n": sum(len(r.metrics.token_times) for r in records),
                   "gap_p50_ms": _pct([g for g, _, _ in gaps], 50), "gap_p99_ms": _pct([g for g, _, _ in gaps], 99),
                   "gap_p99_all_started_ms": _pct(started, 99), "gaps_all_started": len(started)}
