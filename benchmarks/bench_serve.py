@@ -91,13 +91,13 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     ap.add_argument("--suite", choices=sorted(SUITES), default=None,
                     help="run these workloads (overrides --num-prompts/--request-rate/lengths)")
-    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL|launch[:ARGS]|offline|null[:ITL_MS]",
+    ap.add_argument("--target", action="append", default=[], metavar="NAME=URL|launch[:ARGS]|offline|null[:ITL_MS[xTOKENS]]",
                     help="a server to benchmark (repeatable, run in order): a URL, 'launch' (kvscope's server, "
                          "started here; 'launch:--a=1,--b=2' adds server arguments), 'offline' (kvscope's "
                          "LLM.generate on the same requests, in process) or 'null' (no engine: each stream's "
-                         "first chunk at once, then one chunk every ITL_MS, by default the mean chunk gap and "
-                         "tokens per chunk of the target before it on the same workload: the client's own TTFT "
-                         "there, set against every other target's /metrics)")
+                         "first chunk at once, then one chunk of TOKENS tokens (default 1) every ITL_MS, by default the "
+                         "mean chunk gap and tokens per chunk of the target before it on the same workload: the "
+                         "client's own TTFT and chunk gaps at that pace, set against every other target's)")
     ap.add_argument("--null-workers", type=int, default=4,
                     help="processes of a null target's server (as kvscope's API server processes on a GPU)")
     ap.add_argument("--pyspy", default=None, metavar="DIR",
@@ -237,7 +237,7 @@ def workloads(args) -> list[argparse.Namespace]:
 
 
 def parse_targets(args) -> list[tuple[str, str]]:
-    """[(name, URL | 'launch' | 'offline' | 'null[:ITL_MS]')]; without --target: --base-url, else a launched
+    """[(name, URL | 'launch' | 'offline' | 'null[:ITL_MS[xTOKENS]]')]; without --target: --base-url, else a launched
     kvscope server."""
     if not args.target:
         return [("target", args.base_url)] if args.base_url else [("kvscope", "launch")]
@@ -246,12 +246,9 @@ def parse_targets(args) -> list[tuple[str, str]]:
         name, sep, value = t.partition("=")
         if not sep or not name or not (value in ("launch", "offline", "null")
                                        or value.startswith(("launch:", "null:", "http://", "https://"))):
-            raise SystemExit(f"--target: expected NAME=URL|launch|offline|null[:ITL_MS] (got {t!r})")
+            raise SystemExit(f"--target: expected NAME=URL|launch|offline|null[:ITL_MS[xTOKENS]] (got {t!r})")
         if value.startswith("null:"):
-            try:
-                assert float(value[5:]) >= 0
-            except (ValueError, AssertionError):
-                raise SystemExit(f"--target {name}: null:ITL_MS takes milliseconds >= 0 (got {value[5:]!r})")
+            null_pace(name, value)
         out.append((name, value))
     return out
 
@@ -277,12 +274,25 @@ def server_cpu(pid: int) -> dict[int, tuple[str, str, float]]:
     return out
 
 
+def null_pace(name: str, value: str) -> tuple[float, int]:
+    """null:ITL_MS[xTOKENS] -> (seconds between chunks, tokens per chunk), or a one-line error naming the target."""
+    ms, x, tokens = value.partition(":")[2].partition("x")
+    try:
+        itl_s, per_chunk = float(ms) / 1e3, int(tokens if x else 1)
+    except ValueError:
+        itl_s = per_chunk = -1
+    if not (itl_s >= 0 and per_chunk >= 1):
+        raise SystemExit(f"--target {name}: null:ITL_MS[xTOKENS] takes milliseconds >= 0 and, after x, tokens per "
+                         f"chunk >= 1 (got {value[5:]!r})")
+    return itl_s, per_chunk
+
+
 def null_cadence(value: str, results: list[dict], workload: str) -> tuple[float, int]:
-    """The null server's (seconds between chunks, tokens per chunk): null:ITL_MS's (one token a chunk), else the
-    mean chunk gap and the rounded tokens per chunk of the last target run on the same workload (the stream the
-    client parsed there; no gap when each of its requests came in one chunk), else (0, 1): every chunk at once."""
+    """The null server's (seconds between chunks, tokens per chunk): null:ITL_MS[xTOKENS]'s, else the mean chunk
+    gap and the rounded tokens per chunk of the last target run on the same workload (the stream the client parsed
+    there; no gap when each of its requests came in one chunk), else (0, 1): every chunk at once."""
     if value.partition(":")[2]:
-        return float(value.partition(":")[2]) / 1e3, 1
+        return null_pace("null", value)
     for r in reversed(results):
         chunks = r.get("chunks") or {}
         if r["workload"] == workload and not r.get("null") and chunks.get("tokens_per_chunk"):

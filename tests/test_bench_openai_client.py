@@ -107,6 +107,33 @@ def test_a_null_target_measures_the_clients_own_ttft(srv, tmp_path, monkeypatch)
         assert rel[f"null/{wl}"] is None
 
 
+def test_a_null_target_streams_at_the_pace_it_is_given(tmp_path, monkeypatch):
+    # null:ITL_MS[xTOKENS]: a chunk of TOKENS ids every ITL_MS after the first, whatever ran before; the client's
+    # streams carry those chunks
+    import benchmarks.common
+    from benchmarks.bench_serve import main
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    results = main(["--target", "paced=null:4x3", "--num-prompts", "4", "--request-rate", "inf", "--input-len", "8",
+                    "--output-len", "7", "--range-ratio", "0", "--client", "aiohttp,openai", "--name", "pacetest",
+                    "--null-workers", "1"])
+    assert len(results) == 2
+    for r in results:
+        assert (r["null_itl_ms"], r["null_tokens_per_chunk"]) == (4, 3)
+        assert r["completed"] == 4 and r["summary"]["output_tokens"] == 28
+        assert r["chunks"]["tokens_per_chunk"] == pytest.approx(7 / 3)       # chunks of 3, 3 and 1 ids
+
+
+@pytest.mark.parametrize("pace", ["4x0", "4x", "-1", "4x1.5", "fast"])
+def test_a_bad_null_pace_is_a_one_line_error_naming_the_target(pace, tmp_path, monkeypatch):
+    import benchmarks.common
+    from benchmarks.bench_serve import main
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["--target", f"paced=null:{pace}", "--num-prompts", "1"])
+    assert "--target paced: null:ITL_MS[xTOKENS]" in str(e.value) and repr(pace) in str(e.value)
+
+
 def test_each_request_carries_the_servers_arrival_stamp(srv, tmp_path, monkeypatch):
     # both clients read the server's arrival stamp (x-kvscope-arrival-time, one perf_counter clock on this machine)
     # of every request: after the client's send stamp and before its first chunk; the side-by-side table sets
