@@ -287,12 +287,12 @@ def null_pace(name: str, value: str) -> tuple[float, int]:
     return itl_s, per_chunk
 
 
-def null_cadence(value: str, results: list[dict], workload: str) -> tuple[float, int]:
+def null_cadence(name: str, value: str, results: list[dict], workload: str) -> tuple[float, int]:
     """The null server's (seconds between chunks, tokens per chunk): null:ITL_MS[xTOKENS]'s, else the mean chunk
     gap and the rounded tokens per chunk of the last target run on the same workload (the stream the client parsed
     there; no gap when each of its requests came in one chunk), else (0, 1): every chunk at once."""
     if value.partition(":")[2]:
-        return null_pace("null", value)
+        return null_pace(name, value)
     for r in reversed(results):
         chunks = r.get("chunks") or {}
         if r["workload"] == workload and not r.get("null") and chunks.get("tokens_per_chunk"):
@@ -571,7 +571,7 @@ def main(argv=None) -> list[dict]:
                 print(f"==== {name} · {w.name or 'run'} ====", flush=True)
                 if value.startswith("null"):
                     stop_process(proc)
-                    itl_s, per_chunk = null_cadence(value, results, w.name or "run")
+                    itl_s, per_chunk = null_cadence(name, value, results, w.name or "run")
                     proc, url = start_null_server(itl_s, per_chunk, args.null_workers)
                     print(f"null server ({args.null_workers} processes): first chunk at once, then one of "
                           f"{per_chunk} token(s) every {1e3 * itl_s:.2f} ms", flush=True)

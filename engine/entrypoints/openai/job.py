@@ -151,11 +151,10 @@ class Job:
         or None."""
         held = self._held[i]
         srv = self.server
-        wait = srv.stream_wait_s()
-        if (srv.stream_interval > 1 or wait > 0) and not x.finished and self.first_sent[i] is not None:
+        if (srv.stream_interval > 1 or srv.stream_interval_ms) and not x.finished and self.first_sent[i] is not None:
             held.append(x)
             if (sum(len(o.delta_token_ids) for o in held) < srv.stream_interval
-                    or (time.perf_counter() if now is None else now) - self.last_sent[i] < wait):
+                    or (time.perf_counter() if now is None else now) - self.last_sent[i] < srv.stream_wait_s()):
                 return None
         elif held:
             held.append(x)
@@ -260,6 +259,8 @@ class SSEResponse(StreamingResponse):
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request -> one: the last one's state with every delta joined."""
     last = outs[-1]
+    if len(outs) == 1:
+        return last
     return dataclasses.replace(last, delta_text="".join(o.delta_text for o in outs),
                                delta_token_ids=[t for o in outs for t in o.delta_token_ids])
 
