@@ -227,6 +227,26 @@ def test_stream_interval_ms_auto_waits_by_the_servers_open_streams(loop, wait_ms
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
 
 
+BLOCKS = [0.0, 21.0, 38.0, 64.0, 80.0, 104.0, 120.0, 146.0, 164.0, 224.0, 244.0, 266.0, 285.0]  # ~20 ms, one of 60
+
+
+@pytest.mark.parametrize("auto,gaps", [(True, [38, 42, 40, 44, 60, 42, 19]), (False, [38, 26, 40, 42, 78, 42, 19])])
+def test_stream_interval_ms_auto_sends_whole_blocks_at_an_even_pace(loop, auto, gaps):
+    """Outputs arrive every 16-26 ms (decode blocks) and once after 60 ms (a prefill among them). Under auto with a
+    26 ms wait each chunk holds two of them, so its gaps stay near two blocks, and the long one leaves at once; a
+    fixed 26 ms lets the output after a 26 ms gap go alone, then holds one back until the long step, 78 ms on."""
+    serving = _serving(loop, stream_interval_ms="auto" if auto else 26)
+    serving.open_streams = round(26e-3 * STREAM_CHUNK_RATE)
+    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=13)])
+    stamps = []
+    for t, x in zip(BLOCKS, _token_outputs(13)):
+        if job.hold_back(0, x, now=t / 1e3) is not None:
+            stamps.append(t)
+            job.first_sent[0] = job.first_sent[0] or t / 1e3
+            job.last_sent[0] = t / 1e3
+    assert [b - a for a, b in zip(stamps, stamps[1:])] == gaps
+
+
 def test_sse_response_counts_its_choices_as_open_streams_while_it_is_written(loop):
     """SSEResponse adds its job's choices to the server's open streams for as long as it writes, whatever ends it."""
     serving = _serving(loop)

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections import deque
 from typing import Any, AsyncIterator
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 _TIMEOUT = object()          # the job's deadline passed (put in its queue by a timer)
+PERIOD_EWMA = 0.25           # weight of a choice's latest gap between outputs in its mean (Job.hold_back)
 
 
 async def sse_stream(job: "Job", req, rid: str, obj: str, choices: AsyncIterator[tuple[dict | None, int]],
@@ -96,6 +98,8 @@ class Job:
         self._timer: asyncio.TimerHandle | None = None
         self._backlog: deque = deque()
         self._held: list[list[RequestOutput]] = [[] for _ in streams]   # per choice, under stream_interval
+        self._arrived: list[float | None] = [None] * len(streams)       # per choice, its latest output's arrival
+        self._period: list[float | None] = [None] * len(streams)        # and the mean gap between them (EWMA)
         self._tasks: list[asyncio.Task] = []
 
     def attach(self) -> None:
@@ -148,13 +152,22 @@ class Job:
         together they carry N new tokens, and under stream_interval_ms T > 0 until T has passed since the choice's
         last chunk (now: perf_counter seconds; T: `OpenAIServing.stream_wait_s`); the first output with tokens and
         the last one leave at once (held ones merged in), as vLLM's output processor does. Returns what to send now,
-        or None."""
+        or None.
+
+        Under "auto" a chunk holds whole engine outputs (a step's, or a decode block's): k = ceil(T / p) of them,
+        p the choice's mean gap between outputs, or fewer once (k - 1/2) p have passed (a long step: a prefill
+        among the decodes). A wait measured in time alone lets a chunk go after one output or after two as the
+        outputs' gaps jitter around T, and the client sees the uneven gaps."""
         held = self._held[i]
         srv = self.server
+        if srv.stream_interval_ms:
+            now = time.perf_counter() if now is None else now
+            if srv.stream_interval_ms == "auto":
+                self._observe_gap(i, now)
         if (srv.stream_interval > 1 or srv.stream_interval_ms) and not x.finished and self.first_sent[i] is not None:
             held.append(x)
-            if (sum(len(o.delta_token_ids) for o in held) < srv.stream_interval
-                    or (time.perf_counter() if now is None else now) - self.last_sent[i] < srv.stream_wait_s()):
+            if sum(len(o.delta_token_ids) for o in held) < srv.stream_interval or \
+                    (srv.stream_interval_ms and not self._wait_over(i, len(held), now)):
                 return None
         elif held:
             held.append(x)
@@ -162,6 +175,22 @@ class Job:
             return x
         self._held[i] = []
         return merge_outputs(held)
+
+    def _observe_gap(self, i: int, now: float) -> None:
+        """Choice i's output arrived at `now`: its mean gap between outputs, where a long step (a prefill among the
+        decodes) moves the mean by one period at most."""
+        prev, self._arrived[i] = self._arrived[i], now
+        if prev is not None:
+            p = self._period[i]
+            self._period[i] = now - prev if p is None else p + PERIOD_EWMA * (min(now - prev, 2 * p) - p)
+
+    def _wait_over(self, i: int, held: int, now: float) -> bool:
+        """Whether choice i's chunk of `held` outputs has waited stream_interval_ms (hold_back)."""
+        wait, elapsed, p = self.server.stream_wait_s(), now - self.last_sent[i], self._period[i]
+        if self.server.stream_interval_ms != "auto" or not p:
+            return elapsed >= wait
+        k = max(1, math.ceil(wait / p))
+        return held >= k or elapsed >= (k - 0.5) * p
 
     async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) in arrival order until every choice finished."""
