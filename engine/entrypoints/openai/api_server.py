@@ -131,7 +131,8 @@ def register(app: FastAPI, get_loop: Callable[[], EngineLoop], api_key: str | No
     last chunk leave at once), as vLLM's --stream-interval: fewer, fuller chunks for clients that pay per chunk.
     stream_interval_ms: and waits until this long after the stream's last chunk, so a stream's chunk rate stays
     under 1000 / stream_interval_ms whatever the engine's step rate; "auto": as long as keeps this process's
-    chunks under STREAM_CHUNK_RATE a second (its open streams / that rate).
+    chunks under STREAM_CHUNK_RATE a second (its open streams / that rate), counted in whole engine outputs
+    (`Job.hold_back`).
     Call before mounting anything at "/" so these routes take precedence."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds or None (got {request_timeout!r})")
@@ -361,7 +362,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-interval-ms", type=bounded_flag(0, MAX_STREAM_INTERVAL_MS, float, ("auto",)), default=0.0,
                    help="milliseconds a stream's next chunk waits after its last one, its tokens gathered meanwhile "
                         "(with --stream-interval N: N tokens and this long); auto: as long as keeps this API server "
-                        f"process under {STREAM_CHUNK_RATE:,.0f} chunks a second; 0 (default): no wait")
+                        f"process under {STREAM_CHUNK_RATE:,.0f} chunks a second, counted in whole engine steps; "
+                        "0 (default): no wait")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's output (default: from its chat template)")
     g.add_argument("--otlp-traces-endpoint", default=None,
