@@ -1,6 +1,7 @@
 """Small helpers several test files share (imported as `helpers`: pytest puts tests/ on sys.path)."""
 import copy
 import dataclasses
+import json
 import re
 import time
 
@@ -438,3 +439,31 @@ def check_half_cancelled_storm(url: str, loop, n: int) -> None:
     assert in_system(scrape_metrics(url)) == 0
     s = loop.stats()
     assert s["num_running"] == s["num_waiting"] == 0
+
+
+def random_llama_weights(cfg: dict, seed: int = 3) -> dict[str, torch.Tensor]:
+    """Float weights, in Hugging Face's Llama names, for an HF config with an untied LM head: N(0, 0.05) projections
+    and head, N(0, 0.5) embeddings, unit norms."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    w = {"model.embed_tokens.weight": torch.randn(cfg["vocab_size"], h, generator=g) * 0.5,
+         "lm_head.weight": torch.randn(cfg["vocab_size"], h, generator=g) * 0.05,
+         "model.norm.weight": torch.ones(h)}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, shape in shapes.items():
+            w[f"model.layers.{layer}.{name}.weight"] = torch.randn(*shape, generator=g) * 0.05
+        w[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(h)
+        w[f"model.layers.{layer}.post_attention_layernorm.weight"] = torch.ones(h)
+    return w
+
+
+def write_checkpoint(folder, cfg: dict, tensors: dict[str, torch.Tensor]):
+    """A model folder kvscope loads: config.json and model.safetensors. Returns the folder."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return folder

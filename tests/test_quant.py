@@ -1,6 +1,5 @@
 """Quantized weights: formats, the Triton kernels against their torch references (interpreter, odd sizes),
 pre-quantized checkpoints in the published layouts, and the bundled SmolLM2 under each format."""
-import json
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from engine.kernels.quant_gemm import quant_matmul, quant_matmul_ref
 from engine.kernels.quant_gemv import quant_fused_linear, quant_fused_linear_ref
 from engine.quant.formats import BLOCK, FORMATS, dequantize, quantize
 from engine.quant.linear import QuantLinear, weight_bytes
-from helpers import every_code_weight
+from helpers import every_code_weight, random_llama_weights, write_checkpoint
 
 # relative Frobenius error of quantize -> dequantize on N(0, 1) weights (measured 0.027 / 0.007 / 0.098)
 ROUND_TRIP_BOUND = {"fp8": 0.035, "int8": 0.01, "int4": 0.12}
@@ -162,30 +161,6 @@ PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o
         "mlp.up_proj", "mlp.down_proj")
 
 
-def _float_weights(cfg):
-    g = torch.Generator().manual_seed(3)
-    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    w = {"model.embed_tokens.weight": torch.randn(cfg["vocab_size"], h, generator=g) * 0.5,
-         "lm_head.weight": torch.randn(cfg["vocab_size"], h, generator=g) * 0.05,
-         "model.norm.weight": torch.ones(h)}
-    for layer in range(cfg["num_hidden_layers"]):
-        for name, shape in shapes.items():
-            w[f"model.layers.{layer}.{name}.weight"] = torch.randn(*shape, generator=g) * 0.05
-        w[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(h)
-        w[f"model.layers.{layer}.post_attention_layernorm.weight"] = torch.ones(h)
-    return w
-
-
-def _write(folder, cfg, tensors):
-    from safetensors.torch import save_file
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-
-
 def _published(fmt, float_w):
     """Float weights -> the published pre-quantized tensors (per HF projection, unfused)."""
     out = {}
@@ -219,9 +194,9 @@ def _logits(eng, ids):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,qcfg", [("fp8", FP8_CONFIG), ("int8", W8A8_CONFIG)])
 def test_prequantized_checkpoint_matches_on_load_quantization(tmp_path, fmt, qcfg):
-    float_w = _float_weights(TINY)
-    _write(tmp_path / "float", TINY, {k: v.to(torch.bfloat16) for k, v in float_w.items()})
-    _write(tmp_path / "pre", {**TINY, "quantization_config": qcfg},
+    float_w = random_llama_weights(TINY)
+    write_checkpoint(tmp_path / "float", TINY, {k: v.to(torch.bfloat16) for k, v in float_w.items()})
+    write_checkpoint(tmp_path / "pre", {**TINY, "quantization_config": qcfg},
            _published(fmt, {k: v.to(torch.bfloat16).float() for k, v in float_w.items()}))
     common = dict(device="cpu", kernels="torch", num_kv_blocks=8, max_model_len=64, dtype="bfloat16")
     pre = LLMEngine(model=str(tmp_path / "pre"), **common)          # detected from quantization_config

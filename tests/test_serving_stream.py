@@ -151,15 +151,15 @@ def _token_outputs(n: int) -> list[RequestOutput]:
 CLOCK = [0.0, 10.0, 20.0, 25.0, 28.0, 68.0, 78.0, 88.0, 98.0, 108.0]   # ms: two close together, one after a stall
 
 
-def _held_back(serving, loop, clock_ms: list[float]) -> list[RequestOutput]:
-    """The chunks Job.hold_back lets out of one choice's ten one-token outputs arriving at clock_ms, stamped as
-    outputs() stamps a chunk handed on."""
-    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=10)])
+def _held_back(serving, loop, clock_ms: list[float]) -> list[tuple[float, RequestOutput]]:
+    """(ms, chunk) for each chunk Job.hold_back lets out of one choice's one-token outputs arriving at clock_ms (the
+    last one finished), stamped as outputs() stamps a chunk handed on."""
+    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=len(clock_ms))])
     sent = []
-    for t, x in zip(clock_ms, _token_outputs(10)):
+    for t, x in zip(clock_ms, _token_outputs(len(clock_ms))):
         out = job.hold_back(0, x, now=t / 1e3)
         if out is not None:
-            sent.append(out)
+            sent.append((t, out))
             job.first_sent[0] = job.first_sent[0] or t / 1e3
             job.last_sent[0] = t / 1e3
     return sent
@@ -170,7 +170,7 @@ def test_stream_interval_holds_a_choices_tokens_until_it_has_that_many(loop, int
     """vLLM's --stream-interval: the first token leaves at once, then a chunk waits for `interval` new tokens;
     the last chunk leaves at once with whatever was held. No token is lost or reordered."""
     serving = _serving(loop, stream_interval=interval)
-    sent = _held_back(serving, loop, [0.0] * 10)
+    sent = [o for _, o in _held_back(serving, loop, [0.0] * 10)]
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
     assert sent[-1].finished and "".join(o.delta_text for o in sent) == "x" * 10
@@ -183,7 +183,7 @@ def test_stream_interval_ms_holds_a_choices_tokens_until_that_long_after_its_las
     passed since the choice's last chunk. Outputs of one token arrive at CLOCK's times: every 10 ms but for two
     close together (25, 28) and one after a stall (68); the last leaves at once."""
     serving = _serving(loop, stream_interval=interval, stream_interval_ms=ms)
-    sent = _held_back(serving, loop, CLOCK)
+    sent = [o for _, o in _held_back(serving, loop, CLOCK)]
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
     assert sent[-1].finished
@@ -222,7 +222,7 @@ def test_stream_interval_ms_auto_waits_by_the_servers_open_streams(loop, wait_ms
     to few clients holds nothing back and one streaming to many holds each stream's chunks longer."""
     serving = _serving(loop, stream_interval_ms="auto")
     serving.open_streams = round(wait_ms / 1e3 * STREAM_CHUNK_RATE)
-    sent = _held_back(serving, loop, CLOCK)
+    sent = [o for _, o in _held_back(serving, loop, CLOCK)]
     assert [len(o.delta_token_ids) for o in sent] == sizes
     assert [t for o in sent for t in o.delta_token_ids] == list(range(100, 110))
 
@@ -237,13 +237,7 @@ def test_stream_interval_ms_auto_sends_whole_blocks_at_an_even_pace(loop, auto, 
     fixed 26 ms lets the output after a 26 ms gap go alone, then holds one back until the long step, 78 ms on."""
     serving = _serving(loop, stream_interval_ms="auto" if auto else 26)
     serving.open_streams = round(26e-3 * STREAM_CHUNK_RATE)
-    job = Job(serving, loop, ["r"], [None], [[1]], [0], [SamplingParams(max_tokens=13)])
-    stamps = []
-    for t, x in zip(BLOCKS, _token_outputs(13)):
-        if job.hold_back(0, x, now=t / 1e3) is not None:
-            stamps.append(t)
-            job.first_sent[0] = job.first_sent[0] or t / 1e3
-            job.last_sent[0] = t / 1e3
+    stamps = [t for t, _ in _held_back(serving, loop, BLOCKS)]
     assert [b - a for a, b in zip(stamps, stamps[1:])] == gaps
 
 

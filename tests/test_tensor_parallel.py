@@ -1,7 +1,6 @@
 """Tensor parallelism on CPU (gloo, one worker process per extra rank): the same greedy tokens as one rank in
 fp32 under chunked prefill, preemption and prefix caching; shards that add up to the full weights; a killed
 worker fails the in-flight requests with a clear error; no process stays behind."""
-import json
 import os
 import signal
 import time
@@ -11,7 +10,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.runtime.async_engine import EngineLoop
-from helpers import drain
+from helpers import drain, random_llama_weights, write_checkpoint
 from engine.distributed.parallel_state import TensorParallel
 from engine.kernels.ops import get_ops
 from engine.distributed.sharding import shard_layout
@@ -224,28 +223,6 @@ def test_quantized_shards_are_slices_of_the_quantized_model(fmt):
             assert torch.equal(cat, w), (fmt, path)
 
 
-def write_aligned_checkpoint(folder, layers: int = 2):
-    """ALIGNED with 2 layers and weights spread wide enough (N(0, 1/K)) that greedy decoding does not settle on one
-    token: float safetensors that every rank reads its slice of and quantizes."""
-    cfg = dict(ALIGNED, num_hidden_layers=layers, tie_word_embeddings=False)   # tied, the last token repeats
-    g = torch.Generator().manual_seed(5)
-    h, i, d, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
-    w = {"model.embed_tokens.weight": torch.randn(V, h, generator=g), "model.norm.weight": torch.ones(h),
-         "lm_head.weight": torch.randn(V, h, generator=g) / h ** 0.5}
-    for layer in range(layers):
-        for name, (n, k) in shapes.items():
-            w[f"model.layers.{layer}.{name}.weight"] = torch.randn(n, k, generator=g) / k ** 0.5
-        w[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(h)
-        w[f"model.layers.{layer}.post_attention_layernorm.weight"] = torch.ones(h)
-    from safetensors.torch import save_file
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_file(w, str(folder / "model.safetensors"))
-    return folder
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
 def test_tp2_quantized_shards_with_ngram_drafts_same_tokens_and_logprobs(fmt, tmp_path):
@@ -254,7 +231,8 @@ def test_tp2_quantized_shards_with_ngram_drafts_same_tokens_and_logprobs(fmt, tm
     TP=2 gives TP=1's greedy tokens and their logprobs. int4 on the CPU: TP=1's LM head is int4 with its top
     candidates rescored (RescoredLMHead), so its logprobs are normalized over int4 logits in the tail, where TP=2's
     vocabulary shards stay float."""
-    model = str(write_aligned_checkpoint(tmp_path))
+    hf = dict(ALIGNED, num_hidden_layers=2, tie_word_embeddings=False)      # tied, the last token repeats
+    model = str(write_checkpoint(tmp_path, hf, random_llama_weights(hf)))
     prompts = [[11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13] * 3, [(5 * j) % 300 + 20 for j in range(40)]]
     cfg = dict(model=model, device="cpu", dtype="float32", quantization=fmt, speculative_method="ngram",
                speculative_auto_off=False, num_speculative_tokens=3)
